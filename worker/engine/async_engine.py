@@ -1,0 +1,133 @@
+"""Asyncio face of the engine, for the Ray worker actor and async callers.
+
+One background thread owns the ``LLMEngine`` and runs its step loop while there is work
+(torch releases the GIL inside kernels, so the event loop stays responsive). Callers never
+touch the engine directly: requests, aborts and session ends go through an inbox that the
+loop drains between steps, and each request's chunks come back through its own asyncio
+queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from worker.engine.engine import EngineStats, LLMEngine
+from worker.engine.sequence import GenerationRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Submits a request and yields its chunks until the finished one. A bad request
+        raises ValueError before anything is yielded. If the caller stops iterating early
+        (client gone), the request is aborted and its blocks freed."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue = asyncio.Queue()
+        done = loop.create_future()
+        self._streams[request.request_id] = (loop, chunks)
+        self._post(("add", request, (loop, done)))
+        finished = False
+        try:
+            await done  # raises the validation error, if any
+            while not finished:
+                out = await chunks.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id, None))
+
+    def end_session(self, session_id: str) -> None:
+        self._post(("end_session", session_id, None))
+
+    async def stats(self) -> EngineStats:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._post(("stats", None, (loop, fut)))
+        return await fut
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # engine thread ----------------------------------------------------------------------
+
+    def _post(self, msg) -> None:
+        self._inbox.put(msg)
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # keep serving: step() already fails requests it can name
+                logger.exception("engine step raised")
+                continue
+            for out in outputs:
+                self._deliver(out)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg, reply = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_request(arg)
+                    _resolve(reply, None)
+                except Exception as exc:
+                    self._streams.pop(arg.request_id, None)
+                    _resolve(reply, exc)
+            elif kind == "abort":
+                out = self.engine.abort(arg)
+                if out is not None:
+                    self._deliver(out)
+            elif kind == "end_session":
+                self.engine.end_session(arg)
+            elif kind == "stats":
+                _resolve(reply, None, self.engine.stats())
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._streams.get(out.request_id)
+        if target is not None:
+            loop, chunks = target
+            loop.call_soon_threadsafe(chunks.put_nowait, out)
+
+
+def _resolve(reply, exc: BaseException | None, value=None) -> None:
+    loop, fut = reply
+
+    def settle():
+        if fut.done():
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    loop.call_soon_threadsafe(settle)

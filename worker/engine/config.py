@@ -1,0 +1,38 @@
+"""Engine configuration: one dataclass that checks itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the default model (see worker/models/loader.py)
+    device: str = "cpu"
+    dtype: torch.dtype | None = None  # None: fp32 on CPU, bf16 on CUDA
+    block_size: int = 16  # tokens per KV block
+    kv_cache_gb: float = 1.0  # KV cache size when num_kv_blocks is not given
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 512  # token budget per step (prefill chunk size bound)
+    max_model_len: int | None = 8192  # capped by the model's max_position_embeddings
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
+    seed: int | None = None  # seeds the per-request generators of unseeded requests
+    progress: bool = True  # progress bars for conversion and loading
+
+    def __post_init__(self):
+        if isinstance(self.dtype, str):
+            names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+            if self.dtype not in names:
+                raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(names)}")
+            self.dtype = names[self.dtype]
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")

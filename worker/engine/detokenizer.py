@@ -1,0 +1,126 @@
+"""Incremental detokenization with stop strings, for streaming one sequence's output."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens decoded in front of the output so its first token renders as it would
+# mid-text (sentencepiece-style tokenizers drop a word's leading space at the start).
+_PROMPT_CONTEXT = 5
+# Tokens an unfinished character may stay pending before we look for a restart point;
+# only invalid UTF-8 (e.g. a stray lead byte) ever gets this far.
+_MAX_PENDING = 4
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's generated token ids into streamed text deltas.
+
+    Only ``tokenizer.decode(ids, skip_special_tokens=...)`` is used. Each step decodes a
+    window ``ids[prefix:]`` of a few tokens (under 10 for valid UTF-8): ``prefix`` is a token index the text restarts cleanly
+    from, and ``emitted`` counts the window's characters already accounted for (emitted,
+    or prompt context). A trailing U+FFFD is a character whose bytes may still arrive, so
+    it is held back; the window slides forward whenever its text ends cleanly.
+
+    Without stop strings, the deltas concatenate to ``tokenizer.decode(output_ids,
+    skip_special_tokens=...)`` for byte-level BPE tokenizers. Empty stop strings are ignored.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._stops = tuple(s for s in stop if s)
+        self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        context = self._decode(0, len(self._ids))
+        if context.endswith(_REPLACEMENT):
+            # A prompt cut mid-character would glue its bytes onto the output's first ones.
+            self._ids = []
+            context = ""
+        self._prefix = 0                    # window start: a clean restart point
+        self._read = len(self._ids)         # end of the window's last clean decode
+        self._emitted = len(context)        # window chars already accounted for
+        self._held = ""                     # clean text that may begin a stop string
+        self._text = ""
+        self._stopped: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text returned so far by add_tokens() and flush(), concatenated."""
+        return self._text
+
+    @property
+    def stopped(self) -> str | None:
+        """The stop string that matched, or None: the first to be completed as text
+        arrives (if several complete in one call, the one starting earliest)."""
+        return self._stopped
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        """Append generated ids; return the new text that is safe to emit now.
+
+        Text is withheld while it ends in an incomplete character or could be the start
+        of a stop string. Once a stop string appears, the text is cut just before it,
+        ``stopped`` is set, and this returns "" from then on.
+        """
+        if self._stopped is not None:
+            return ""
+        self._ids.extend(new_token_ids)
+        return self._emit(self._detokenize(final=False), final=False)
+
+    def flush(self) -> str:
+        """End the sequence: return all held-back text, cut before a stop string if one
+        completes. Incomplete characters come out as U+FFFD, as a full decode has them."""
+        if self._stopped is not None:
+            return ""
+        return self._emit(self._detokenize(final=True), final=True)
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+    def _detokenize(self, final: bool) -> str:
+        text = self._decode(self._prefix)
+        # Lossy UTF-8 decoding turns an unfinished character at the end into one U+FFFD
+        # that later bytes may change; every character before it is settled.
+        pending = text.endswith(_REPLACEMENT) and not final
+        end = len(text) - 1 if pending else len(text)
+        delta = text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        if not pending:
+            # Restart from the previous clean point, keeping one step of context.
+            self._prefix, self._read = self._read, len(self._ids)
+            self._emitted = len(self._decode(self._prefix, self._read))
+        elif len(self._ids) - self._read > _MAX_PENDING:
+            # Invalid bytes keep the window open: restart at the latest token k where the
+            # split decodes identically. With some text after k, bytes that could still
+            # join across k make the split differ, so the restart cannot change the text.
+            for k in range(len(self._ids) - 1, self._read, -1):
+                head, tail = self._decode(self._prefix, k), self._decode(k)
+                if tail and head + tail == text:
+                    self._prefix = self._read = k
+                    self._emitted = len(tail) - 1
+                    break
+        return delta
+
+    def _emit(self, new_text: str, final: bool) -> str:
+        # Held text is the longest tail that could begin a stop string, so a stop cannot
+        # start in text already emitted: searching held + new is enough.
+        buf = self._held + new_text
+        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if hits:
+            cut, self._stopped = min(hits, key=lambda h: h[0])
+            out, self._held = buf[:cut], ""
+        else:
+            keep = 0 if final else self._stop_prefix_len(buf)
+            out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+        self._text += out
+        return out
+
+    def _stop_prefix_len(self, buf: str) -> int:
+        """Length of the longest tail of buf that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(buf)), longest, -1):
+                if buf.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,0 +1,170 @@
+"""Sampling parameters and the batch sampler.
+
+``SamplingParams`` checks itself when built, so a bad value fails the request that carries
+it, with a message naming the field. ``Sampler`` turns the logits of the rows that sample
+this step into tokens: penalties, then greedy rows by argmax, then temperature, top-k,
+top-p and min-p, then one draw per row from the row's own generator (so a seeded request
+gives the same tokens whatever else shares its batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n alternatives per token (0..20); None: off
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "must be in [0, 100] (0 is greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be an integer >= 1, or 0 / -1 to disable")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", "must be in (0, 10] (1 is off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Builds params from a plain dict; an unknown key is an error that lists the known."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one sampling sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: None, or (chosen token's logprob, [(token_id, logprob)] top-n)
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+
+
+class Sampler:
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """logits: [R, V] fp32, one row per entry of ``rows``; modified in place."""
+        want_lp = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        for i, r in enumerate(rows):
+            if r.params.has_penalties:
+                _apply_penalties(logits[i], r)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            idx = torch.tensor(random_rows)
+            sub = logits[idx]
+            temps = torch.tensor([rows[i].params.temperature for i in random_rows])
+            sub = _filter(sub / temps[:, None], [rows[i].params for i in random_rows])
+            probs = torch.softmax(sub, dim=-1)
+            for j, i in enumerate(random_rows):
+                # exponential race: argmax(p / E), E ~ Exp(1), is a draw from p
+                noise = torch.empty_like(probs[j]).exponential_(generator=rows[i].generator)
+                tokens[i] = (probs[j] / noise).argmax()
+        token_ids = tokens.tolist()
+        logprobs = [None] * len(rows)
+        for i, r in enumerate(rows):
+            if want_lp[i]:
+                lp = raw_logprobs[i]
+                top = []
+                if r.params.logprobs:
+                    vals, ids = lp.topk(r.params.logprobs)
+                    top = list(zip(ids.tolist(), vals.tolist()))
+                logprobs[i] = (float(lp[token_ids[i]]), top)
+        return SampleResult(token_ids, logprobs)
+
+
+def _apply_penalties(row: torch.Tensor, r: SamplingRow) -> None:
+    p = r.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if r.output_ids and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(r.output_ids).unique(return_counts=True)
+        row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Applies top-k, top-p and min-p per row (rows that set none are left as they are)."""
+    need = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+    if not any(need):
+        return logits
+    neg_inf = torch.finfo(logits.dtype).min
+    for i, p in enumerate(params):
+        if not need[i]:
+            continue
+        row = logits[i]
+        if p.top_k > 0 and p.top_k < row.numel():
+            kth = row.topk(p.top_k).values[-1]
+            row.masked_fill_(row < kth, neg_inf)
+        if p.min_p > 0.0:
+            probs = torch.softmax(row, dim=-1)
+            row.masked_fill_(probs < p.min_p * probs.max(), neg_inf)
+        if p.top_p < 1.0:
+            sorted_logits, order = row.sort(descending=True)
+            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            # drop a token when the mass before it already reaches top_p (keeps at least one)
+            drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+            row[order[drop]] = neg_inf
+    return logits

@@ -1,0 +1,97 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step has a token budget. Running sequences go first, in arrival order (a decoding
+sequence costs 1 token, a sequence still prefilling costs its next chunk); then waiting
+sequences are admitted while budget, sequence slots and KV blocks last, so prefill and
+decode share a step and a long prompt is prefilled in chunks. When a running sequence
+needs a block and none is free, idle sessions are evicted first, then the newest running
+sequence is preempted: its blocks are freed and it waits to be recomputed (never an error).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from worker.engine.block_manager import BlockManager, blocks_for
+from worker.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # new tokens computed for it this step
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Returns this step's sequences: single-token (decode) ones first, then chunks."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            while not self.blocks.grow(seq.block_table, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table and seq.session_id is not None:
+                seq.block_table, seq.num_computed = self.blocks.take_session(
+                    seq.session_id, seq.token_ids)
+                seq.cached_tokens = seq.num_computed
+            n = min(seq.num_pending, budget)
+            if not self.blocks.grow(seq.block_table, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        scheduled.sort(key=lambda s: not s.is_decode)
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+        seq.cached_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a sequence out of the queues (finished, aborted or failed)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return blocks_for(num_tokens, self.blocks.block_size) <= self.blocks.num_blocks

@@ -1,0 +1,97 @@
+"""A request as the engine sees it, and the chunks it streams back."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from worker.engine.sampling import SamplingParams
+
+Messages = list[dict[str, Any]]
+
+
+@dataclass
+class GenerationRequest:
+    """What a caller submits. ``prompt`` is text, token ids, or chat messages (rendered
+    with the model's chat template)."""
+
+    prompt: str | list[int] | Messages
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    session_id: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One streamed chunk. ``text`` and ``token_ids`` are the new part only."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    # per new token: (logprob, [(token_id, logprob)] top-n), when requested
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the session (no prefill)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """Engine state of one generation: its tokens, how many have KV in the cache
+    (``num_computed``), and the KV blocks that hold them."""
+
+    def __init__(self, request: GenerationRequest, prompt_ids: list[int], detokenizer,
+                 generator: torch.Generator):
+        self.request_id = request.request_id
+        self.session_id = request.session_id
+        self.seq_id = 0
+        self.params = request.params
+        self.prompt_ids = prompt_ids
+        self.token_ids = list(prompt_ids)  # prompt + output
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.status = SeqStatus.WAITING
+        self.detokenizer = detokenizer
+        self.generator = generator
+        self.cached_tokens = 0
+        self.arrival = time.monotonic()
+        self.order = next(_seq_counter)
+        self.finish_reason: str | None = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids):]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV is not yet computed (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}, {self.status.value}, "
+                f"computed={self.num_computed}/{len(self.token_ids)})")

