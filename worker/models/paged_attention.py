@@ -26,13 +26,13 @@ class PrefillChunk:
 
     ``start:end`` indexes the batch's token axis; ``context_len`` counts the tokens of the
     sequence whose KV is in the cache after this step (earlier context + this chunk);
-    ``context_slots`` ([context_len] int64) are their cache slots, in position order.
+    ``context_blocks`` ([ceil(context_len / block_size)] int64) is its block table.
     """
 
     start: int
     end: int
     context_len: int
-    context_slots: torch.Tensor | None  # None when the chunk is the whole context
+    context_blocks: torch.Tensor | None  # None when the chunk is the whole context
 
     @property
     def num_tokens(self) -> int:
@@ -43,16 +43,18 @@ class PrefillChunk:
 class AttentionBatch:
     """How the flat token batch of one step maps onto sequences and cache slots.
 
-    slot_mapping: [num_tokens] int64, cache slot that each token's K/V is written to.
+    slot_mapping: [num_tokens] int64, cache slot (block * block_size + offset) that each
+        token's K/V is written to.
     num_decode: the first ``num_decode`` tokens are single decode tokens, one per sequence.
-    decode_slots: [num_decode, max_ctx] int64, context slots per decode row (padded with 0).
-    decode_mask: [num_decode, 1, 1, max_ctx] bool, True where a slot is real context.
+    decode_blocks: [num_decode, max_blocks] int64 block tables (padded with block 0).
+    decode_mask: [num_decode, 1, 1, max_blocks * block_size] bool, True on real context.
     prefills: chunks for the remaining tokens, in batch order.
     """
 
     slot_mapping: torch.Tensor
+    block_size: int
     num_decode: int = 0
-    decode_slots: torch.Tensor | None = None
+    decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -75,43 +77,35 @@ class AttentionBatch:
             return table[pos // block_size] * block_size + pos % block_size
 
         slot_mapping = [slot(t, n - 1) for t, n in decodes]
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if decodes:
-            decode_slots, lens = _context_slots([t for t, _ in decodes],
-                                                [n for _, n in decodes], block_size, device)
-            decode_mask = torch.arange(decode_slots.shape[1], device=device)[None, :] < lens[:, None]
-            decode_mask = decode_mask[:, None, None, :]
+            max_blocks = max(-(-n // block_size) for _, n in decodes)
+            decode_blocks = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
+            for i, (table, n) in enumerate(decodes):
+                used = -(-n // block_size)
+                decode_blocks[i, :used] = torch.tensor(table[:used], dtype=torch.int64)
+            lens = torch.tensor([n for _, n in decodes])
+            decode_mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+            decode_blocks = decode_blocks.to(device)
+            decode_mask = decode_mask[:, None, None, :].to(device)
         chunks = []
         pos = len(decodes)
         for table, ctx, n_new in prefills:
             slot_mapping.extend(slot(table, i) for i in range(ctx - n_new, ctx))
-            slots = None
+            blocks = None
             if n_new != ctx:
-                slots = _context_slots([table], [ctx], block_size, device)[0][0]
-            chunks.append(PrefillChunk(pos, pos + n_new, ctx, slots))
+                used = -(-ctx // block_size)
+                blocks = torch.tensor(table[:used], dtype=torch.int64, device=device)
+            chunks.append(PrefillChunk(pos, pos + n_new, ctx, blocks))
             pos += n_new
         return cls(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            block_size=block_size,
             num_decode=len(decodes),
-            decode_slots=decode_slots,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=chunks,
         )
-
-
-def _context_slots(tables, lens, block_size, device):
-    """[B, max_len] slots of positions 0..len-1 of each table (padding points at slot 0)."""
-    max_len = max(lens)
-    max_blocks = -(-max_len // block_size)
-    padded = torch.zeros(len(tables), max_blocks, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        n = min(len(t), max_blocks)
-        padded[i, :n] = torch.tensor(t[:n], dtype=torch.int64)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    slots = (padded[:, :, None] * block_size + offsets).view(len(tables), -1)[:, :max_len]
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    slots = torch.where(torch.arange(max_len)[None, :] < lens_t[:, None], slots, 0)
-    return slots.to(device), lens_t.to(device)
 
 
 def paged_attention(
@@ -126,37 +120,42 @@ def paged_attention(
     """Writes this step's K/V into the cache, then attends every token to its context.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied);
-    k_cache, v_cache: [num_slots, Hkv, D]. Returns [T, Hq, D].
+    k_cache, v_cache: [num_slots, Hkv, D] (num_slots = num_blocks * block_size).
+    Returns [T, Hq, D]. Query head h reads KV head h // (Hq / Hkv), as in HF Llama.
     """
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
+    num_q, num_kv, dim = q.shape[1], k.shape[1], q.shape[2]
+    group = num_q // num_kv
+    bs = batch.block_size
+    k_blocks = k_cache.view(-1, bs, num_kv, dim)  # [num_blocks, bs, Hkv, D]
+    v_blocks = v_cache.view(-1, bs, num_kv, dim)
     nd = batch.num_decode
     if nd:
-        # [nd, Hkv, max_ctx, D] views over one gather each for K and V.
-        ks = k_cache[batch.decode_slots].transpose(1, 2)
-        vs = v_cache[batch.decode_slots].transpose(1, 2)
-        qd = q[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            qd, ks, vs, attn_mask=batch.decode_mask, scale=scale, enable_gqa=gqa
-        )
-        out[:nd] = o.squeeze(2)
+        # Whole blocks are copied (one memcpy each), then viewed as [nd, Hkv, L, D]; the
+        # query heads of one KV head ride as G query rows, so K/V are never repeated.
+        idx = batch.decode_blocks.flatten()
+        ks = k_blocks.index_select(0, idx).view(nd, -1, num_kv, dim).transpose(1, 2)
+        vs = v_blocks.index_select(0, idx).view(nd, -1, num_kv, dim).transpose(1, 2)
+        qd = q[:nd].view(nd, num_kv, group, dim)
+        o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=batch.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, num_q, dim)
     for chunk in batch.prefills:
+        n, ctx = chunk.num_tokens, chunk.context_len
         qc = q[chunk.start:chunk.end].transpose(0, 1)  # [Hq, n, D]
-        if chunk.context_slots is None:
-            kc = k[chunk.start:chunk.end].transpose(0, 1)
+        if chunk.context_blocks is None:
+            kc = k[chunk.start:chunk.end].transpose(0, 1)  # [Hkv, n, D]
             vc = v[chunk.start:chunk.end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
+            mask, causal = None, True
         else:
-            kc = k_cache[chunk.context_slots].transpose(0, 1)  # [Hkv, ctx, D]
-            vc = v_cache[chunk.context_slots].transpose(0, 1)
-            n, ctx = chunk.num_tokens, chunk.context_len
+            kc = k_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv, dim)[:ctx]
+            vc = v_blocks.index_select(0, chunk.context_blocks).view(-1, num_kv, dim)[:ctx]
+            kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)
             # Token i of the chunk sits at position ctx - n + i and sees keys 0..that position.
             rows = torch.arange(n, device=q.device)[:, None] + (ctx - n)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
+            mask, causal = torch.arange(ctx, device=q.device)[None, :] <= rows, False
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, is_causal=causal,
+                                           scale=scale, enable_gqa=group > 1)
         out[chunk.start:chunk.end] = o.transpose(0, 1)
     return out

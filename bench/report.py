@@ -1,0 +1,57 @@
+"""Shared output for the benchmarks: a markdown table on stdout, the same table recorded
+in docs/benchmarks.md (between markers named after the benchmark), and with --json one
+JSON object of figures as the last line."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    return (f"{os.cpu_count()} CPU cores ({cpu}){gpu}; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def record(name: str, body: str) -> None:
+    """Replaces this benchmark's section of docs/benchmarks.md (adds it if missing)."""
+    cmd = "python " + " ".join([f"bench/{Path(sys.argv[0]).name}"] + sys.argv[1:])
+    section = (f"<!-- bench:{name} -->\n### {name}\n\n"
+               f"Machine: {machine()}. Date: {time.strftime('%Y-%m-%d')}. Command: `{cmd}`\n\n"
+               f"{body}\n<!-- /bench:{name} -->")
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"<!-- bench:{name} -->.*?<!-- /bench:{name} -->", re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else (
+        text.rstrip() + "\n\n" + section + "\n")
+    DOCS.write_text(text)
+
+
+def emit_json(figures: dict) -> None:
+    print(json.dumps(figures, sort_keys=True))

@@ -1,0 +1,187 @@
+"""GrammarSpec: what a guided request asks for, in one canonical, hashable form.
+
+Every way a client can ask for structure (OpenAI ``response_format``, LMDeploy's
+``regex_schema``, vLLM's ``guided_*`` fields, a CLI flag) becomes one ``GrammarSpec``. Its
+``source`` is canonical text (JSON keeps the key order given, since property order is
+part of what is generated), so equal requests give equal keys in every process:
+``key(fingerprint)`` hashes a msgpack encoding of the spec plus the tokenizer's fingerprint.
+
+Construction checks what is cheap to check (kind, types, sizes, JSON syntax) and raises
+``ValueError`` naming the problem; grammar syntax is checked by the compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+
+KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
+ALIASES = {"regex_schema": "regex", "grammar": "ebnf", "gbnf": "ebnf", "json": "json_schema"}
+WHITESPACE = ("bounded", "any", "compact", "indent")
+MAX_SOURCE_CHARS = 256 * 1024
+MAX_CHOICES = 4096
+KEY_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind: one of KINDS. source: canonical text (JSON for json_schema, choice and
+    structural_tag; "" for json_object). JSON options (json_schema / json_object):
+    whitespace "bounded" (default: at most ``max_whitespace`` whitespace characters in a
+    row, so a model cannot run away emitting blanks), "any", "compact" (no whitespace:
+    ``{"a":1}``) or "indent" (``indent`` spaces, json.dumps style); ``strict``: properties
+    not in the schema are forbidden unless it allows them; ``any_order``: properties may
+    come in any order (default: the schema's order)."""
+
+    kind: str
+    source: str = ""
+    whitespace: str = "bounded"
+    max_whitespace: int = 12
+    indent: int = 2
+    strict: bool = True
+    any_order: bool = False
+
+    def __post_init__(self):
+        kind = ALIASES.get(self.kind, self.kind)
+        if kind not in KINDS:
+            raise ValueError(f"unknown grammar kind {self.kind!r}; use one of {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", kind)
+        if not isinstance(self.source, str):
+            raise ValueError(f"{kind} grammar source must be a string")
+        if len(self.source) > MAX_SOURCE_CHARS:
+            raise ValueError(f"{kind} grammar is {len(self.source)} characters, over the limit "
+                             f"of {MAX_SOURCE_CHARS}; send a smaller grammar")
+        if kind != "json_object" and not self.source.strip():
+            raise ValueError(f"{kind} grammar is empty")
+        if self.whitespace not in WHITESPACE:
+            raise ValueError(f"whitespace {self.whitespace!r} is not one of {WHITESPACE}")
+        if not 0 <= self.max_whitespace <= 256:
+            raise ValueError(f"max_whitespace must be in [0, 256], got {self.max_whitespace}")
+        if not 0 <= self.indent <= 16:
+            raise ValueError(f"indent must be in [0, 16], got {self.indent}")
+        if kind in ("json_schema", "choice", "structural_tag"):
+            try:
+                value = json.loads(self.source)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{kind} is not valid JSON: {exc}") from None
+            if kind == "json_schema" and not isinstance(value, (dict, bool)):
+                raise ValueError("json_schema must be a JSON object (or true/false)")
+            if kind == "choice":
+                _check_choices(value)
+            if kind == "structural_tag" and not isinstance(value, dict):
+                raise ValueError("structural_tag must be a JSON object")
+
+    # constructors -----------------------------------------------------------------------
+
+    @classmethod
+    def json_schema(cls, schema: dict | str | bool, **options) -> "GrammarSpec":
+        """A JSON schema as a dict, a JSON string, or the OpenAI shape
+        ``{"name": ..., "schema": {...}, "strict": bool}``."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        if isinstance(schema, dict) and "schema" in schema and (
+                "name" in schema or "strict" in schema):
+            if "strict" in schema and schema["strict"] is not None:
+                options.setdefault("strict", bool(schema["strict"]))
+            schema = schema["schema"]
+        return cls("json_schema", _canonical_json(schema), **options)
+
+    @classmethod
+    def json_object(cls, **options) -> "GrammarSpec":
+        """Any JSON object."""
+        options.setdefault("strict", False)
+        return cls("json_object", "", **options)
+
+    @classmethod
+    def regex(cls, pattern: str) -> "GrammarSpec":
+        return cls("regex", pattern)
+
+    @classmethod
+    def ebnf(cls, grammar: str) -> "GrammarSpec":
+        """An EBNF / GBNF grammar with a ``root`` rule (xgrammar's dialect)."""
+        return cls("ebnf", grammar)
+
+    @classmethod
+    def lark(cls, grammar: str) -> "GrammarSpec":
+        return cls("lark", grammar)
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> "GrammarSpec":
+        """Exactly one of the given strings."""
+        _check_choices(choices)
+        return cls("choice", _canonical_json(list(choices)))
+
+    @classmethod
+    def structural_tag(cls, tag: dict | str) -> "GrammarSpec":
+        """xgrammar's structural tag: ``{"type": "structural_tag", "format": {...}}``, or
+        the older ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``."""
+        if isinstance(tag, str):
+            return cls("structural_tag", tag)
+        return cls("structural_tag", _canonical_json(tag))
+
+    @classmethod
+    def from_response_format(cls, rf: dict[str, Any] | None) -> "GrammarSpec | None":
+        """OpenAI ``response_format`` (json_schema, json_object, text) and LMDeploy's
+        ``{"type": "regex_schema", "regex_schema": "..."}``; None for text / no format."""
+        if rf is None:
+            return None
+        if not isinstance(rf, dict) or "type" not in rf:
+            raise ValueError("response_format must be an object with a 'type'")
+        kind = rf["type"]
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            body = rf.get("json_schema")
+            if not isinstance(body, dict) or "schema" not in body:
+                raise ValueError("response_format json_schema needs "
+                                 "{'json_schema': {'name': ..., 'schema': {...}}}")
+            return cls.json_schema(body)
+        if kind == "regex_schema":
+            return cls.regex(rf.get("regex_schema", ""))
+        raise ValueError(f"response_format type {kind!r} is not supported; use text, "
+                         "json_object, json_schema or regex_schema")
+
+    # identity ---------------------------------------------------------------------------
+
+    def key(self, tokenizer_fingerprint: str = "") -> str:
+        """Stable across processes: sha256 over a msgpack encoding of the spec."""
+        fields = asdict(self)
+        packed = msgpack.packb([KEY_VERSION, tokenizer_fingerprint] +
+                               [fields[k] for k in sorted(fields)])
+        return hashlib.sha256(packed).hexdigest()[:32]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GrammarSpec":
+        return cls(**d)
+
+    def describe(self) -> str:
+        src = self.source if len(self.source) <= 60 else self.source[:57] + "..."
+        return f"{self.kind}({src})"
+
+
+def _canonical_json(value) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"grammar is not JSON-serializable: {exc}") from None
+
+
+def _check_choices(choices) -> None:
+    if not isinstance(choices, list) or not choices:
+        raise ValueError("choice needs a non-empty list of strings")
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"choice has {len(choices)} options, over the limit of {MAX_CHOICES}")
+    if any(not isinstance(c, str) or not c for c in choices):
+        raise ValueError("every choice must be a non-empty string")
