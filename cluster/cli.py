@@ -34,6 +34,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g = p.add_argument_group("guided decoding (at most one; the output is exactly the "
+                             "generated text, ready to pipe into a validator)")
+    g.add_argument("--json-schema", metavar="FILE_OR_JSON", help="a JSON schema, inline or a file")
+    g.add_argument("--json-object", action="store_true", help="any JSON object")
+    g.add_argument("--regex", metavar="PATTERN", help="output must match this regex")
+    g.add_argument("--choice", action="append", metavar="TEXT", help="one of these (repeatable)")
+    g.add_argument("--grammar", metavar="FILE", help="an EBNF / GBNF grammar file (root rule)")
+    g.add_argument("--lark", metavar="FILE", help="a Lark grammar file")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -49,7 +57,8 @@ def run_generate(args) -> int:
         params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                                 stop=tuple(args.stop))
-    except ValueError as exc:
+        grammar = grammar_from_args(args)
+    except (ValueError, OSError) as exc:
         print(f"rayguide: {exc}", file=sys.stderr)
         return 2
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
@@ -62,7 +71,8 @@ def run_generate(args) -> int:
         return msgs + [{"role": "user", "content": text}]
 
     if args.prompt is not None:
-        engine.add_request(GenerationRequest(prompt_of(args.prompt), params))
+        engine.add_request(GenerationRequest(prompt_of(args.prompt), params,
+                                             grammar=grammar))
         while engine.has_work():
             for out in engine.step():
                 sys.stdout.write(out.text)
@@ -74,13 +84,41 @@ def run_generate(args) -> int:
         return 0
     with open(args.prompts_file) as f:
         lines = [line.rstrip("\n") for line in f if line.strip()]
-    requests = [GenerationRequest(prompt_of(line), params) for line in lines]
+    requests = [GenerationRequest(prompt_of(line), params, grammar=grammar) for line in lines]
     results = engine.generate(requests)
     for line, req in zip(lines, requests):
         out = results[req.request_id]
         print(json.dumps({"prompt": line, "text": out.text, "finish_reason": out.finish_reason,
-                          "completion_tokens": out.completion_tokens}))
+                          "completion_tokens": out.completion_tokens, "error": out.error}))
     return 0
+
+
+def grammar_from_args(args):
+    """The GrammarSpec the guided flags ask for (None without one); two flags is an error."""
+    from pathlib import Path
+
+    from grammar_cache.spec import GrammarSpec
+
+    given = [name for name in ("json_schema", "json_object", "regex", "choice", "grammar", "lark")
+             if getattr(args, name)]
+    if len(given) > 1:
+        raise ValueError(f"use one guided flag at a time, got {', '.join(given)}")
+    if args.json_schema:
+        text = args.json_schema
+        if not text.lstrip().startswith(("{", "[")) and Path(text).is_file():
+            text = Path(text).read_text()
+        return GrammarSpec.json_schema(text)
+    if args.json_object:
+        return GrammarSpec.json_object()
+    if args.regex:
+        return GrammarSpec.regex(args.regex)
+    if args.choice:
+        return GrammarSpec.choice(args.choice)
+    if args.grammar:
+        return GrammarSpec.ebnf(Path(args.grammar).read_text())
+    if args.lark:
+        return GrammarSpec.lark(Path(args.lark).read_text())
+    return None
 
 
 if __name__ == "__main__":

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import xgrammar as xgr
 
 from grammar_cache.spec import GrammarSpec
+
+
+_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
 class GrammarError(ValueError):
@@ -24,6 +28,7 @@ def compile_spec(compiler: "xgr.GrammarCompiler", spec: GrammarSpec) -> "xgr.Com
         raise
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = _SOURCE_PREFIX.sub("", message)  # "[12:00:00] /path/file.cc:83: "
         raise GrammarError(f"invalid {spec.kind} grammar: {message}") from None
 
 
@@ -67,14 +72,15 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 def _literal(text: str) -> str:
+    # xgrammar reads \xHH as a code point, not a byte, so non-ASCII text stays literal
     out = []
     for ch in text:
         if ch in '"\\':
             out.append("\\" + ch)
-        elif ch.isprintable() and ord(ch) < 0x80:
-            out.append(ch)
+        elif not ch.isprintable():
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else ch)
         else:
-            out.extend(f"\\x{b:02x}" for b in ch.encode("utf-8"))
+            out.append(ch)
     return '"' + "".join(out) + '"'
 
 

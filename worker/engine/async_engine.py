@@ -108,7 +108,8 @@ class AsyncEngine:
                 if out is not None:
                     self._deliver(out)
             elif kind == "end_session":
-                self.engine.end_session(arg)
+                for out in self.engine.end_session(arg):
+                    self._deliver(out)
             elif kind == "stats":
                 _resolve(reply, None, self.engine.stats())
 

@@ -21,6 +21,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: torch's default
     seed: int | None = None  # seeds the per-request generators of unseeded requests
     progress: bool = True  # progress bars for conversion and loading
+    guided: bool = True  # grammar-constrained decoding (xgrammar)
+    grammar_timeout_s: float = 30.0  # a request whose grammar compiles longer fails
 
     def __post_init__(self):
         if isinstance(self.dtype, str):

@@ -2,27 +2,36 @@
 
     def step(self):
         scheduled = self.scheduler.schedule()
-        logits, rows = self.runner.run(scheduled)
-        return self._postprocess(scheduled, logits, rows)
+        proc = FusedLogitsProcessor(inputs, self.guided); proc.prepare()  # mask fill starts
+        logits, rows = self.runner.run(scheduled)                         # ... under the forward
+        tokens = self.sampler(logits, inputs.rows, proc); proc.accept_token(tokens)
 
-``AsyncEngine`` (async_engine.py) drives ``step()`` from a thread for the Ray actor.
+A guided request first waits (WAITING_FOR_GRAMMAR) while its grammar compiles on the
+manager's thread pool; the batch goes on without it. ``AsyncEngine`` (async_engine.py)
+drives ``step()`` from a thread for the Ray actor.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 import torch
 
+from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.guided_process import GuidedDecodingManager
+from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
-from worker.engine.sampling import Sampler, SamplingRow
-from worker.engine.scheduler import ScheduledSeq, Scheduler
-from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence
+from worker.engine.sampling import ARSamplingStrategy, Sampler
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence, SeqStatus
 from worker.models import loader
 
 logger = logging.getLogger(__name__)
@@ -40,6 +49,9 @@ class EngineStats:
     live_sessions: int
     preemptions: int
     steps: int = field(default=0)
+    waiting_for_grammar: int = 0
+    live_processors: int = 0
+    grammar_cache: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -67,10 +79,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size)
         self.sampler = Sampler()
+        self.strategy = ARSamplingStrategy()
+        self.guided: GuidedDecodingManager | None = None
+        if config.guided:
+            self.guided = GuidedDecodingManager.from_tokenizer(
+                tokenizer, model.config.vocab_size, sorted(self.eos_ids),
+                max_batch_size=config.max_num_seqs)
+            if self.runner.device.type == "cpu":  # compile the mask kernel off the hot path
+                threading.Thread(target=bitmask.warmup, daemon=True).start()
         self.seqs: dict[str, Sequence] = {}
-        self._ended_sessions: set[str] = set()
+        self.waiting_for_grammar: list[Sequence] = []
         self._rng = random.Random(config.seed)
         self.num_steps = 0
+        self.last_timings = StepTimings()
 
     # requests ---------------------------------------------------------------------------
 
@@ -90,9 +111,17 @@ class LLMEngine:
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(seed if seed is not None else self._rng.getrandbits(63))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=request.params.stop)
+        if request.grammar is not None and self.guided is None:
+            raise ValueError("guided decoding is disabled in this engine (EngineConfig.guided)")
         seq = Sequence(request, prompt_ids, detok, generator)
         self.seqs[seq.request_id] = seq
-        self.scheduler.add(seq)
+        if seq.grammar is not None:
+            seq.grammar_future = self.guided.get_grammar(seq.grammar)
+            seq.status = SeqStatus.WAITING_FOR_GRAMMAR
+            seq.arrival = time.monotonic()
+            self.waiting_for_grammar.append(seq)
+        else:
+            self.scheduler.add(seq)
         return seq
 
     def encode_prompt(self, prompt) -> list[int]:
@@ -127,48 +156,91 @@ class LLMEngine:
             return None
         return self._finish(seq, "abort", keep_session=False)
 
-    def end_session(self, session_id: str) -> None:
-        """Frees an idle session's KV now; a session with a request in flight is freed when
-        that request finishes."""
+    def end_session(self, session_id: str) -> list[RequestOutput]:
+        """Ends a session: aborts its requests in flight, frees its KV, and queues it in the
+        sampling strategy so the next forward deletes its processors (an idle engine
+        releases them at once). Returns the final chunks of the aborted requests."""
+        outs = [self._finish(s, "abort") for s in list(self.seqs.values())
+                if s.session_id == session_id]
         self.blocks.drop_session(session_id)
-        if any(s.session_id == session_id for s in self.seqs.values()):
-            self._ended_sessions.add(session_id)
+        self.strategy.on_session_end(session_id)
+        if not self.has_work():
+            self._release_ended_sessions()
+        return outs
+
+    def _release_ended_sessions(self) -> None:
+        ended = self.strategy.take_session_to_cleanup()
+        if self.guided is not None and ended:
+            self.guided.remove_sessions(ended)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.waiting_for_grammar)
 
     # the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        outputs = self._admit_compiled_grammars()
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return self._unschedulable()
+            if self.waiting_for_grammar:  # nothing to run until a grammar is ready
+                wait([s.grammar_future for s in self.waiting_for_grammar], timeout=0.05,
+                     return_when=FIRST_COMPLETED)
+                return outputs
+            return outputs + self._unschedulable()
         self.num_steps += 1
+        sampling = [s.seq for s in scheduled if s.samples]
+        inputs = self.strategy.make_sampling_inputs(sampling)
+        proc = FusedLogitsProcessor(inputs, self.guided)
         try:
+            proc.prepare()  # releases ended sessions; the bitmask fill overlaps the forward
             logits, rows = self.runner.run(scheduled)
         except Exception as exc:  # a failed forward fails its batch, not the engine
             logger.exception("model step failed")
-            return [self._finish(s.seq, "error", error=f"model step failed: {exc}")
-                    for s in scheduled]
-        return self._postprocess(scheduled, logits, rows)
-
-    def _postprocess(self, scheduled: list[ScheduledSeq], logits, rows) -> list[RequestOutput]:
+            return outputs + [self._finish(s.seq, "error", error=f"model step failed: {exc}")
+                              for s in scheduled]
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
-        sampling = [scheduled[i].seq for i in rows]
-        if not sampling:
-            return []
-        result = self.sampler(logits, [
-            SamplingRow(q.params, q.generator, q.prompt_ids, q.output_ids) for q in sampling])
-        return [self._append_token(seq, token, lp)
-                for seq, token, lp in zip(sampling, result.token_ids, result.logprobs)]
+        if sampling:
+            result = self.sampler(logits, inputs.rows, proc)
+            status = proc.accept_token(result.token_ids)
+            outputs += [self._append_token(seq, tok, lp, status.get(i))
+                        for i, (seq, tok, lp) in enumerate(
+                            zip(sampling, result.token_ids, result.logprobs))]
+        self.last_timings = proc.timings
+        return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput:
+    def _admit_compiled_grammars(self) -> list[RequestOutput]:
+        """Moves requests whose grammar compiled into the scheduler's queue; fails those
+        whose grammar is invalid or took longer than the configured limit."""
+        outputs = []
+        limit = self.config.grammar_timeout_s
+        for seq in list(self.waiting_for_grammar):
+            fut = seq.grammar_future
+            if fut.done():
+                if fut.exception() is not None:
+                    outputs.append(self._finish(seq, "error", error=str(fut.exception())))
+                    continue
+                self.waiting_for_grammar.remove(seq)
+                self.guided.add_processor(seq.processor_key, fut.result())
+                seq.status = SeqStatus.WAITING
+                self.scheduler.add(seq)
+            elif time.monotonic() - seq.arrival > limit:
+                outputs.append(self._finish(seq, "error", error=(
+                    f"compiling the {seq.grammar.kind} grammar took longer than {limit:g} s; "
+                    "simplify the grammar")))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob,
+                      status: RowStatus | None = None) -> RequestOutput:
         seq.token_ids.append(token)
         p = seq.params
+        lps = [logprob] if logprob is not None else None
+        if status is not None and status.error:
+            return self._finish(seq, "error", new_tokens=[token], logprobs=lps,
+                                error=f"request {seq.request_id}: {status.error}")
         reason = None
         is_eos = token in self.eos_ids and not p.ignore_eos
-        if is_eos or token in p.stop_token_ids:
+        if (status is not None and status.terminated) or is_eos or token in p.stop_token_ids:
             reason, text = "stop", ""
         else:
             text = seq.detokenizer.add_tokens([token])
@@ -177,7 +249,6 @@ class LLMEngine:
         if reason is None and (seq.num_output >= p.max_new_tokens
                                or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
-        lps = [logprob] if logprob is not None else None
         if reason is not None:
             text += seq.detokenizer.flush()
             return self._finish(seq, reason, text=text, new_tokens=[token], logprobs=lps)
@@ -186,17 +257,21 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, *, text: str = "", new_tokens=(),
                 logprobs=None, error: str | None = None, keep_session: bool = True
                 ) -> RequestOutput:
-        self.scheduler.remove(seq)
+        if seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
+            self.waiting_for_grammar.remove(seq)
+            seq.status = SeqStatus.FINISHED
+        else:
+            self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
+        if seq.grammar is not None:
+            self.guided.remove_processor(seq.processor_key)  # nothing needs it any more
         sid = seq.session_id
         if (sid is not None and keep_session and reason in ("stop", "length")
-                and sid not in self._ended_sessions and seq.num_computed > 0):
+                and seq.num_computed > 0):
             # the last sampled token has no KV yet; the next turn recomputes it
             self.blocks.keep_session(sid, seq.token_ids[:seq.num_computed], seq.block_table)
         else:
             self.blocks.free(seq.block_table)
-        if sid is not None and not any(s.session_id == sid for s in self.seqs.values()):
-            self._ended_sessions.discard(sid)
         return RequestOutput(seq.request_id, text, list(new_tokens), logprobs, finished=True,
                              finish_reason=reason, error=error, **self._usage(seq))
 
@@ -240,6 +315,9 @@ class LLMEngine:
             live_sessions=len(self.blocks.sessions),
             preemptions=sched.num_preemptions,
             steps=self.num_steps,
+            waiting_for_grammar=len(self.waiting_for_grammar),
+            live_processors=self.guided.num_processors if self.guided else 0,
+            grammar_cache=dict(self.guided.stats) if self.guided else {},
         )
 
 

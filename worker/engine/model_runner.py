@@ -46,7 +46,7 @@ class ModelRunner:
                 decodes.append((seq.block_table, ctx))
             else:
                 prefills.append((seq.block_table, ctx, n))
-            if ctx == len(seq.token_ids):
+            if s.samples:
                 sample_rows.append(len(tokens) - 1)
                 sample_idx.append(i)
         batch = AttentionBatch.build(decodes, prefills, self.block_size, self.device)

@@ -1,10 +1,13 @@
-"""Sampling parameters and the batch sampler.
+"""Sampling parameters, the per-step sampling inputs, and the batch sampler.
 
 ``SamplingParams`` checks itself when built, so a bad value fails the request that carries
-it, with a message naming the field. ``Sampler`` turns the logits of the rows that sample
-this step into tokens: penalties, then greedy rows by argmax, then temperature, top-k,
-top-p and min-p, then one draw per row from the row's own generator (so a seeded request
-gives the same tokens whatever else shares its batch).
+it, with a message naming the field. ``ARSamplingStrategy`` builds each step's
+``SamplingInputs``: one row per sampling sequence, its ``session_ctx`` (the processor key
+of a guided row, None for an unguided one) and ``session_to_cleanup`` (sessions ended since
+the last step, whose processors the next forward deletes). ``Sampler`` turns the rows'
+logits into tokens: the logits processor (penalties, grammar mask) first, then greedy rows
+by argmax, then temperature, top-k, min-p and top-p, then one draw per row from the row's
+own generator (so a seeded request gives the same tokens whatever shares its batch).
 """
 
 from __future__ import annotations
@@ -94,6 +97,36 @@ class SamplingRow:
 
 
 @dataclass
+class SamplingInputs:
+    rows: list[SamplingRow]
+    session_ctx: list[tuple[str, int] | None]  # per row: (session_id, seq_id) if guided
+    session_to_cleanup: list[str]
+
+
+class ARSamplingStrategy:
+    """Builds SamplingInputs for autoregressive decoding and queues ended sessions."""
+
+    def __init__(self):
+        self._ended: list[str] = []
+
+    def on_session_end(self, session_id: str) -> None:
+        self._ended.append(session_id)
+
+    @property
+    def has_pending_cleanup(self) -> bool:
+        return bool(self._ended)
+
+    def take_session_to_cleanup(self) -> list[str]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    def make_sampling_inputs(self, seqs) -> SamplingInputs:
+        rows = [SamplingRow(s.params, s.generator, s.prompt_ids, s.output_ids) for s in seqs]
+        ctx = [s.processor_key if s.grammar is not None else None for s in seqs]
+        return SamplingInputs(rows, ctx, self.take_session_to_cleanup())
+
+
+@dataclass
 class SampleResult:
     token_ids: list[int]
     # per row: None, or (chosen token's logprob, [(token_id, logprob)] top-n)
@@ -102,13 +135,18 @@ class SampleResult:
 
 class Sampler:
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """logits: [R, V] fp32, one row per entry of ``rows``; modified in place."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 processor=None) -> SampleResult:
+        """logits: [R, V] fp32, one row per entry of ``rows``; modified in place.
+        ``processor(logits)`` (penalties, grammar mask) runs after the raw logprobs are
+        taken; without one, penalties alone are applied. Logprobs are of the model's raw
+        distribution."""
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        for i, r in enumerate(rows):
-            if r.params.has_penalties:
-                _apply_penalties(logits[i], r)
+        if processor is not None:
+            processor(logits)
+        else:
+            apply_penalties(logits, rows)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -132,6 +170,12 @@ class Sampler:
                     top = list(zip(ids.tolist(), vals.tolist()))
                 logprobs[i] = (float(lp[token_ids[i]]), top)
         return SampleResult(token_ids, logprobs)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, r in enumerate(rows):
+        if r.params.has_penalties:
+            _apply_penalties(logits[i], r)
 
 
 def _apply_penalties(row: torch.Tensor, r: SamplingRow) -> None:

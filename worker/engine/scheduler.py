@@ -26,6 +26,11 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         return self.num_tokens == 1
 
+    @property
+    def samples(self) -> bool:
+        """This step computes the sequence's last pending token, so it samples."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):

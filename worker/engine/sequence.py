@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from grammar_cache.spec import GrammarSpec
 from worker.engine.sampling import SamplingParams
 
 Messages = list[dict[str, Any]]
@@ -19,12 +20,16 @@ Messages = list[dict[str, Any]]
 @dataclass
 class GenerationRequest:
     """What a caller submits. ``prompt`` is text, token ids, or chat messages (rendered
-    with the model's chat template)."""
+    with the model's chat template); ``grammar`` constrains every generated token."""
 
     prompt: str | list[int] | Messages
     params: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     session_id: str | None = None
+    grammar: GrammarSpec | None = None
+    # which sample of the session this is; n > 1 samples are n requests sharing a session,
+    # seq_id 0..n-1, so each has its own grammar matcher
+    seq_id: int = 0
 
 
 @dataclass
@@ -45,6 +50,7 @@ class RequestOutput:
 
 
 class SeqStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its grammar compiles off the step loop
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -61,19 +67,27 @@ class Sequence:
                  generator: torch.Generator):
         self.request_id = request.request_id
         self.session_id = request.session_id
-        self.seq_id = 0
+        self.seq_id = request.seq_id
         self.params = request.params
         self.prompt_ids = prompt_ids
         self.token_ids = list(prompt_ids)  # prompt + output
         self.num_computed = 0
         self.block_table: list[int] = []
         self.status = SeqStatus.WAITING
+        self.grammar = request.grammar
+        self.grammar_future = None  # Future of the compiled grammar while it compiles
         self.detokenizer = detokenizer
         self.generator = generator
         self.cached_tokens = 0
         self.arrival = time.monotonic()
         self.order = next(_seq_counter)
         self.finish_reason: str | None = None
+
+    @property
+    def processor_key(self) -> tuple[str, int]:
+        """Key of this generation's grammar matcher: (session, seq_id); a request without
+        a session is its own one-shot session."""
+        return (self.session_id or self.request_id, self.seq_id)
 
     @property
     def num_prompt(self) -> int:

@@ -57,6 +57,9 @@ class AttentionBatch:
     decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # gather buffers for the decode rows, made by the first layer and reused by the others
+    # (a fresh multi-MB tensor per layer costs page faults that dominate the gather)
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -136,8 +139,14 @@ def paged_attention(
         # Whole blocks are copied (one memcpy each), then viewed as [nd, Hkv, L, D]; the
         # query heads of one KV head ride as G query rows, so K/V are never repeated.
         idx = batch.decode_blocks.flatten()
-        ks = k_blocks.index_select(0, idx).view(nd, -1, num_kv, dim).transpose(1, 2)
-        vs = v_blocks.index_select(0, idx).view(nd, -1, num_kv, dim).transpose(1, 2)
+        if batch.scratch is None:
+            shape = (idx.numel(), bs, num_kv, dim)
+            batch.scratch = (k_cache.new_empty(shape), v_cache.new_empty(shape))
+        kbuf, vbuf = batch.scratch
+        torch.index_select(k_blocks, 0, idx, out=kbuf)
+        torch.index_select(v_blocks, 0, idx, out=vbuf)
+        ks = kbuf.view(nd, -1, num_kv, dim).transpose(1, 2)  # [nd, Hkv, L, D]
+        vs = vbuf.view(nd, -1, num_kv, dim).transpose(1, 2)
         qd = q[:nd].view(nd, num_kv, group, dim)
         o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=batch.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, num_q, dim)

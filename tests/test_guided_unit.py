@@ -1,0 +1,247 @@
+"""Guided decoding without a model: a tiny hand-made vocabulary, every grammar kind, the
+batch mask against a reference, processor cleanup, the CPU mask kernel, bad grammars."""
+
+import json
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from grammar_cache.compile import GrammarError, choice_ebnf
+from grammar_cache.spec import GrammarSpec
+from worker.engine.bitmask import apply_token_bitmask_inplace, reference_apply
+from worker.engine.guided_process import GuidedDecodingManager
+from worker.engine.logits_process import FusedLogitsProcessor
+from worker.engine.sampling import ARSamplingStrategy, SamplingInputs
+
+pytestmark = pytest.mark.unit
+
+VOCAB = ["<eos>", "{", "}", '"', "a", "b", ":", ",", " ", "1", "2", "true", "false", "[", "]",
+         "yes", "no", "x", "\n", "ab", '{"', '":', "-", "0", "é"]
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def manager():
+    # vocab_size above the tokenizer's, as with padded embedding rows
+    info = xgr.TokenizerInfo(VOCAB, vocab_size=40, stop_token_ids=[EOS])
+    return GuidedDecodingManager(info, max_batch_size=8)
+
+
+def compile(manager, spec):
+    return manager.get_grammar(spec).result(timeout=30)
+
+
+def accepts(manager, spec, text: str) -> bool:
+    """Whether the grammar accepts exactly ``text`` followed by the stop token."""
+    m = xgr.GrammarMatcher(compile(manager, spec))
+    return m.accept_string(text) and m.accept_token(EOS) and m.is_terminated()
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+          "required": ["a", "b"]}
+
+CASES = [
+    (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"a":12,"b":true}', True),
+    (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"a":12}', False),
+    (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"a":1,"b":true,"x":1}', False),
+    (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"b":true,"a":1}', False),
+    (GrammarSpec.json_schema(SCHEMA, whitespace="compact", any_order=True),
+     '{"b":true,"a":1}', True),
+    (GrammarSpec.json_schema(SCHEMA), '{"a": 1, "b": false}', True),
+    (GrammarSpec.json_schema(SCHEMA, max_whitespace=2), '{"a":    1, "b": false}', False),
+    (GrammarSpec.json_schema(SCHEMA, whitespace="indent", indent=1),
+     '{\n "a": 1,\n "b": true\n}', True),
+    (GrammarSpec.json_object(), '{"ab": [1, 2]}', True),
+    (GrammarSpec.json_object(), '[1]', False),
+    (GrammarSpec.regex(r"(yes|no)-[0-9]+"), "yes-120", True),
+    (GrammarSpec.regex(r"(yes|no)-[0-9]+"), "yes-", False),
+    (GrammarSpec("regex_schema", "x+"), "xxx", True),
+    (GrammarSpec.ebnf('root ::= "[" item ("," item)* "]"\nitem ::= "a" | "b"'), "[a,b,a]", True),
+    (GrammarSpec.ebnf('root ::= "[" item ("," item)* "]"\nitem ::= "a" | "b"'), "[a,]", False),
+    (GrammarSpec.lark('start: "x" NUM\nNUM: /[0-9]+/'), "x12", True),
+    (GrammarSpec.lark('start: "x" NUM\nNUM: /[0-9]+/'), "x", False),
+    (GrammarSpec.choice(["yes", "no", 'a"b\\é']), "no", True),
+    (GrammarSpec.choice(["yes", "no", 'a"b\\é']), 'a"b\\é', True),
+    (GrammarSpec.choice(["yes", "no"]), "yesno", False),
+    (GrammarSpec.structural_tag({
+        "structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}],
+        "triggers": ["<f>"]}), "ab<f>12</f>x", True),
+    (GrammarSpec.structural_tag({
+        "structures": [{"begin": "<f>", "schema": {"type": "integer"}, "end": "</f>"}],
+        "triggers": ["<f>"]}), "<f>true</f>", False),
+]
+
+
+@pytest.mark.parametrize("spec, text, ok", CASES, ids=[f"{c[0].kind}-{i}" for i, c in enumerate(CASES)])
+def test_kinds_accept_and_reject(manager, spec, text, ok):
+    assert accepts(manager, spec, text) is ok
+
+
+def test_padded_vocab_rows_are_never_allowed(manager):
+    m = xgr.GrammarMatcher(compile(manager, GrammarSpec.regex("x+")))
+    mask = xgr.allocate_token_bitmask(1, 40)
+    m.fill_next_token_bitmask(mask)
+    logits = torch.zeros(1, 40)
+    reference_apply(logits, mask)
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    assert allowed == [VOCAB.index("x")]
+
+
+def test_batch_mask_equals_reference_and_leaves_unguided_rows(manager):
+    specs = {0: GrammarSpec.regex("(yes|no)"), 2: GrammarSpec.json_object(), 3: GrammarSpec.regex("ab?")}
+    for row, spec in specs.items():
+        manager.add_processor((f"s{row}", 0), compile(manager, spec))
+    manager.processors[("s2", 0)].accept_string('{"a')
+    ctx = [("s0", 0), None, ("s2", 0), ("s3", 0), None]
+    inputs = SamplingInputs(rows=[_row() for _ in ctx], session_ctx=ctx, session_to_cleanup=[])
+    logits = torch.randn(5, 40)
+    expected = logits.clone()
+    for row, key in enumerate(ctx):
+        if key is not None:
+            mask = xgr.allocate_token_bitmask(1, 40)
+            manager.processors[key].fill_next_token_bitmask(mask)
+            reference_apply(expected[row:row + 1], mask)
+    proc = FusedLogitsProcessor(inputs, manager)
+    proc.prepare()
+    proc(logits)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[1]).all() and torch.isfinite(logits[4]).all()
+    manager.remove_sessions(["s0", "s2", "s3"])
+
+
+def _row():
+    from worker.engine.sampling import SamplingParams, SamplingRow
+
+    return SamplingRow(SamplingParams(), torch.Generator(), [1], [])
+
+
+def test_session_end_cleans_processors_on_next_forward(manager):
+    compiled = compile(manager, GrammarSpec.regex("x+"))
+    for key in [("a", 0), ("a", 1), ("b", 0)]:
+        manager.add_processor(key, compiled)
+    strategy = ARSamplingStrategy()
+    strategy.on_session_end("a")
+    inputs = strategy.make_sampling_inputs([])
+    assert inputs.session_to_cleanup == ["a"]
+    assert manager.num_processors == 3  # nothing released before the forward
+    FusedLogitsProcessor(inputs, manager).prepare()
+    assert set(manager.processors) == {("b", 0)}
+    assert strategy.make_sampling_inputs([]).session_to_cleanup == []
+    manager.remove_sessions(["b"])
+    assert manager.num_processors == 0
+
+
+def test_fresh_matcher_per_generation(manager):
+    compiled = compile(manager, GrammarSpec.regex("x"))
+    first = manager.add_processor(("s", 0), compiled)
+    assert first.accept_string("x") and first.accept_token(EOS) and first.is_terminated()
+    second = manager.add_processor(("s", 0), compiled)  # next turn, same session
+    assert second is not first and not second.is_terminated()
+    assert second.accept_string("x")
+    manager.remove_sessions(["s"])
+
+
+@pytest.mark.parametrize("spec, message", [
+    (GrammarSpec("json_schema", '{"type": "nonsense"}'), "json_schema"),
+    (GrammarSpec.regex("(ab"), "regex"),
+    (GrammarSpec.ebnf('root ::= "a" | '), "ebnf"),
+    (GrammarSpec.lark("start: ???"), "lark"),
+    (GrammarSpec.json_schema({"type": "array", "prefixItems": [{"type": "integer"}],
+                              "items": False, "minItems": 3}), "json_schema"),
+])
+def test_bad_grammars_fail_with_a_message_and_are_cached(manager, spec, message):
+    with pytest.raises(GrammarError, match=f"invalid {message} grammar: .+"):
+        compile(manager, spec)
+    compiles = manager.stats["compiles"]
+    fut = manager.get_grammar(spec)
+    assert fut.done()  # the failure is cached: fails fast the second time
+    with pytest.raises(GrammarError):
+        fut.result()
+    assert manager.stats["compiles"] == compiles
+
+
+def test_same_spec_compiles_once(manager):
+    spec = GrammarSpec.regex("b+a")
+    futures = [manager.get_grammar(spec) for _ in range(5)]
+    results = {id(f.result(timeout=30)) for f in futures}
+    assert len(results) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kind="yaml", source="x"), "unknown grammar kind"),
+    (dict(kind="json_schema", source="{not json"), "not valid JSON"),
+    (dict(kind="regex", source=""), "empty"),
+    (dict(kind="regex", source="a" * 300_000), "over the limit"),
+    (dict(kind="choice", source="[]"), "non-empty list"),
+    (dict(kind="choice", source='["a", 1]'), "non-empty string"),
+    (dict(kind="json_schema", source="{}", whitespace="tabs"), "whitespace"),
+])
+def test_spec_rejects_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GrammarSpec(**kwargs)
+
+
+def test_spec_keys_and_shapes():
+    a = GrammarSpec.json_schema({"type": "object", "properties": {"x": {}, "y": {}}})
+    b = GrammarSpec.json_schema('{"type":"object","properties":{"x":{},"y":{}}}')
+    c = GrammarSpec.json_schema({"type": "object", "properties": {"y": {}, "x": {}}})
+    assert a.key("tok") == b.key("tok")
+    assert a.key("tok") != c.key("tok")  # property order is part of the grammar
+    assert a.key("tok") != a.key("other-tokenizer")
+    assert a.key() != GrammarSpec.json_schema(json.loads(a.source), whitespace="compact").key()
+    openai = GrammarSpec.from_response_format({"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": False}})
+    assert openai.kind == "json_schema" and openai.strict is False
+    assert GrammarSpec.from_response_format({"type": "text"}) is None
+    assert GrammarSpec.from_response_format({"type": "json_object"}).kind == "json_object"
+    assert GrammarSpec.from_response_format(
+        {"type": "regex_schema", "regex_schema": "a+"}) == GrammarSpec.regex("a+")
+    assert GrammarSpec("gbnf", "root ::= \"a\"").kind == "ebnf"
+    with pytest.raises(ValueError, match="not supported"):
+        GrammarSpec.from_response_format({"type": "yaml"})
+    assert GrammarSpec.from_dict(a.to_dict()) == a
+
+
+def test_choice_ebnf_escapes(manager):
+    choices = ['a"b', "c\\d", "é", "x\ny"]
+    assert choice_ebnf(choices) == 'root ::= "a\\"b" | "c\\\\d" | "é" | "x\\u000ay"'
+    for c in choices:
+        assert accepts(manager, GrammarSpec.choice(choices), c)
+
+
+VOCABS = [1000, 49152, 50001]
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_cpu_kernel_matches_reference(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    batch = 7
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, words), dtype=torch.int32, generator=g)
+    bitmask[1] = -1  # all allowed
+    bitmask[2] = 0  # none allowed
+    bitmask[3, : words // 2] = 0
+    logits = torch.randn(batch, vocab, generator=g)
+    expected = logits.clone()
+    reference_apply(expected, bitmask)
+    apply_token_bitmask_inplace(logits, bitmask)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[1]).all() and torch.isinf(logits[2]).all()
+    # bit t of word w is token 32 * w + t
+    bitmask = torch.zeros(1, words, dtype=torch.int32)
+    bitmask[0, 1] = 1 << 5
+    row = torch.zeros(1, vocab)
+    apply_token_bitmask_inplace(row, bitmask)
+    assert torch.isfinite(row[0]).nonzero().flatten().tolist() == [37]
+
+
+@pytest.mark.cuda
+def test_cuda_kernel_matches_reference():
+    vocab, batch = 49152, 8
+    bitmask = torch.randint(-2**31, 2**31 - 1, (batch, vocab // 32), dtype=torch.int32)
+    logits = torch.randn(batch, vocab, device="cuda", dtype=torch.bfloat16)
+    expected = logits.float().cpu()
+    reference_apply(expected, bitmask)
+    apply_token_bitmask_inplace(logits, bitmask)
+    assert torch.equal(logits.float().cpu(), expected)
