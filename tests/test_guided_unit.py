@@ -210,6 +210,12 @@ def test_choice_ebnf_escapes(manager):
         assert accepts(manager, GrammarSpec.choice(choices), c)
 
 
+def test_cpu_kernel_is_built():
+    from worker.engine.bitmask import warmup
+
+    assert warmup(), "the C bitmask kernel did not build (is a C compiler installed?)"
+
+
 VOCABS = [1000, 49152, 50001]
 
 

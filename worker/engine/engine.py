@@ -66,7 +66,7 @@ class LLMEngine:
                                       progress=config.progress)
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(model_dir)
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
         self.eos_ids = set(loader.generation_eos_ids(model_dir, tokenizer)) if model_dir else (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.max_model_len = min(config.max_model_len or 10**9,

@@ -1,0 +1,89 @@
+"""AsyncEngine: concurrent streams, validation errors, abort on early exit, session end."""
+
+import asyncio
+
+import pytest
+
+from grammar_cache.spec import GrammarSpec
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.sampling import SamplingParams
+from worker.engine.sequence import GenerationRequest
+
+pytestmark = pytest.mark.integration
+
+
+def chat(text):
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture
+def aengine(make_engine):
+    engine = AsyncEngine(make_engine())
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, req):
+    chunks = [c async for c in engine.generate(req)]
+    return chunks
+
+
+def test_concurrent_streams(aengine):
+    async def main():
+        reqs = [GenerationRequest(chat(f"Count to {i}."), SamplingParams(max_new_tokens=12 + i,
+                                                                         temperature=0))
+                for i in range(4)]
+        reqs.append(GenerationRequest(chat("yes or no?"), SamplingParams(max_new_tokens=8),
+                                      grammar=GrammarSpec.choice(["yes", "no"])))
+        results = await asyncio.gather(*(collect(aengine, r) for r in reqs))
+        for chunks in results:
+            assert chunks[-1].finished and all(not c.finished for c in chunks[:-1])
+        assert "".join(c.text for c in results[-1]) in ("yes", "no")
+        stats = await aengine.stats()
+        assert stats.running == 0 and stats.live_processors == 0
+
+    asyncio.run(main())
+
+
+def test_bad_request_raises_before_streaming(aengine):
+    async def main():
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await collect(aengine, GenerationRequest("", SamplingParams()))
+        ok = await collect(aengine, GenerationRequest(chat("hi"), SamplingParams(max_new_tokens=4)))
+        assert ok[-1].finished
+
+    asyncio.run(main())
+
+
+def test_leaving_early_aborts_and_frees(aengine):
+    async def main():
+        req = GenerationRequest(chat("Write a long essay."), SamplingParams(max_new_tokens=200),
+                                grammar=GrammarSpec.json_object())
+        async for chunk in aengine.generate(req):
+            if chunk.token_ids:
+                break  # the client went away
+        for _ in range(100):
+            stats = await aengine.stats()
+            if stats.running == 0 and stats.live_processors == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert stats.running == 0 and stats.live_processors == 0
+        assert stats.free_blocks == stats.total_blocks
+
+    asyncio.run(main())
+
+
+def test_end_session_aborts_its_stream(aengine):
+    async def main():
+        req = GenerationRequest(chat("Write a long essay."), SamplingParams(max_new_tokens=200),
+                                session_id="sess")
+        chunks = []
+        async for chunk in aengine.generate(req):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                aengine.end_session("sess")
+        assert chunks[-1].finish_reason == "abort"
+        stats = await aengine.stats()
+        assert stats.live_sessions == 0 and stats.free_blocks == stats.total_blocks
+
+    asyncio.run(main())
