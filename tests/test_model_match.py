@@ -113,3 +113,39 @@ def test_chunked_prefill_and_batched_decode_match(pair):
             ref = hf_logits(hf, s[: len(s) - step + 1])[-1]
             assert (logits[row] - ref).abs().max() < 1e-4
             assert logits[row].argmax() == ref.argmax()
+
+
+@pytest.mark.integration
+def test_default_model_logits_match_transformers(default_model_dir, default_model,
+                                                  default_tokenizer):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir,
+                                                            dtype=torch.float32).eval()
+    for text in ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a"]:
+        ids = default_tokenizer(text)["input_ids"]
+        caches = kv_caches(default_model)
+        table = list(range(-(-len(ids) // BLOCK)))
+        got = run(default_model, caches, [], [(table, len(ids), len(ids))], ids,
+                  list(range(len(ids))))
+        ref = hf_logits(hf, ids)
+        assert (got - ref).abs().max() < 1e-3
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.cuda
+def test_default_model_bf16_on_cuda(default_model_dir, default_tokenizer):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_dir, dtype=torch.bfloat16).cuda().eval()
+    ours = load_model(default_model_dir, device="cuda", progress=False)
+    ids = default_tokenizer("The capital of France is")["input_ids"]
+    shape = (256, ours.num_kv_heads, ours.head_dim)
+    caches = [(torch.zeros(shape, dtype=torch.bfloat16, device="cuda"),
+               torch.zeros(shape, dtype=torch.bfloat16, device="cuda")) for _ in ours.layers]
+    from worker.models.paged_attention import AttentionBatch
+
+    batch = AttentionBatch.build([], [(list(range(4)), len(ids), len(ids))], BLOCK, "cuda")
+    with torch.no_grad():
+        got = ours.compute_logits(ours(torch.tensor(ids, device="cuda"),
+                                       torch.arange(len(ids), device="cuda"), caches, batch))
+        ref = hf(torch.tensor([ids], device="cuda")).logits[0].float()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert (got - ref).abs().max() < 0.5

@@ -118,7 +118,6 @@ class LLMEngine:
         if seq.grammar is not None:
             seq.grammar_future = self.guided.get_grammar(seq.grammar)
             seq.status = SeqStatus.WAITING_FOR_GRAMMAR
-            seq.arrival = time.monotonic()
             self.waiting_for_grammar.append(seq)
         else:
             self.scheduler.add(seq)

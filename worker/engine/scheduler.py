@@ -5,7 +5,8 @@ sequence costs 1 token, a sequence still prefilling costs its next chunk); then 
 sequences are admitted while budget, sequence slots and KV blocks last, so prefill and
 decode share a step and a long prompt is prefilled in chunks. When a running sequence
 needs a block and none is free, idle sessions are evicted first, then the newest running
-sequence is preempted: its blocks are freed and it waits to be recomputed (never an error).
+sequence is preempted: its blocks are freed and it waits to be recomputed (never an error);
+no sequence is admitted in a step that had to preempt.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Scheduler:
         """Returns this step's sequences: single-token (decode) ones first, then chunks."""
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        preemptions = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -64,7 +66,9 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # after a preemption the cache is full: admitting would only thrash
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and self.num_preemptions == preemptions):
             seq = self.waiting[0]
             if not seq.block_table and seq.session_id is not None:
                 seq.block_table, seq.num_computed = self.blocks.take_session(

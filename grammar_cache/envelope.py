@@ -1,0 +1,60 @@
+"""The wire format of compiled grammars: a versioned msgpack envelope around xgrammar's
+own serialization (``CompiledGrammar.serialize_json``).
+
+    {"v": ENVELOPE_VERSION, "xgr": xgrammar version, "ser": xgrammar serialization version,
+     "fp": tokenizer fingerprint, "key": spec key, "grammar": <xgrammar JSON>}
+    or, for a spec that cannot be compiled, the same header with "error" and "error_kind".
+
+``unpack`` refuses an envelope made by another envelope version, another xgrammar (or
+serialization) version or for another tokenizer: ``EnvelopeMismatch``, which callers treat
+as a miss and recompile, so a stale grammar is never used.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import xgrammar as xgr
+
+from grammar_cache.compile import GrammarError
+
+ENVELOPE_VERSION = 1
+
+
+class EnvelopeMismatch(RuntimeError):
+    """The envelope was made for another version or tokenizer; recompile."""
+
+
+def _header(fingerprint: str, key: str) -> dict:
+    return {"v": ENVELOPE_VERSION, "xgr": xgr.__version__,
+            "ser": xgr.get_serialization_version(), "fp": fingerprint, "key": key}
+
+
+def pack(compiled: "xgr.CompiledGrammar", fingerprint: str, key: str) -> bytes:
+    return msgpack.packb({**_header(fingerprint, key), "grammar": compiled.serialize_json()})
+
+
+def pack_error(message: str, fingerprint: str, key: str, kind: str = "invalid") -> bytes:
+    """kind: "invalid" (the grammar is wrong), "timeout" or "memory" (over a limit)."""
+    return msgpack.packb({**_header(fingerprint, key), "error": message, "error_kind": kind})
+
+
+def read_header(data: bytes) -> dict:
+    env = msgpack.unpackb(data)
+    if not isinstance(env, dict) or "v" not in env:
+        raise EnvelopeMismatch("not a rayguide grammar envelope")
+    return env
+
+
+def unpack(data: bytes, tokenizer_info: "xgr.TokenizerInfo", fingerprint: str,
+           key: str | None = None) -> "xgr.CompiledGrammar":
+    """Returns the compiled grammar, raises GrammarError for an error envelope, and
+    EnvelopeMismatch when the envelope does not belong to this process's versions or to
+    this tokenizer (or to ``key``, when given)."""
+    env = read_header(data)
+    expected = _header(fingerprint, key if key is not None else env.get("key"))
+    for field, want in expected.items():
+        if env.get(field) != want:
+            raise EnvelopeMismatch(f"envelope {field}={env.get(field)!r}, expected {want!r}")
+    if "error" in env:
+        raise GrammarError(env["error"])
+    return xgr.CompiledGrammar.deserialize_json(env["grammar"], tokenizer_info)
