@@ -12,12 +12,15 @@ as a miss and recompile, so a stale grammar is never used.
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 import msgpack
 import xgrammar as xgr
 
 from grammar_cache.compile import GrammarError
 
 ENVELOPE_VERSION = 1
+XGRAMMAR_VERSION = version("xgrammar")
 
 
 class EnvelopeMismatch(RuntimeError):
@@ -25,7 +28,7 @@ class EnvelopeMismatch(RuntimeError):
 
 
 def _header(fingerprint: str, key: str) -> dict:
-    return {"v": ENVELOPE_VERSION, "xgr": xgr.__version__,
+    return {"v": ENVELOPE_VERSION, "xgr": XGRAMMAR_VERSION,
             "ser": xgr.get_serialization_version(), "fp": fingerprint, "key": key}
 
 
@@ -34,7 +37,8 @@ def pack(compiled: "xgr.CompiledGrammar", fingerprint: str, key: str) -> bytes:
 
 
 def pack_error(message: str, fingerprint: str, key: str, kind: str = "invalid") -> bytes:
-    """kind: "invalid" (the grammar is wrong), "timeout" or "memory" (over a limit)."""
+    """kind: "invalid" (the grammar is wrong), "timeout" or "memory" (over a limit), or
+    "internal" (the compile process failed; not the grammar's fault, not cached)."""
     return msgpack.packb({**_header(fingerprint, key), "error": message, "error_kind": kind})
 
 

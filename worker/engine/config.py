@@ -23,6 +23,8 @@ class EngineConfig:
     progress: bool = True  # progress bars for conversion and loading
     guided: bool = True  # grammar-constrained decoding (xgrammar)
     grammar_timeout_s: float = 30.0  # a request whose grammar compiles longer fails
+    # name of the cluster's grammar cache actor; None compiles in-process
+    grammar_cache_actor: str | None = None
 
     def __post_init__(self):
         if isinstance(self.dtype, str):

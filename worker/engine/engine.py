@@ -84,7 +84,7 @@ class LLMEngine:
         if config.guided:
             self.guided = GuidedDecodingManager.from_tokenizer(
                 tokenizer, model.config.vocab_size, sorted(self.eos_ids),
-                max_batch_size=config.max_num_seqs)
+                max_batch_size=config.max_num_seqs, cache_actor=config.grammar_cache_actor)
             if self.runner.device.type == "cpu":  # compile the mask kernel off the hot path
                 threading.Thread(target=bitmask.warmup, daemon=True).start()
         self.seqs: dict[str, Sequence] = {}

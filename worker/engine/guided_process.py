@@ -5,6 +5,10 @@ and ids the tokenizer lacks can never be sampled under a grammar, and with the m
 real EOS ids as stop tokens), compiles grammars off the step loop with a cache of
 compiled grammars and of failures, owns the batch token bitmask (allocated once at the
 engine's max batch size), and keeps one matcher per ``(session_id, seq_id)``.
+
+Where a compile happens is pluggable: by default in-process on the manager's thread pool;
+with ``fetch`` (the cluster's GrammarCacheClient.fetch) through the shared cache actor. The
+manager's cache then serves as the worker's local LRU of deserialized grammars.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 import xgrammar as xgr
@@ -30,7 +35,8 @@ ProcessorKey = tuple[str, int]  # (session_id, seq_id)
 class GuidedDecodingManager:
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, max_batch_size: int = 64,
                  compile_threads: int = 1, fill_threads: int = 1, cache_size: int = 512,
-                 error_ttl_s: float = 60.0):
+                 error_ttl_s: float = 60.0,
+                 fetch: Callable[[GrammarSpec], "xgr.CompiledGrammar"] | None = None):
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
         self.fingerprint = tokenizer_fingerprint(tokenizer_info)
@@ -47,14 +53,21 @@ class GuidedDecodingManager:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=compile_threads,
                                         thread_name_prefix="grammar-compile")
+        self._fetch = fetch or (lambda spec: compile_spec(self.compiler, spec))
         self.cache_size = cache_size
         self.error_ttl_s = error_ttl_s
         self.stats = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0}
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int], **kwargs):
+    def from_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
+                       cache_actor: str | None = None, **kwargs):
+        """``cache_actor``: name of the cluster's grammar cache actor to compile through."""
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
+        if cache_actor is not None:
+            from grammar_cache.client import GrammarCacheClient
+
+            kwargs["fetch"] = GrammarCacheClient(info, name=cache_actor).fetch
         return cls(info, **kwargs)
 
     # grammars ---------------------------------------------------------------------------
@@ -85,7 +98,7 @@ class GuidedDecodingManager:
     def _compile(self, key: str, spec: GrammarSpec):
         t = time.perf_counter()
         try:
-            result = compile_spec(self.compiler, spec)
+            result = self._fetch(spec)
         except GrammarError as exc:
             result = exc
         with self._lock:

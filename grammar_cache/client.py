@@ -1,0 +1,113 @@
+"""The worker-side client of the grammar cache actor.
+
+``fetch(spec)`` returns a compiled grammar, blocking; the engine's GuidedDecodingManager
+calls it on its compile thread pool (never on the step loop) and keeps the deserialized
+results in its own local LRU. On a miss the client asks the actor; if the actor cannot be
+reached (not started, dead, restarting, too slow) or its envelope does not match this
+process (versions, tokenizer), it compiles locally in its own CompilePool with the same
+limits, logs that once, and tries the actor again on the next miss, so a request never
+fails because the cache is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+import xgrammar as xgr
+
+from grammar_cache import envelope
+from grammar_cache.actor import ACTOR_NAME, NAMESPACE
+from grammar_cache.compile import GrammarError, tokenizer_fingerprint
+from grammar_cache.compile_pool import CompileLimits, CompilePool
+from grammar_cache.spec import GrammarSpec
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarCacheClient:
+    def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, name: str = ACTOR_NAME,
+                 namespace: str = NAMESPACE, limits: CompileLimits | None = None,
+                 rpc_timeout_s: float | None = None, ping_timeout_s: float = 2.0):
+        self.info = tokenizer_info
+        self.fingerprint = tokenizer_fingerprint(tokenizer_info)
+        self._tokenizer_json = tokenizer_info.serialize_json()
+        self.name, self.namespace = name, namespace
+        self.limits = limits or CompileLimits()
+        # an actor compile can take up to its own limit; allow for transfer on top
+        self.rpc_timeout_s = rpc_timeout_s or self.limits.timeout_s + 30.0
+        self.ping_timeout_s = ping_timeout_s
+        self._actor = None
+        self._registered = False
+        self._local: CompilePool | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+        self.counts = {"actor": 0, "local": 0}
+
+    def fetch(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
+        """The compiled grammar for ``spec``; raises GrammarError for a bad grammar."""
+        key = spec.key(self.fingerprint)
+        data = self._from_actor(spec)
+        if data is not None:
+            try:
+                compiled = envelope.unpack(data, self.info, self.fingerprint, key)
+                self.counts["actor"] += 1
+                return compiled
+            except envelope.EnvelopeMismatch as exc:
+                self._warn(f"grammar cache envelope does not match this worker ({exc})")
+        self.counts["local"] += 1
+        data = self._local_pool().compile(spec, self.fingerprint, self._tokenizer_json, key)
+        return envelope.unpack(data, self.info, self.fingerprint, key)
+
+    def _from_actor(self, spec: GrammarSpec) -> bytes | None:
+        try:
+            actor = self._handle()
+            # a dead or restarting actor must not hold this compile for the long timeout
+            ray.get(actor.ping.remote(), timeout=self.ping_timeout_s)
+            for _ in range(2):
+                if not self._registered:
+                    ray.get(actor.register_tokenizer.remote(self.fingerprint,
+                                                            self._tokenizer_json),
+                            timeout=self.rpc_timeout_s)
+                    self._registered = True
+                data = ray.get(actor.get.remote(spec.to_dict(), self.fingerprint),
+                               timeout=self.rpc_timeout_s)
+                if data:
+                    return data
+                self._registered = False  # a restarted actor forgot our tokenizer
+            return None
+        except GrammarError:
+            raise
+        except Exception as exc:  # not found, dead, restarting, timed out
+            self._actor = None
+            self._registered = False
+            self._warn(f"grammar cache actor unavailable ({type(exc).__name__}: {exc}); "
+                       "compiling locally")
+            return None
+
+    def _handle(self):
+        if self._actor is None:
+            if not ray.is_initialized():
+                raise RuntimeError("Ray is not initialized")
+            self._actor = ray.get_actor(self.name, namespace=self.namespace)
+            self._registered = False
+            if self._warned:
+                logger.info("grammar cache actor reachable again")
+                self._warned = False
+        return self._actor
+
+    def _local_pool(self) -> CompilePool:
+        with self._lock:
+            if self._local is None:
+                self._local = CompilePool(self.limits)
+            return self._local
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            logger.warning(message)
+            self._warned = True
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
