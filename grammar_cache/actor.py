@@ -6,7 +6,10 @@ serialization, keyed by its fingerprint); ``get(spec, fingerprint)`` returns env
 (grammar_cache/envelope.py): the compiled grammar or the error. Concurrent asks for one key
 wait on the same compile; compiles run in a CompilePool (killable child processes, time and
 memory limits); results live in a byte-bounded LRU, errors in a small cache with a shorter
-lifetime. Stats are exported as Ray metrics.
+lifetime. When xgrammar's serialization of a grammar loads slower than the grammar
+compiles (large token-mask tables), the cache keeps a small "compile locally" verdict
+instead: the grammar is proven safe, and workers compile it in-process. Stats are exported
+as Ray metrics.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ class GrammarCacheConfig:
     error_ttl_s: float = 60.0  # failures are remembered this long
     max_errors: int = 4096
     compile_timeout_s: float = 10.0
-    compile_memory_mb: int = 4096
+    compile_memory_mb: int = 8192
     compile_processes: int = 2
+    # send a "compile locally" verdict when loading the serialized grammar takes longer
+    # than this factor times compiling it (0: always; inf: never)
+    local_verdict_factor: float = 1.0
 
 
 class _ByteLRU:
@@ -85,7 +91,7 @@ class GrammarCache:
         self.inflight: dict[str, asyncio.Future] = {}
         self.compile_times: deque[float] = deque(maxlen=2048)
         self.counts = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "timeouts": 0,
-                       "joined": 0}
+                       "joined": 0, "local_verdicts": 0}
         tags = ("kind",)
         self._m_requests = metrics.Counter("rayguide_grammar_cache_requests",
                                            "grammar cache lookups", tag_keys=("result",))
@@ -147,6 +153,13 @@ class GrammarCache:
             while len(self.errors) > self.config.max_errors:
                 self.errors.popitem(last=False)
         else:
+            if header.get("load_s", 0.0) >= (self.config.local_verdict_factor
+                                              * header.get("compile_s", 0.0)):
+                # xgrammar's serialization of this grammar loads slower than it compiles:
+                # keep (and send) a small verdict instead; workers compile it themselves,
+                # knowing it compiles within the limits
+                data = envelope.pack_local(fingerprint, key, header["compile_s"])
+                self.counts["local_verdicts"] += 1
             self.lru.put(key, data)
             self._m_bytes.set(self.lru.bytes)
         return data

@@ -6,7 +6,8 @@ results in its own local LRU. On a miss the client asks the actor; if the actor 
 reached (not started, dead, restarting, too slow) or its envelope does not match this
 process (versions, tokenizer), it compiles locally in its own CompilePool with the same
 limits, logs that once, and tries the actor again on the next miss, so a request never
-fails because the cache is down.
+fails because the cache is down. A "compile locally" verdict (see actor.py) is compiled
+in-process: the actor has proven it safe, and it loads slower than it compiles.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import xgrammar as xgr
 
 from grammar_cache import envelope
 from grammar_cache.actor import ACTOR_NAME, NAMESPACE
-from grammar_cache.compile import GrammarError, tokenizer_fingerprint
+from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.compile_pool import CompileLimits, CompilePool
 from grammar_cache.spec import GrammarSpec
 
@@ -43,7 +44,8 @@ class GrammarCacheClient:
         self._local: CompilePool | None = None
         self._lock = threading.Lock()
         self._warned = False
-        self.counts = {"actor": 0, "local": 0}
+        self._in_process = None
+        self.counts = {"actor": 0, "verdict": 0, "local": 0}
 
     def fetch(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
         """The compiled grammar for ``spec``; raises GrammarError for a bad grammar."""
@@ -54,6 +56,10 @@ class GrammarCacheClient:
                 compiled = envelope.unpack(data, self.info, self.fingerprint, key)
                 self.counts["actor"] += 1
                 return compiled
+            except envelope.CompileLocally:
+                # proven to compile within the limits, and cheaper to compile than to load
+                self.counts["verdict"] += 1
+                return compile_spec(self._compiler(), spec)
             except envelope.EnvelopeMismatch as exc:
                 self._warn(f"grammar cache envelope does not match this worker ({exc})")
         self.counts["local"] += 1
@@ -96,6 +102,13 @@ class GrammarCacheClient:
                 logger.info("grammar cache actor reachable again")
                 self._warned = False
         return self._actor
+
+    def _compiler(self):
+        with self._lock:
+            if self._in_process is None:
+                self._in_process = xgr.GrammarCompiler(self.info, max_threads=1,
+                                                       cache_enabled=False)
+            return self._in_process
 
     def _local_pool(self) -> CompilePool:
         with self._lock:

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class CompileLimits:
     timeout_s: float = 10.0  # wall time of one compile
-    memory_mb: int = 4096  # address space of a compile process
+    memory_mb: int = 8192  # address space of a compile process (a large schema's
+    # serialization alone can take hundreds of MB)
     processes: int = 2
 
 

@@ -13,6 +13,7 @@ import argparse
 import resource
 import struct
 import sys
+import time
 
 import msgpack
 
@@ -35,7 +36,7 @@ def write_frame(stream, body: bytes) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--memory-mb", type=int, default=4096)
+    ap.add_argument("--memory-mb", type=int, default=8192)
     args = ap.parse_args()
     limit = args.memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -60,7 +61,15 @@ def main() -> None:
         key = rest[0]
         try:
             spec = GrammarSpec.from_dict(payload)
-            out = envelope.pack(compile_spec(compilers[fingerprint], spec), fingerprint, key)
+            t = time.perf_counter()
+            compiled = compile_spec(compilers[fingerprint], spec)
+            compile_s = time.perf_counter() - t
+            serialized = compiled.serialize_json()
+            t = time.perf_counter()  # what loading it costs a worker (the cache's policy)
+            xgr.CompiledGrammar.deserialize_json(serialized, compiled.tokenizer_info)
+            load_s = time.perf_counter() - t
+            out = envelope.pack_serialized(serialized, fingerprint, key, compile_s=compile_s,
+                                           load_s=load_s)
         except (GrammarError, ValueError) as exc:
             out = envelope.pack_error(str(exc), fingerprint, key)
         except MemoryError:

@@ -72,7 +72,8 @@ def test_four_processes_one_compile(actor_name):
         "required": ["p0"]})
     results = ray.get([fetch_in_task.remote(actor_name, slowish.to_dict()) for _ in range(4)])
     assert all(ok for ok, _ in results)
-    assert all(counts["actor"] == 1 and counts["local"] == 0 for _, counts in results)
+    assert all(counts["actor"] + counts["verdict"] == 1 and counts["local"] == 0
+               for _, counts in results)
     stats = ray.get(actor.stats.remote())
     assert stats["compiles"] == 1
     assert stats["misses"] == 1 and stats["hits"] + stats["joined"] == 3
@@ -109,7 +110,7 @@ def test_slow_compile_stopped_at_limit_while_others_finish(actor_name, default_t
     fast_done = time.monotonic() - t
     slow = ray.get(slow_ref)
     slow_done = time.monotonic() - t
-    assert all("grammar" in envelope.read_header(d) for d in fast)
+    assert all("error" not in envelope.read_header(d) for d in fast)
     header = envelope.read_header(slow)
     assert header["error_kind"] == "timeout" and "longer than 1 s" in header["error"]
     assert fast_done < slow_done and slow_done < 15
@@ -118,7 +119,7 @@ def test_slow_compile_stopped_at_limit_while_others_finish(actor_name, default_t
     stats = ray.get(actor.stats.remote())
     assert stats["timeouts"] == 1 and stats["compiles"] == 5
     # the actor and its pool survive: a new compile still works
-    assert "grammar" in envelope.read_header(ray.get(actor.get.remote(spec(9).to_dict(), fp)))
+    assert "error" not in envelope.read_header(ray.get(actor.get.remote(spec(9).to_dict(), fp)))
 
 
 def test_bad_grammar_error_is_cached(actor_name):
@@ -138,14 +139,15 @@ def test_actor_down_falls_back_then_back_in_use(actor_name):
                                 limits=CompileLimits(timeout_s=10, processes=1))
     try:
         client.fetch(spec(0))
-        assert client.counts == {"actor": 1, "local": 0}
+        assert client.counts["local"] == 0
         ray.kill(actor, no_restart=True)
         compiled = client.fetch(spec(1))  # still served: compiled locally
         assert xgr.GrammarMatcher(compiled).accept_string('{"p1":1}')
-        assert client.counts == {"actor": 1, "local": 1}
+        assert client.counts["local"] == 1
         actor = new_actor(actor_name)  # the cache is back under its name
         client.fetch(spec(2))
-        assert client.counts == {"actor": 2, "local": 1}
+        assert client.counts["actor"] + client.counts["verdict"] == 2
+        assert client.counts["local"] == 1
         assert ray.get(actor.stats.remote())["tokenizers"] == 1  # registered again
     finally:
         client.close()
@@ -167,7 +169,19 @@ def test_restarted_actor_is_used_again(actor_name):
     client.fetch(spec(1))
     stats = ray.get(actor.stats.remote())
     assert stats["compiles"] == 1 and stats["tokenizers"] == 1  # a fresh actor, used
-    assert client.counts["actor"] == 2
+    assert client.counts["actor"] + client.counts["verdict"] == 2
+
+
+def test_local_verdict_compiles_in_process(actor_name):
+    actor = new_actor(actor_name, local_verdict_factor=0.0)  # every grammar gets a verdict
+    client = GrammarCacheClient(tiny_info(), name=actor_name)
+    compiled = client.fetch(spec(3))
+    assert xgr.GrammarMatcher(compiled).accept_string('{"p3":12}')
+    assert client.counts == {"actor": 0, "verdict": 1, "local": 0}
+    stats = ray.get(actor.stats.remote())
+    assert stats["local_verdicts"] == 1 and stats["compiles"] == 1
+    header = envelope.read_header(ray.get(actor.get.remote(spec(3).to_dict(), client.fingerprint)))
+    assert header["local"] and "grammar" not in header  # small: no serialized grammar
 
 
 def test_envelope_mismatch_is_caught():

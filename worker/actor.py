@@ -1,0 +1,74 @@
+"""WorkerActor: one engine per Ray actor (one GPU each when the cluster has GPUs).
+
+The actor owns an AsyncEngine. ``generate`` is an async generator, so Ray turns a call into
+a streaming generator: the caller iterates object refs, one per output chunk, as they are
+produced; tokens never pass through anyone else. ``end_sessions`` takes a batch of session
+ids (the scheduler's broadcast), ``abort`` stops one request, ``load`` reports what the
+scheduler routes on, ``health`` answers when the engine loop is alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+
+import ray
+
+from grammar_cache.spec import GrammarSpec
+from worker.engine.async_engine import AsyncEngine
+from worker.engine.config import EngineConfig
+from worker.engine.engine import LLMEngine
+from worker.engine.sampling import SamplingParams
+from worker.engine.sequence import GenerationRequest
+
+
+def request_from_dict(d: dict) -> GenerationRequest:
+    """A GenerationRequest from plain data (what crosses the Ray boundary)."""
+    d = dict(d)
+    params = SamplingParams.from_dict(d.pop("params", {}) or {})
+    grammar = d.pop("grammar", None)
+    if grammar is not None:
+        grammar = GrammarSpec.from_dict(grammar)
+    allowed = {"prompt", "request_id", "session_id", "seq_id"}
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"unknown request field(s) {unknown}; known: {sorted(allowed)}")
+    return GenerationRequest(params=params, grammar=grammar, **d)
+
+
+@ray.remote(max_restarts=-1)
+class WorkerActor:
+    def __init__(self, engine_config: dict | None = None, worker_id: str | None = None):
+        config = EngineConfig(**(engine_config or {}))
+        self.worker_id = worker_id or f"worker-{os.getpid()}"
+        self.engine = AsyncEngine(LLMEngine(config))
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.device = config.device
+        self.started = time.time()
+
+    async def generate(self, request: dict):
+        """Streams output chunks (plain dicts) of one request; a bad request raises
+        ValueError before the first chunk."""
+        req = request_from_dict(request)
+        async for out in self.engine.generate(req):
+            yield dataclasses.asdict(out)
+
+    def end_sessions(self, session_ids: list[str]) -> int:
+        for sid in session_ids:
+            self.engine.end_session(sid)
+        return len(session_ids)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def load(self) -> dict:
+        stats = dataclasses.asdict(await self.engine.stats())
+        stats.update(worker_id=self.worker_id, node_id=self.node_id, device=self.device,
+                     host=socket.gethostname(), pid=os.getpid())
+        return stats
+
+    async def health(self) -> bool:
+        await self.engine.stats()  # answered by the engine thread: the loop is alive
+        return True
