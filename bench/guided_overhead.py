@@ -119,9 +119,14 @@ def main() -> None:
     for batch in batches:
         run_side(engine, batch, 4, guided=True)  # warm: compile the grammar, size buffers
         pairs, fill, wait, apply, accept = [], [], [], [], []
-        for _ in range(rounds):
-            plain, _ = run_side(engine, batch, new_tokens, guided=False)
-            guided, timings = run_side(engine, batch, new_tokens, guided=True)
+        for r in range(rounds):
+            # alternate which side goes first, so drift within a round cancels out
+            if r % 2 == 0:
+                plain, _ = run_side(engine, batch, new_tokens, guided=False)
+                guided, timings = run_side(engine, batch, new_tokens, guided=True)
+            else:
+                guided, timings = run_side(engine, batch, new_tokens, guided=True)
+                plain, _ = run_side(engine, batch, new_tokens, guided=False)
             pairs += list(zip(plain, guided))
             fill += [t.fill_us for t in timings]
             wait += [t.fill_wait_us for t in timings]
