@@ -13,7 +13,6 @@ Rounds alternate between the two sides so machine noise hits both alike.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import emit_json, record, table  # noqa: E402
+from bench.report import finish, parser, table  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
@@ -121,10 +120,7 @@ def hf_mixed(hf, pad_id: int, work, batch_size: int = 8) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run (under a minute)")
-    ap.add_argument("--json", action="store_true", help="print the figures as JSON last")
-    ap.add_argument("--no-record", action="store_true", help="do not update docs/benchmarks.md")
+    ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=None)
     args = ap.parse_args()
     quick = args.quick
@@ -185,11 +181,7 @@ def main() -> None:
              f"{fig['b1_hf_ms_per_token']:.1f} ms/token = {fig['b1_hf_gb_s']:.1f} GB/s; "
              f"weights {fig['weight_mb']:.0f} MB; measured copy bandwidth (read + write) "
              f"{bw:.1f} GB/s. HF mixed runs static batches of 8 with left padding.")
-    print(body)
-    if not args.no_record and not quick:
-        record("engine_throughput", body)
-    if args.json:
-        emit_json(fig)
+    finish("engine_throughput", body, fig, args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ schema and a tool-calling structural tag with 50 tools:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import emit_json, record, table  # noqa: E402
+from bench.report import finish, parser, table  # noqa: E402
 
 STR = {"type": "string", "maxLength": 64}
 
@@ -93,10 +92,7 @@ def timed(fn, reps: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run (under a minute)")
-    ap.add_argument("--json", action="store_true", help="print the figures as JSON last")
-    ap.add_argument("--no-record", action="store_true", help="do not update docs/benchmarks.md")
+    ap = parser(__doc__.split("\n")[0])
     args = ap.parse_args()
     reps = 2 if args.quick else 5
 
@@ -163,11 +159,7 @@ def main() -> None:
              "xgrammar's JSON deserialization (about 25 ms per MB here); where that costs more "
              "than compiling, the actor sends a compile-locally verdict and the hit is an "
              "in-process compile of a grammar proven safe.")
-    print(body)
-    if not args.no_record and not args.quick:
-        record("grammar_cache", body)
-    if args.json:
-        emit_json(figures)
+    finish("grammar_cache", body, figures, args)
 
 
 if __name__ == "__main__":

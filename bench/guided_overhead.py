@@ -13,7 +13,6 @@ same schema, what a user would otherwise run.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import emit_json, record, table  # noqa: E402
+from bench.report import finish, parser, table  # noqa: E402
 from grammar_cache.spec import GrammarSpec  # noqa: E402
 from worker.engine import bitmask  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
@@ -103,10 +102,7 @@ def hf_guided_b1(hf, tokenizer, engine: LLMEngine, new_tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run (under a minute)")
-    ap.add_argument("--json", action="store_true", help="print the figures as JSON last")
-    ap.add_argument("--no-record", action="store_true", help="do not update docs/benchmarks.md")
+    ap = parser(__doc__.split("\n")[0])
     args = ap.parse_args()
     batches = (1, 8, 32)
     # many short rounds: this VM's speed drifts over minutes, so the sides alternate often
@@ -165,11 +161,7 @@ def main() -> None:
              f"{figures['apply_us_per_row_b32']:.1f} us per row (vocab 49152). Step times are "
              f"medians of decode steps paired by step index at full occupancy; "
              f"{new_tokens} new tokens, {rounds} rounds.")
-    print(body)
-    if not args.no_record and not args.quick:
-        record("guided_overhead", body)
-    if args.json:
-        emit_json(figures)
+    finish("guided_overhead", body, figures, args)
 
 
 if __name__ == "__main__":

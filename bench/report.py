@@ -4,6 +4,7 @@ JSON object of figures as the last line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -55,3 +56,22 @@ def record(name: str, body: str) -> None:
 
 def emit_json(figures: dict) -> None:
     print(json.dumps(figures, sort_keys=True))
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--quick", action="store_true", help="reduced run (under a minute)")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON last")
+    ap.add_argument("--no-record", action="store_true", help="do not update docs/benchmarks.md")
+    return ap
+
+
+def finish(name: str, body: str, figures: dict, args) -> None:
+    """Prints the table, records full runs in docs/benchmarks.md, then the JSON line."""
+    print(body)
+    if not args.no_record and not args.quick:
+        record(name, body)
+    if args.json:
+        emit_json(figures)
+

@@ -1,4 +1,5 @@
-"""The ``rayguide`` command line."""
+"""The ``rayguide`` command line: generate (local, no Ray), up / down / status (the runtime
+on a Ray cluster)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,51 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="run prompts through the engine locally (no Ray)")
     add_generate_args(gen)
+    up = sub.add_parser("up", help="start the runtime (grammar cache, scheduler, workers) "
+                        "as detached Ray actors")
+    add_cluster_args(up)
+    down = sub.add_parser("down", help="stop every rayguide actor on the cluster")
+    down.add_argument("--address", default=None, help="Ray address (default: local)")
+    st = sub.add_parser("status", help="print each worker's node, device, load, cache stats")
+    st.add_argument("--address", default=None, help="Ray address (default: local)")
+    st.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return run_generate(args)
+    if args.command == "generate":
+        return run_generate(args)
+    return run_cluster_command(args)
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML file (see cluster/config.py)")
+    p.add_argument("--address", default=None,
+                   help="Ray address: 'auto' or 'ray://host:10001' (default: a local instance)")
+    p.add_argument("--workers", type=int, default=None, help="number of worker actors")
+    p.add_argument("--model", default=None, help="HF dir, .gguf file or hub id")
+
+
+def run_cluster_command(args) -> int:
+    from cluster import launch
+    from cluster.config import ClusterConfig
+
+    try:
+        if args.command == "up":
+            overrides = dict(address=args.address, num_workers=args.workers, model=args.model)
+            config = (ClusterConfig.from_yaml(args.config, **overrides) if args.config else
+                      ClusterConfig(**{k: v for k, v in overrides.items() if v is not None}))
+            launch.up(config, detached=True)
+            print(launch.status_table(launch.status()))
+            return 0
+        launch.connect(args.address or "auto")
+        if args.command == "down":
+            print(f"stopped {launch.down()} rayguide actors")
+            return 0
+        st = launch.status()
+        print(json.dumps(st, default=str) if args.json else launch.status_table(st))
+        return 0
+    except (ValueError, ConnectionError, TimeoutError) as exc:
+        print(f"rayguide: {exc}", file=sys.stderr)
+        return 1
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

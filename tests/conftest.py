@@ -35,6 +35,28 @@ def default_model(default_model_dir):
     return load_model(default_model_dir, progress=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(default_model_dir, tmp_path_factory):
+    """A tiny random-weight Llama with the default model's real tokenizer: fast to load,
+    for tests of the runtime's plumbing."""
+    import shutil
+
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    for f in default_model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja",
+                                                         "generation_config.json"):
+            shutil.copy(f, path / f.name)
+    return path
+
+
 @pytest.fixture
 def make_engine(default_model_dir, default_model, default_tokenizer):
     """Builds an engine over the shared default model; keyword args go to EngineConfig."""

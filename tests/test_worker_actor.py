@@ -1,24 +1,34 @@
-"""WorkerActor on a local Ray instance with the default model: streaming, guided requests,
-bad input, session end releasing everything, load reports."""
+"""The runtime on a local Ray instance with the real default model: a WorkerActor's
+streaming, guided requests, bad input, session end releasing everything, load reports; and
+one request through the whole path (scheduler, worker, shared grammar cache)."""
 
+import asyncio
+import json
+
+import jsonschema
 import pytest
 import ray
 
+from cluster import launch
+from cluster.client import RuntimeClient
+from cluster.config import ClusterConfig
 from grammar_cache.spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def worker(default_model_dir):
-    from worker.actor import WorkerActor
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    actor = WorkerActor.options(num_cpus=1).remote(
-        {"num_kv_blocks": 256, "progress": False, "num_threads": 1}, "w0")
-    ray.get(actor.health.remote())
-    yield actor
+def runtime(default_model_dir):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+    config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
+                           engine={"num_kv_blocks": 256})
+    yield launch.up(config)
     ray.shutdown()
+
+
+@pytest.fixture
+def worker(runtime):
+    return runtime["workers"][0]
 
 
 def chat(text):
@@ -61,3 +71,23 @@ def test_end_sessions_releases_everything(worker):
     load = ray.get(worker.load.remote())
     assert load["live_sessions"] == 0 and load["live_processors"] == 0
     assert load["free_blocks"] == load["total_blocks"]
+
+
+def test_whole_path_with_the_default_model(runtime):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"]}
+    request = {"prompt": chat("Name a city and its country as JSON."), "session_id": "whole",
+               "params": {"max_new_tokens": 48, "temperature": 0.0},
+               "grammar": GrammarSpec.json_schema(schema).to_dict()}
+    client = RuntimeClient()
+    compiles = ray.get(runtime["cache"].stats.remote())["compiles"]
+    out = asyncio.run(client.complete(request))
+    assert out["finish_reason"] == "stop", out
+    jsonschema.validate(json.loads(out["text"]), schema)
+    assert ray.get(runtime["cache"].stats.remote())["compiles"] == compiles + 1
+    asyncio.run(client.end_session("whole"))
+    ray.get(runtime["scheduler"].flush.remote())
+    load = ray.get(runtime["workers"][0].load.remote())
+    assert load["live_sessions"] == 0 and load["live_processors"] == 0
+

@@ -40,20 +40,30 @@ def request_from_dict(d: dict) -> GenerationRequest:
 
 @ray.remote(max_restarts=-1)
 class WorkerActor:
-    def __init__(self, engine_config: dict | None = None, worker_id: str | None = None):
+    def __init__(self, engine_config: dict | None = None, worker_id: str | None = None,
+                 scheduler: tuple[str, str] | None = None):
+        """scheduler: (name, namespace) of the scheduler actor to register with, at start
+        and again whenever Ray restarts this actor."""
         config = EngineConfig(**(engine_config or {}))
         self.worker_id = worker_id or f"worker-{os.getpid()}"
         self.engine = AsyncEngine(LLMEngine(config))
         self.node_id = ray.get_runtime_context().get_node_id()
         self.device = config.device
         self.started = time.time()
+        if scheduler is not None:
+            try:
+                handle = ray.get_actor(scheduler[0], namespace=scheduler[1])
+                me = ray.get_runtime_context().current_actor
+                handle.register.remote(self.worker_id, me, self.node_id)
+            except ValueError:
+                pass  # no scheduler yet: it finds workers by name when it starts
 
     async def generate(self, request: dict):
         """Streams output chunks (plain dicts) of one request; a bad request raises
         ValueError before the first chunk."""
         req = request_from_dict(request)
         async for out in self.engine.generate(req):
-            yield dataclasses.asdict(out)
+            yield {**dataclasses.asdict(out), "worker_id": self.worker_id}
 
     def end_sessions(self, session_ids: list[str]) -> int:
         for sid in session_ids:

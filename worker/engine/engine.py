@@ -52,6 +52,7 @@ class EngineStats:
     waiting_for_grammar: int = 0
     live_processors: int = 0
     grammar_cache: dict = field(default_factory=dict)
+    session_ids: list = field(default_factory=list)  # sessions with KV or requests here
 
 
 class LLMEngine:
@@ -317,6 +318,8 @@ class LLMEngine:
             waiting_for_grammar=len(self.waiting_for_grammar),
             live_processors=self.guided.num_processors if self.guided else 0,
             grammar_cache=dict(self.guided.stats) if self.guided else {},
+            session_ids=sorted(set(self.blocks.sessions) | {
+                s.session_id for s in self.seqs.values() if s.session_id is not None}),
         )
 
 

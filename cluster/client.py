@@ -1,0 +1,67 @@
+"""RuntimeClient: how a front end (the Serve ingress, the batch job, tests) talks to the
+runtime. It asks the scheduler for a session's worker, then streams the request straight
+from that worker. If the worker dies before the request streamed anything, the scheduler
+is told (it stops routing there at once) and the request is retried on another worker; if
+it dies after tokens were streamed, the stream ends with a clear error chunk instead of a
+silent truncation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from scheduler.actor import NAMESPACE, SCHEDULER_NAME
+
+logger = logging.getLogger(__name__)
+
+_WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+class RuntimeClient:
+    def __init__(self, scheduler=None, *, max_attempts: int = 3):
+        self.scheduler = scheduler or ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+        self.max_attempts = max_attempts
+        self.retries = 0
+
+    async def generate(self, request: dict) -> AsyncIterator[dict]:
+        """Streams the request's chunks (dicts, as WorkerActor.generate yields them). A bad
+        request raises ValueError; Overloaded / NoWorkers come from the scheduler."""
+        session_id = request.get("session_id")
+        expected = request.get("params", {}).get("max_new_tokens", 128)
+        for attempt in range(self.max_attempts):
+            route = await self.scheduler.route.remote(session_id, expected)
+            streamed = False
+            try:
+                async for ref in route["handle"].generate.remote(request):
+                    chunk = await ref
+                    streamed = True
+                    yield chunk
+                return
+            except _WORKER_GONE as exc:
+                await self.scheduler.worker_failed.remote(route["worker_id"])
+                if streamed:
+                    yield {"request_id": request.get("request_id"), "text": "", "token_ids": [],
+                           "finished": True, "finish_reason": "error",
+                           "error": f"worker {route['worker_id']} died while streaming this "
+                                    f"request ({type(exc).__name__}); resend it"}
+                    return
+                self.retries += 1
+                logger.warning("worker %s died before streaming; retrying (attempt %d)",
+                               route["worker_id"], attempt + 2)
+        raise RuntimeError(f"request failed on {self.max_attempts} workers in a row")
+
+    async def complete(self, request: dict) -> dict:
+        """The whole output as one dict (text joined, last chunk's fields)."""
+        text, tokens, last = [], [], {}
+        async for chunk in self.generate(request):
+            text.append(chunk["text"])
+            tokens.extend(chunk["token_ids"])
+            last = chunk
+        return {**last, "text": "".join(text), "token_ids": tokens}
+
+    async def end_session(self, session_id: str) -> None:
+        await self.scheduler.end_session.remote(session_id)

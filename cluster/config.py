@@ -1,0 +1,87 @@
+"""The runtime's configuration: one dataclass, loadable from YAML, overridable by CLI flags.
+
+    model: null                # default model; or an HF dir, a .gguf file, a hub id
+    num_workers: 2
+    worker: {num_cpus: 1, num_gpus: 0, num_threads: 1}
+    engine: {kv_cache_gb: 1.0, max_num_seqs: 64, ...}       # EngineConfig fields
+    grammar_cache: {compile_timeout_s: 10, max_bytes: ...}   # GrammarCacheConfig fields
+    scheduler: {max_queued_tokens: 65536, ...}               # SchedulerConfig fields
+    address: null              # null: a local Ray instance; "auto" or "ray://host:10001"
+    serve: {host: 127.0.0.1, port: 8000}
+
+Unknown keys are errors that name the key, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from grammar_cache.actor import GrammarCacheConfig
+from scheduler.actor import SchedulerConfig
+from worker.engine.config import EngineConfig
+
+
+@dataclass
+class WorkerResources:
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0  # 1 per worker on a GPU cluster: one worker actor per GPU
+    num_threads: int | None = 1  # torch CPU threads per worker
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass
+class ClusterConfig:
+    model: str | None = None
+    num_workers: int = 2
+    address: str | None = None
+    worker: WorkerResources = field(default_factory=WorkerResources)
+    engine: dict = field(default_factory=dict)
+    grammar_cache: dict = field(default_factory=dict)
+    scheduler: dict = field(default_factory=dict)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+    def __post_init__(self):
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if isinstance(self.worker, dict):
+            self.worker = _build(WorkerResources, self.worker, "worker")
+        if isinstance(self.serve, dict):
+            self.serve = _build(ServeConfig, self.serve, "serve")
+        # check the nested sections now, not when an actor starts on some node
+        self.engine_config()
+        _build(GrammarCacheConfig, self.grammar_cache, "grammar_cache")
+        _build(SchedulerConfig, self.scheduler, "scheduler")
+
+    def engine_config(self) -> EngineConfig:
+        values = dict(self.engine)
+        values.setdefault("model", self.model)
+        values.setdefault("num_threads", self.worker.num_threads)
+        values.setdefault("progress", False)
+        if self.worker.num_gpus > 0:
+            values.setdefault("device", "cuda")
+        return _build(EngineConfig, values, "engine")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "ClusterConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return _build(cls, data, str(path))
+
+
+def _build(cls, values: dict, where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(known)}")
+    return cls(**values)

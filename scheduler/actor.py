@@ -1,0 +1,165 @@
+"""SchedulerActor: routes sessions to workers and broadcasts session ends.
+
+A named async Ray actor. Workers register themselves when they start (and again after Ray
+restarts them). ``route(session)`` answers with a worker handle; tokens then flow directly
+between the caller and the worker, never through here. Session ends are collected for a
+few milliseconds and sent as one ``end_sessions([...])`` message per live worker, so a
+burst of ends costs a handful of messages, not one per session and worker. A background
+loop polls each worker's load (which also detects dead workers, dropped at once) and ends
+sessions idle past the timeout. After a restart the scheduler finds the workers by name
+and rebuilds its tables from their reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass
+
+import ray
+
+from scheduler.routing import RoutingTable
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_NAME = "rayguide_scheduler"
+WORKER_PREFIX = "rayguide_worker_"
+NAMESPACE = "rayguide"
+
+
+@dataclass
+class SchedulerConfig:
+    max_queued_tokens: int = 65536  # per worker; beyond it on every worker: overloaded
+    session_idle_timeout_s: float = 600.0
+    broadcast_interval_s: float = 0.005  # session ends are batched this long
+    load_poll_interval_s: float = 0.5
+    rpc_timeout_s: float = 10.0  # a worker that does not answer a load poll is dropped
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
+class SchedulerActor:
+    def __init__(self, config: dict | None = None):
+        self.config = SchedulerConfig(**(config or {}))
+        self.table = RoutingTable(self.config.max_queued_tokens,
+                                  self.config.session_idle_timeout_s)
+        self._pending_ends: list[str] = []
+        self._tasks: list[asyncio.Task] = []
+        self.counts = {"routes": 0, "sessions_ended": 0, "broadcast_messages": 0,
+                       "workers_dropped": 0, "rejected": 0}
+
+    async def _ensure_started(self) -> None:
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._broadcast_loop()),
+                       loop.create_task(self._poll_loop())]
+        await self._rediscover()
+
+    async def _rediscover(self) -> None:
+        """Finds running workers by name (after a scheduler restart) and restores the
+        sessions they hold."""
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] != NAMESPACE or not entry["name"].startswith(WORKER_PREFIX):
+                continue
+            try:
+                handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+                load = await asyncio.wait_for(handle.load.remote(), self.config.rpc_timeout_s)
+            except Exception:
+                continue
+            self.table.add_worker(load["worker_id"], handle, load.get("node_id", ""))
+            self.table.update_load(load["worker_id"], load)
+            self.table.restore_sessions(load["worker_id"], load.get("session_ids", []))
+
+    # the interface ----------------------------------------------------------------------
+
+    async def register(self, worker_id: str, handle, node_id: str = "") -> None:
+        await self._ensure_started()
+        self.table.add_worker(worker_id, handle, node_id)
+        logger.info("worker %s registered (node %s)", worker_id, node_id)
+
+    async def route(self, session_id: str | None = None, expected_tokens: int = 256) -> dict:
+        """{"worker_id", "handle"} of the worker for this session; raises Overloaded or
+        NoWorkers (scheduler/routing.py)."""
+        await self._ensure_started()
+        try:
+            entry = self.table.route(session_id, expected_tokens)
+        except Exception:
+            self.counts["rejected"] += 1  # Overloaded or NoWorkers
+            raise
+        self.counts["routes"] += 1
+        return {"worker_id": entry.worker_id, "handle": entry.handle}
+
+    async def end_session(self, session_id: str) -> None:
+        await self.end_sessions([session_id])
+
+    async def end_sessions(self, session_ids: list[str]) -> None:
+        """Queues the sessions for the next batched broadcast to every live worker."""
+        await self._ensure_started()
+        for sid in session_ids:
+            self.table.end_session(sid)
+        self._pending_ends.extend(session_ids)
+        self.counts["sessions_ended"] += len(session_ids)
+
+    async def worker_failed(self, worker_id: str) -> list[str]:
+        """A caller saw the worker die: stop routing to it now. Returns orphaned sessions."""
+        return self._drop(worker_id)
+
+    async def stats(self) -> dict:
+        await self._ensure_started()
+        return {**self.counts, "sessions": len(self.table.sessions),
+                "config": asdict(self.config),
+                "workers": {w.worker_id: {"node_id": w.node_id, **w.load}
+                            for w in self.table.workers.values()}}
+
+    async def flush(self) -> None:
+        """Sends pending session ends now (tests, shutdown)."""
+        await self._broadcast()
+
+    # background -------------------------------------------------------------------------
+
+    def _drop(self, worker_id: str) -> list[str]:
+        if worker_id not in self.table.workers:
+            return []
+        self.counts["workers_dropped"] += 1
+        logger.warning("worker %s dropped from routing", worker_id)
+        return self.table.drop_worker(worker_id)
+
+    async def _broadcast(self) -> None:
+        if not self._pending_ends:
+            return
+        batch, self._pending_ends = self._pending_ends, []
+        refs = []
+        for entry in list(self.table.workers.values()):
+            refs.append(entry.handle.end_sessions.remote(batch))
+            self.counts["broadcast_messages"] += 1
+        for ref in refs:  # delivery failures surface through the load poll
+            try:
+                await asyncio.wait_for(ref, self.config.rpc_timeout_s)
+            except Exception:
+                pass
+
+    async def _broadcast_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.broadcast_interval_s)
+            await self._broadcast()
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_poll_interval_s)
+            for entry in list(self.table.workers.values()):
+                try:
+                    load = await asyncio.wait_for(entry.handle.load.remote(),
+                                                  self.config.rpc_timeout_s)
+                    self.table.update_load(entry.worker_id, load)
+                except Exception:  # dead, restarting or hung: stop routing to it
+                    self._drop(entry.worker_id)
+            idle = self.table.idle_sessions()
+            if idle:
+                await self.end_sessions(idle)
+
+
+def get_or_create_scheduler(config: SchedulerConfig | None = None, *, detached: bool = False):
+    return SchedulerActor.options(
+        name=SCHEDULER_NAME, namespace=NAMESPACE, get_if_exists=True,
+        lifetime="detached" if detached else None,
+    ).remote(asdict(config or SchedulerConfig()))

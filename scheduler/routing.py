@@ -1,0 +1,100 @@
+"""The scheduler's tables, without Ray: which workers exist and how loaded they are, which
+worker each session lives on, and the routing rule.
+
+route(session): sticky for a session that has a live worker (its KV cache is there);
+otherwise the least-loaded live worker by queued + running tokens, counting what was
+routed to it since its last load report so a burst spreads before the next report. When
+every live worker is over its queue limit the answer is Overloaded (HTTP 429 later), never
+an unbounded queue; with no live worker it is NoWorkers (503).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+class Overloaded(RuntimeError):
+    """Every worker's queue is over its limit; retry later."""
+
+
+class NoWorkers(RuntimeError):
+    """No live worker is registered."""
+
+
+@dataclass
+class WorkerEntry:
+    worker_id: str
+    handle: object
+    node_id: str = ""
+    load: dict = field(default_factory=dict)
+    routed_since_report: int = 0  # tokens routed here since the last load report
+    last_report: float = 0.0
+
+    @property
+    def queued_tokens(self) -> int:
+        return (self.load.get("running_tokens", 0) + self.load.get("waiting_tokens", 0)
+                + self.routed_since_report)
+
+
+class RoutingTable:
+    def __init__(self, max_queued_tokens: int = 65536, session_idle_timeout_s: float = 600.0):
+        self.max_queued_tokens = max_queued_tokens
+        self.session_idle_timeout_s = session_idle_timeout_s
+        self.workers: dict[str, WorkerEntry] = {}
+        self.sessions: dict[str, tuple[str, float]] = {}  # session -> (worker, last used)
+
+    def add_worker(self, worker_id: str, handle, node_id: str = "") -> None:
+        """Registers (or re-registers, after a restart) a worker."""
+        self.workers[worker_id] = WorkerEntry(worker_id, handle, node_id,
+                                              last_report=time.monotonic())
+
+    def drop_worker(self, worker_id: str) -> list[str]:
+        """Removes a dead worker; returns the sessions that were pinned to it (they are
+        routed afresh next time and their KV is recomputed there)."""
+        self.workers.pop(worker_id, None)
+        orphans = [s for s, (w, _) in self.sessions.items() if w == worker_id]
+        for s in orphans:
+            del self.sessions[s]
+        return orphans
+
+    def update_load(self, worker_id: str, load: dict) -> None:
+        entry = self.workers.get(worker_id)
+        if entry is not None:
+            entry.load = load
+            entry.routed_since_report = 0
+            entry.last_report = time.monotonic()
+
+    def route(self, session_id: str | None, expected_tokens: int = 256) -> WorkerEntry:
+        now = time.monotonic()
+        if session_id is not None and session_id in self.sessions:
+            worker_id, _ = self.sessions[session_id]
+            entry = self.workers.get(worker_id)
+            if entry is not None:
+                self.sessions[session_id] = (worker_id, now)
+                entry.routed_since_report += expected_tokens
+                return entry
+        if not self.workers:
+            raise NoWorkers("no worker is alive; the runtime is starting or every worker died")
+        best = min(self.workers.values(), key=lambda w: (w.queued_tokens, w.worker_id))
+        if best.queued_tokens + expected_tokens > self.max_queued_tokens:
+            raise Overloaded(f"every worker has over {self.max_queued_tokens} tokens queued; "
+                             "retry later")
+        best.routed_since_report += expected_tokens
+        if session_id is not None:
+            self.sessions[session_id] = (best.worker_id, now)
+        return best
+
+    def end_session(self, session_id: str) -> bool:
+        return self.sessions.pop(session_id, None) is not None
+
+    def idle_sessions(self) -> list[str]:
+        """Sessions unused for longer than the idle timeout (to be ended)."""
+        limit = time.monotonic() - self.session_idle_timeout_s
+        return [s for s, (_, used) in self.sessions.items() if used < limit]
+
+    def restore_sessions(self, worker_id: str, session_ids: list[str]) -> None:
+        """After a scheduler restart: pins the sessions a worker reports holding."""
+        now = time.monotonic()
+        for s in session_ids:
+            self.sessions.setdefault(s, (worker_id, now))

@@ -1,0 +1,169 @@
+"""The runtime on a 3-node cluster (ray.cluster_utils.Cluster): workers spread over nodes,
+sticky sessions, least-loaded routing, batched session-end broadcast that releases every
+processor, worker death (mid-stream error, retry of requests that streamed nothing),
+scheduler restart. Workers run a tiny random-weight model with the real tokenizer."""
+
+import asyncio
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from cluster import launch
+from cluster.client import RuntimeClient
+from cluster.config import ClusterConfig
+from grammar_cache.spec import GrammarSpec
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_dir):
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
+    config = ClusterConfig(
+        model=str(tiny_model_dir), num_workers=3,
+        worker={"num_cpus": 1, "num_threads": 1},
+        engine={"num_kv_blocks": 128, "max_num_seqs": 16},
+        # a long poll: the tests see what callers' failure reports do on their own
+        scheduler={"load_poll_interval_s": 300.0})
+    handles = launch.up(config)
+    yield handles
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def req(session=None, n=8, grammar=None, text="Hello there"):
+    r = {"prompt": [{"role": "user", "content": text}],
+         "params": {"max_new_tokens": n, "temperature": 0.0}}
+    if session is not None:
+        r["session_id"] = session
+    if grammar is not None:
+        r["grammar"] = grammar.to_dict()
+    return r
+
+
+def loads():
+    return [ray.get(w.load.remote()) for w in launch.handles()["workers"]]
+
+
+def wait_released(timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ls = loads()
+        if all(w["live_sessions"] == 0 and w["live_processors"] == 0
+               and w["free_blocks"] == w["total_blocks"] and w["running"] == 0 for w in ls):
+            return ls
+        time.sleep(0.1)
+    raise AssertionError(f"not released: {loads()}")
+
+
+def test_workers_spread_over_nodes(runtime):
+    nodes = {w["node_id"] for w in loads()}
+    assert len(nodes) == 3
+    assert len(launch.status()["scheduler"]["workers"]) == 3
+
+
+def test_sessions_stick_and_new_ones_spread(runtime):
+    client = RuntimeClient()
+
+    async def main():
+        first = await asyncio.gather(*(client.complete(req(f"s{i}")) for i in range(6)))
+        second = await asyncio.gather(*(client.complete(req(f"s{i}", text="And again?"))
+                                        for i in range(6)))
+        return first, second
+
+    first, second = run(main())
+    assert [a["worker_id"] for a in first] == [b["worker_id"] for b in second]
+    assert len({a["worker_id"] for a in first}) == 3
+    assert all(b["cached_tokens"] > 0 for b in second)  # the session's KV was reused
+    for i in range(6):
+        run(client.end_session(f"s{i}"))
+    wait_released()
+
+
+def test_broadcast_releases_every_processor(runtime):
+    client = RuntimeClient()
+    spec = GrammarSpec.regex("[a-z]{1,12}")
+
+    async def main():
+        outs = await asyncio.gather(*(client.complete(req(f"g{i}", n=6, grammar=spec))
+                                      for i in range(9)))
+        assert all(o["finish_reason"] in ("stop", "length") for o in outs)
+        assert sum(w["live_sessions"] for w in loads()) == 9
+        await asyncio.gather(*(client.end_session(f"g{i}") for i in range(9)))
+
+    run(main())
+    wait_released()
+
+
+def test_burst_of_100_session_ends_is_a_handful_of_messages(runtime):
+    scheduler = launch.handles()["scheduler"]
+    before = ray.get(scheduler.stats.remote())["broadcast_messages"]
+
+    async def main():
+        await asyncio.gather(*(scheduler.end_session.remote(f"burst{i}") for i in range(100)))
+
+    run(main())
+    ray.get(scheduler.flush.remote())
+    sent = ray.get(scheduler.stats.remote())["broadcast_messages"] - before
+    # the 100 calls trickle in over tens of ms, a 5 ms window each: a handful per worker
+    assert 3 <= sent <= 3 * 10, sent
+
+
+def test_restarted_scheduler_rebuilds_its_tables(runtime):
+    client = RuntimeClient()
+    out = run(client.complete(req("keep")))
+    scheduler = launch.handles()["scheduler"]
+    ray.kill(scheduler, no_restart=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait for the new instance (its counters are 0)
+        try:
+            st = ray.get(scheduler.stats.remote(), timeout=5)
+            if st["routes"] == 0 and len(st["workers"]) == 3:
+                break
+        except Exception:
+            pass
+        time.sleep(0.3)
+    assert len(st["workers"]) == 3 and st["sessions"] >= 1
+    again = run(RuntimeClient().complete(req("keep", text="more")))
+    assert again["worker_id"] == out["worker_id"]  # the pin survived the restart
+    run(RuntimeClient().end_session("keep"))
+    wait_released()
+
+
+def test_worker_death_mid_stream_and_before_streaming(runtime):
+    client = RuntimeClient()
+
+    async def mid_stream():
+        chunks = []
+        async for chunk in client.generate(req("doomed", n=400)):
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                ray.kill(ray.get_actor(f"rayguide_worker_{chunk['worker_id'][1:]}",
+                                       namespace="rayguide"), no_restart=True)
+        return chunks
+
+    chunks = run(mid_stream())
+    victim = chunks[0]["worker_id"]
+    assert chunks[-1]["finish_reason"] == "error" and "died while streaming" in chunks[-1]["error"]
+    assert victim not in ray.get(client.scheduler.stats.remote())["workers"]  # dropped at once
+    # a session pinned to a worker that dies before streaming anything is retried elsewhere
+    pinned = run(client.complete(req("pinned")))
+    target = pinned["worker_id"]
+    doomed = ray.get_actor(f"rayguide_worker_{target[1:]}", namespace="rayguide")
+    ray.kill(doomed, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # the kill is asynchronous: wait for it
+        for _ in range(100):
+            ray.get(doomed.health.remote(), timeout=5)
+            time.sleep(0.1)
+    out = run(client.complete(req("pinned", text="still there?")))
+    assert out["finish_reason"] in ("stop", "length") and out["worker_id"] not in (victim, target)
+    assert client.retries == 1

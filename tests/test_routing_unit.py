@@ -1,0 +1,77 @@
+"""The scheduler's routing table without Ray, and the cluster config."""
+
+import time
+
+import pytest
+
+from cluster.config import ClusterConfig
+from scheduler.routing import NoWorkers, Overloaded, RoutingTable
+
+pytestmark = pytest.mark.unit
+
+
+def table(n=3, **kw):
+    t = RoutingTable(**kw)
+    for i in range(n):
+        t.add_worker(f"w{i}", handle=f"h{i}", node_id=f"n{i}")
+    return t
+
+
+def test_sticky_sessions_and_spread_of_new_ones():
+    t = table()
+    first = {s: t.route(s).worker_id for s in ("a", "b", "c")}
+    assert sorted(first.values()) == ["w0", "w1", "w2"]  # a burst spreads before any report
+    assert all(t.route(s).worker_id == w for s, w in first.items())  # later turns stick
+
+
+def test_least_loaded_by_reported_tokens():
+    t = table()
+    t.update_load("w0", {"running_tokens": 5000, "waiting_tokens": 0})
+    t.update_load("w1", {"running_tokens": 100, "waiting_tokens": 900})
+    t.update_load("w2", {"running_tokens": 10, "waiting_tokens": 10})
+    assert t.route("new").worker_id == "w2"
+    assert t.route(None).worker_id == "w2"  # one-shot requests are not pinned
+    assert "new" in t.sessions and len(t.sessions) == 1
+
+
+def test_overloaded_and_no_workers():
+    t = table(2, max_queued_tokens=1000)
+    for w in ("w0", "w1"):
+        t.update_load(w, {"running_tokens": 900, "waiting_tokens": 0})
+    with pytest.raises(Overloaded, match="retry later"):
+        t.route("s", expected_tokens=200)
+    with pytest.raises(NoWorkers, match="no worker is alive"):
+        RoutingTable().route("s")
+
+
+def test_dead_worker_orphans_its_sessions():
+    t = table(2)
+    w = t.route("s").worker_id
+    assert t.drop_worker(w) == ["s"]
+    assert t.route("s").worker_id != w  # re-routed (its KV is recomputed there)
+
+
+def test_idle_sessions_and_restore():
+    t = table(1, session_idle_timeout_s=0.05)
+    t.route("old")
+    time.sleep(0.1)
+    t.route("fresh")
+    assert t.idle_sessions() == ["old"]
+    t2 = table(2)
+    t2.restore_sessions("w1", ["x", "y"])
+    assert t2.route("x").worker_id == "w1"
+
+
+def test_cluster_config_checks_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_workers: 3\nworker: {num_cpus: 0.5}\nengine: {max_num_seqs: 8}\n")
+    config = ClusterConfig.from_yaml(path, model="/m")
+    assert config.num_workers == 3 and config.worker.num_cpus == 0.5
+    assert config.engine_config().max_num_seqs == 8 and config.engine_config().model == "/m"
+    path.write_text("num_wrokers: 3\n")
+    with pytest.raises(ValueError, match="num_wrokers"):
+        ClusterConfig.from_yaml(path)
+    with pytest.raises(ValueError, match="max_num_sequences"):
+        ClusterConfig(engine={"max_num_sequences": 8})
+    with pytest.raises(ValueError, match="num_workers"):
+        ClusterConfig(num_workers=0)
