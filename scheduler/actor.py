@@ -45,7 +45,7 @@ class SchedulerActor:
         self._pending_ends: list[str] = []
         self._tasks: list[asyncio.Task] = []
         self.counts = {"routes": 0, "sessions_ended": 0, "broadcast_messages": 0,
-                       "workers_dropped": 0, "rejected": 0}
+                       "workers_dropped": 0, "rejected": 0, "registrations": 0}
 
     async def _ensure_started(self) -> None:
         if self._tasks:
@@ -75,6 +75,7 @@ class SchedulerActor:
     async def register(self, worker_id: str, handle, node_id: str = "") -> None:
         await self._ensure_started()
         self.table.add_worker(worker_id, handle, node_id)
+        self.counts["registrations"] += 1
         logger.info("worker %s registered (node %s)", worker_id, node_id)
 
     async def route(self, session_id: str | None = None, expected_tokens: int = 256) -> dict:

@@ -139,6 +139,23 @@ def test_restarted_scheduler_rebuilds_its_tables(runtime):
     wait_released()
 
 
+def test_restarted_worker_registers_again(runtime):
+    client = RuntimeClient()
+    first = run(client.complete(req("phoenix")))
+    wid = first["worker_id"]
+    handle = ray.get_actor(f"rayguide_worker_{wid[1:]}", namespace="rayguide")
+    before = ray.get(client.scheduler.stats.remote())["registrations"]
+    ray.kill(handle, no_restart=False)  # Ray restarts it (max_restarts=-1)
+    deadline = time.monotonic() + 90
+    while ray.get(client.scheduler.stats.remote())["registrations"] == before:
+        assert time.monotonic() < deadline, "the restarted worker did not register again"
+        time.sleep(0.3)
+    again = run(client.complete(req("phoenix", text="back?")))
+    assert again["worker_id"] == wid and again["cached_tokens"] == 0  # KV was lost
+    run(client.end_session("phoenix"))
+    wait_released()
+
+
 def test_worker_death_mid_stream_and_before_streaming(runtime):
     client = RuntimeClient()
 

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.integration
 def runtime(default_model_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rayguide")
     config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
-                           engine={"num_kv_blocks": 256})
+                           engine={"num_kv_blocks": 256},
+                           scheduler={"session_idle_timeout_s": 5.0, "load_poll_interval_s": 0.5})
     yield launch.up(config)
     ray.shutdown()
 
@@ -90,4 +91,20 @@ def test_whole_path_with_the_default_model(runtime):
     ray.get(runtime["scheduler"].flush.remote())
     load = ray.get(runtime["workers"][0].load.remote())
     assert load["live_sessions"] == 0 and load["live_processors"] == 0
+
+
+def test_forgotten_sessions_end_after_the_idle_timeout(runtime):
+    import time
+
+    client = RuntimeClient()
+    asyncio.run(client.complete({"prompt": chat("Hi"), "session_id": "forgotten",
+                                 "params": {"max_new_tokens": 4}}))
+    worker = runtime["workers"][0]
+    assert "forgotten" in ray.get(worker.load.remote())["session_ids"]
+    deadline = time.monotonic() + 30
+    while "forgotten" in ray.get(worker.load.remote())["session_ids"]:
+        assert time.monotonic() < deadline, "the idle session was never ended"
+        time.sleep(0.5)
+    load = ray.get(worker.load.remote())
+    assert load["free_blocks"] == load["total_blocks"]
 
