@@ -208,7 +208,9 @@ def test_envelope_mismatch_is_caught():
 def test_byte_limit_evicts_least_recently_used():
     info = tiny_info()
     fp = tokenizer_fingerprint(info)
-    cache = GrammarCache(GrammarCacheConfig(compile_processes=1))
+    # no compile-locally verdicts: every entry is a full envelope of about the same size
+    cache = GrammarCache(GrammarCacheConfig(compile_processes=1,
+                                            local_verdict_factor=float("inf")))
     cache.register_tokenizer(fp, info.serialize_json())
 
     async def get(i):
