@@ -1,0 +1,591 @@
+"""Batch job: run a JSONL file of (guided) generation requests through the rayguide runtime.
+
+    ray job submit --working-dir . -- python -m deploy.batch_job \\
+        --input /data/in.jsonl --output /data/out.jsonl [--schema schema.json]
+
+Input: one JSON object per line (blank lines are ignored).
+
+- ``prompt`` (text, sent as is) or ``messages`` (chat messages, rendered with the model's
+  chat template); exactly one of them.
+- at most one format: ``schema`` (a JSON schema, or OpenAI's ``{name, schema, strict}``),
+  ``response_format`` (OpenAI: ``{"type": "json_schema", "json_schema": {"name": ..,
+  "schema": {..}}}``, ``{"type": "json_object"}``, ``{"type": "text"}``, or
+  ``{"type": "regex_schema", "regex_schema": ".."}``), ``regex`` (a pattern) or ``choice``
+  (a list of strings). ``--schema FILE`` applies to every line that names none of these.
+- sampling: ``max_tokens`` (or ``max_new_tokens``), ``temperature``, ``top_p``, ``top_k``,
+  ``seed``, ``stop`` (a string or a list), and the other ``SamplingParams`` fields; the
+  flags ``--max-tokens`` (256) and ``--temperature`` (0: greedy) are the defaults.
+- ``id``: a string or an integer, unique in the file; without one, the line number
+  (1-based) is the id. Other keys are ignored (keep your metadata there).
+
+Output: one JSON object per input line, in input order: ``id``, ``line``, ``text``,
+``finish_reason`` (``stop``, ``length`` or ``error``), ``usage`` (``prompt_tokens``,
+``completion_tokens``), for a JSON format (``schema``, ``json_schema``, ``json_object``)
+the parsed value as ``json`` when the text parses (a ``length`` finish can cut it short),
+and ``error`` when the line failed: malformed JSON, no prompt, a bad parameter, an
+invalid schema or regex, a worker error. A failed line never stops the job. Each result
+is written (and flushed) as soon as every earlier line is written, so an interrupted job
+leaves a finished prefix.
+
+Resume: re-running with the same ``--output`` skips every id that already has a result
+there and appends the rest (a half-written last line is cut off first). Lines whose
+result is an error are skipped too, unless ``--retry-errors``: then their error rows are
+removed from the output file and the lines run again, their new results appended after
+the others (so the file is in input order except for those).
+
+Runtime: the job uses the running runtime (``rayguide up``) of the cluster it runs on
+(``--address``, default: the cluster of the Ray job, else a running local one). If there
+is none, it starts its own for the job's length, from ``--model``, ``--workers`` and
+``--config`` (a YAML file as for ``rayguide up``); those flags are ignored when a runtime
+is running. It kills the actors it started when it ends (they are owned by the job, so
+Ray removes them anyway if it is killed); it never touches a runtime it found.
+
+Paths are read and written by the job's driver, on the head node; in a Ray job a relative
+path is relative to the uploaded copy of the working directory, so give an absolute
+``--output`` (or one on shared storage).
+
+``--concurrency`` (32) requests are in flight at once; progress goes to stderr (tqdm) and
+a last line to stdout: ``batch_job: done=N skipped=N errors=N seconds=S output=PATH``
+(done: lines run by this run, errors among them; skipped: already in the output).
+Exit code 0 when the job ran (whatever the per-line errors), 2 for bad flags or files,
+1 when the runtime cannot be reached or started, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from grammar_cache.spec import GrammarSpec
+
+FORMAT_KEYS = ("schema", "response_format", "regex", "choice")
+MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+JSON_KINDS = ("json_schema", "json_object")
+
+
+class LineError(ValueError):
+    """What is wrong with one input line (it becomes that line's ``error``)."""
+
+
+# ---- parsing one line -------------------------------------------------------------------
+
+@dataclass
+class Item:
+    """One input line to run: its id, the request for the runtime (or why there is none),
+    and whether its output is JSON."""
+
+    line: int
+    id: Any
+    request: dict | None = None
+    error: str | None = None
+    is_json: bool = False
+
+
+def id_key(value: Any) -> str:
+    """Ids compare as JSON text: 3 and "3" are different ids."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _valid_id(value: Any) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+def line_id(obj: Any, line: int) -> Any:
+    """The line's id: its ``id`` when that is a string or an integer, else the line number."""
+    if isinstance(obj, dict) and _valid_id(obj.get("id")):
+        return obj["id"]
+    return line
+
+
+def grammar_of(obj: dict, default: GrammarSpec | None) -> GrammarSpec | None:
+    given = [k for k in FORMAT_KEYS if obj.get(k) is not None]
+    if len(given) > 1:
+        raise LineError(f"give at most one format, got {', '.join(given)}")
+    if not given:
+        return default
+    key = given[0]
+    value = obj[key]
+    try:
+        if key == "schema":
+            return GrammarSpec.json_schema(value)
+        if key == "response_format":
+            return GrammarSpec.from_response_format(value)
+        if key == "regex":
+            if not isinstance(value, str):
+                raise LineError("regex must be a string")
+            return GrammarSpec.regex(value)
+        return GrammarSpec.choice(value)
+    except LineError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise LineError(f"invalid {key}: {exc}") from None
+
+
+def prompt_of(obj: dict):
+    has_prompt, has_messages = obj.get("prompt") is not None, obj.get("messages") is not None
+    if has_prompt and has_messages:
+        raise LineError("give `prompt` or `messages`, not both")
+    if has_prompt:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise LineError("`prompt` must be a non-empty string")
+        return obj["prompt"]
+    if has_messages:
+        msgs = obj["messages"]
+        if (not isinstance(msgs, list) or not msgs
+                or any(not isinstance(m, dict) or "role" not in m for m in msgs)):
+            raise LineError("`messages` must be a non-empty list of {role, content} objects")
+        return msgs
+    raise LineError("the line has no `prompt` or `messages`")
+
+
+def params_of(obj: dict, defaults: dict) -> dict:
+    from worker.engine.sampling import SamplingParams
+
+    known = {f for f in SamplingParams.__dataclass_fields__}
+    params = dict(defaults)
+    given = [k for k in MAX_TOKENS_KEYS if obj.get(k) is not None]
+    if len(given) > 1:
+        raise LineError(f"give one of {', '.join(given)}")
+    if given:
+        params["max_new_tokens"] = obj[given[0]]
+    for name in known - {"max_new_tokens"}:
+        if obj.get(name) is not None:
+            params[name] = obj[name]
+    try:
+        SamplingParams.from_dict(params)  # checked here: a bad value fails its line at once
+    except (ValueError, TypeError) as exc:
+        raise LineError(str(exc)) from None
+    return params
+
+
+def parse_line(text: str | None, line: int, *, defaults: dict,
+               default_grammar: GrammarSpec | None, run_tag: str) -> Item:
+    """The Item for one input line (text None: not UTF-8); its ``error`` says what is
+    wrong, if anything."""
+    if text is None:
+        return Item(line, line, error=f"line {line} is not valid UTF-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return Item(line, line, error=f"line {line} is not valid JSON: {exc}")
+    item = Item(line, line_id(obj, line))
+    try:
+        if not isinstance(obj, dict):
+            raise LineError(f"line {line} is not a JSON object")
+        if obj.get("id") is not None and not _valid_id(obj["id"]):
+            raise LineError("`id` must be a string or an integer")
+        grammar = grammar_of(obj, default_grammar)
+        request = {"prompt": prompt_of(obj), "params": params_of(obj, defaults),
+                   "request_id": f"batch-{run_tag}-{line}"}
+        if grammar is not None:
+            request["grammar"] = grammar.to_dict()
+            item.is_json = grammar.kind in JSON_KINDS
+        item.request = request
+    except LineError as exc:
+        item.error = str(exc)
+    return item
+
+
+def load_schema(value: str) -> GrammarSpec:
+    """--schema: a file with a JSON schema (or the schema inline)."""
+    if os.path.exists(value):
+        with open(value) as f:
+            text = f.read()
+    elif value.lstrip().startswith(("{", "[")):
+        text = value
+    else:
+        raise ValueError(f"--schema {value}: no such file")
+    try:
+        return GrammarSpec.json_schema(text)
+    except ValueError as exc:
+        raise ValueError(f"--schema {value}: {exc}") from None
+
+
+# ---- results -----------------------------------------------------------------------------
+
+def error_row(item: Item, error: str, out: dict | None = None) -> dict:
+    out = out or {}
+    return {"id": item.id, "line": item.line, "text": out.get("text", ""),
+            "finish_reason": "error",
+            "usage": {"prompt_tokens": out.get("prompt_tokens", 0),
+                      "completion_tokens": out.get("completion_tokens", 0)},
+            "error": error}
+
+
+def result_row(item: Item, out: dict) -> dict:
+    if out.get("finish_reason") == "error":
+        return error_row(item, out.get("error") or "the request failed", out)
+    row = {"id": item.id, "line": item.line, "text": out.get("text", ""),
+           "finish_reason": out.get("finish_reason"),
+           "usage": {"prompt_tokens": out.get("prompt_tokens", 0),
+                     "completion_tokens": out.get("completion_tokens", 0)}}
+    if item.is_json:
+        try:
+            row["json"] = json.loads(row["text"])
+        except ValueError:
+            pass  # cut short by max_tokens: the text is there, the value is not
+    return row
+
+
+def exception_message(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)  # a RayTaskError carries the remote exception
+    if isinstance(cause, BaseException):
+        exc = cause
+    if isinstance(exc, ValueError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _is_transient(exc: BaseException) -> bool:
+    from scheduler.routing import NoWorkers, Overloaded
+
+    cause = getattr(exc, "cause", None)
+    return isinstance(exc, (Overloaded, NoWorkers)) or isinstance(cause, (Overloaded, NoWorkers))
+
+
+async def run_item(client, item: Item, *, attempts: int = 8) -> dict:
+    """The output row of one item; never raises (except on cancellation)."""
+    if item.error is not None:
+        return error_row(item, item.error)
+    delay = 0.5
+    for attempt in range(attempts):
+        try:
+            return result_row(item, await client.complete(item.request))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes this line's error
+            if _is_transient(exc) and attempt + 1 < attempts:
+                await asyncio.sleep(delay)  # every worker busy, or restarting: wait
+                delay = min(delay * 2, 10.0)
+                continue
+            return error_row(item, exception_message(exc))
+    raise AssertionError("unreachable")
+
+
+# ---- resume --------------------------------------------------------------------------------
+
+def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
+    """Prepares the output file for appending and returns (ids to skip, error rows
+    dropped). Cuts a half-written last line; with retry_errors, rewrites the file without
+    its error rows (atomically) so the retried lines appear once."""
+    if not os.path.exists(path):
+        return set(), 0
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        print(f"batch_job: cutting a half-written last line off {path}", file=sys.stderr)
+        with open(path, "r+b") as f:
+            f.truncate(end)
+        data = data[:end]
+    done, failed, rows = set(), set(), []
+    for raw in data.splitlines(keepends=True):
+        try:
+            row = json.loads(raw)
+            key = id_key(row["id"])
+        except (ValueError, KeyError, TypeError):
+            rows.append((raw, None))
+            continue
+        (failed if row.get("error") else done).add(key)
+        rows.append((raw, row))
+    failed -= done
+    if not retry_errors:
+        return done | failed, 0
+    dropped = [raw for raw, row in rows if row is not None and row.get("error")]
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.writelines(raw for raw, row in rows if row is None or not row.get("error"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return done, len(dropped)
+
+
+@dataclass
+class Plan:
+    todo: list[int] = field(default_factory=list)  # line numbers to run, in order
+    duplicates: dict[int, str] = field(default_factory=dict)  # line -> error
+    skipped: int = 0
+
+
+def plan(input_path: str, skip: set[str]) -> Plan:
+    """First pass over the input: which lines to run (ids not yet in the output)."""
+    p, first_line = Plan(), {}
+    for line, text in input_lines(input_path):
+        if text is not None and not text.strip():
+            continue
+        try:
+            key = id_key(line_id(json.loads(text), line))
+        except (TypeError, json.JSONDecodeError):
+            key = id_key(line)
+        if key in skip:
+            p.skipped += 1
+            continue
+        if key in first_line:
+            p.duplicates[line] = f"duplicate id {key} (first on line {first_line[key]})"
+        else:
+            first_line[key] = line
+        p.todo.append(line)
+    return p
+
+
+def input_lines(path: str):
+    """(line number, text) per line; text is None for a line that is not valid UTF-8."""
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            try:
+                yield line, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield line, None
+
+
+def items(input_path: str, p: Plan, **parse_kwargs):
+    """Second pass: the Items of the planned lines, in order."""
+    wanted = iter(p.todo)
+    next_line = next(wanted, None)
+    for line, text in input_lines(input_path):
+        if next_line is None:
+            return
+        if line != next_line:
+            continue
+        item = parse_line(text, line, **parse_kwargs)
+        if line in p.duplicates:
+            item.request, item.error = None, p.duplicates[line]
+        yield item
+        next_line = next(wanted, None)
+
+
+# ---- the pipeline --------------------------------------------------------------------------
+
+async def process(item_iter, client, out_file, *, concurrency: int = 32, progress=None,
+                  counts: dict | None = None) -> dict:
+    """Runs the items with ``concurrency`` in flight; writes each row (and flushes) once
+    every earlier row is written. Counts rows written and errors among them in ``counts``
+    (kept up to date, so an interrupted run still knows), and returns it."""
+    window = max(4 * concurrency, 64)  # rows that may wait for an earlier, slower one
+    slots = asyncio.Semaphore(concurrency)
+    advanced = asyncio.Condition()
+    ready: dict[int, dict] = {}
+    counts = counts if counts is not None else {}
+    counts.setdefault("done", 0)
+    counts.setdefault("errors", 0)
+    state = {"next": 0}
+    tasks = set()
+
+    async def finish(seq: int, row: dict) -> None:
+        ready[seq] = row
+        async with advanced:
+            while state["next"] in ready:
+                r = ready.pop(state["next"])
+                text = json.dumps(r, ensure_ascii=False)
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:  # a lone surrogate: write it escaped
+                    text = json.dumps(r)
+                out_file.write(text + "\n")
+                out_file.flush()
+                counts["done"] += 1
+                counts["errors"] += "error" in r
+                if progress is not None:
+                    progress.update(1)
+                state["next"] += 1
+            advanced.notify_all()
+
+    async def one(seq: int, item: Item) -> None:
+        try:
+            row = await run_item(client, item)
+        finally:
+            slots.release()
+        await finish(seq, row)
+
+    for seq, item in enumerate(item_iter):
+        async with advanced:
+            await advanced.wait_for(lambda: seq - state["next"] < window)
+        await slots.acquire()
+        task = asyncio.create_task(one(seq, item))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*list(tasks))
+    return counts
+
+
+# ---- the runtime ---------------------------------------------------------------------------
+
+def _connect(address: str | None) -> None:
+    from cluster import launch
+
+    if address is not None:
+        launch.connect(address)
+        return
+    try:
+        launch.connect("auto")  # the Ray job's cluster (RAY_ADDRESS), or a running local one
+    except ConnectionError:
+        launch.connect(None)  # none: a Ray instance in this process
+
+
+def acquire_runtime(args) -> tuple[dict, list[str]]:
+    """(handles, names of the actors this job started)."""
+    import ray
+
+    from cluster import launch
+    from cluster.config import ClusterConfig
+    from scheduler.actor import NAMESPACE
+
+    _connect(args.address)
+    try:
+        handles = launch.handles()
+        if not handles["workers"]:
+            raise ValueError("the rayguide runtime on this cluster has no workers")
+        ignored = [f for f in ("model", "workers", "config") if getattr(args, f) is not None]
+        if ignored:
+            print(f"batch_job: using the running runtime; ignoring "
+                  f"{', '.join('--' + f for f in ignored)}", file=sys.stderr)
+        return handles, []
+    except ValueError as exc:
+        if "no rayguide runtime" not in str(exc):
+            raise
+    overrides = {"model": args.model, "num_workers": args.workers}
+    config = (ClusterConfig.from_yaml(args.config, **overrides) if args.config else
+              ClusterConfig(**{k: v for k, v in overrides.items() if v is not None}))
+
+    def names():
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == NAMESPACE}
+
+    before = names()
+    print(f"batch_job: no runtime running; starting one ({config.num_workers} workers, "
+          f"model {config.model or 'default'})", file=sys.stderr)
+    started = time.monotonic()
+    try:
+        handles = launch.up(config)
+    except BaseException:
+        release_runtime(sorted(names() - before))
+        raise
+    owned = sorted(names() - before)
+    print(f"batch_job: runtime up in {time.monotonic() - started:.1f} s", file=sys.stderr)
+    return handles, owned
+
+
+def release_runtime(owned: list[str]) -> None:
+    import ray
+
+    from scheduler.actor import NAMESPACE
+
+    for name in owned:
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m deploy.batch_job",
+        description="Run a JSONL file of (guided) generation requests on the rayguide "
+                    "runtime; results in input order, resumable.",
+        epilog="Details (input and output fields, resume, runtime): the module docstring "
+               "of deploy/batch_job.py.")
+    p.add_argument("--input", required=True, help="JSONL file, one request per line")
+    p.add_argument("--output", required=True, help="JSONL results (appended to: resume)")
+    p.add_argument("--schema", default=None, metavar="FILE",
+                   help="JSON schema for every line that gives no format of its own")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight (32)")
+    p.add_argument("--retry-errors", action="store_true",
+                   help="run again the lines whose result in --output is an error")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="default max_tokens for lines without one (256)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="default temperature for lines without one (0: greedy)")
+    p.add_argument("--address", default=None,
+                   help="Ray address (default: the job's cluster, else a local one)")
+    g = p.add_argument_group("the job's own runtime (only when none is running)")
+    g.add_argument("--model", default=None, help="HF dir, .gguf file or hub id")
+    g.add_argument("--workers", type=int, default=None, help="worker actors (2)")
+    g.add_argument("--config", default=None, metavar="YAML", help="as for `rayguide up`")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.concurrency < 1:
+        p.error("--concurrency must be >= 1")
+    return args
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+    if in_job and not os.path.isabs(args.output):
+        print(f"batch_job: warning: --output {args.output} is relative: it is written into "
+              f"the job's copy of the working directory ({os.getcwd()}); give an absolute "
+              "path to keep it", file=sys.stderr)
+    try:
+        default_grammar = load_schema(args.schema) if args.schema else None
+        if os.path.abspath(args.input) == os.path.abspath(args.output):
+            raise ValueError("--input and --output are the same file")
+        if not os.path.isfile(args.input):
+            raise ValueError(f"--input {args.input}: no such file")
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        skip, dropped = scan_output(args.output, args.retry_errors)
+        work = plan(args.input, skip)
+    except (ValueError, OSError) as exc:
+        print(f"batch_job: {exc}", file=sys.stderr)
+        return 2
+    if dropped:
+        print(f"batch_job: retrying {dropped} lines that failed before", file=sys.stderr)
+    counts = {"done": 0, "errors": 0}
+    owned: list[str] = []
+    code = 0
+    # `ray job stop` (SIGTERM): print the summary and kill the actors this job started
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if work.todo:
+            from tqdm import tqdm
+
+            from cluster.client import RuntimeClient
+
+            try:
+                handles, owned = acquire_runtime(args)
+            except (ValueError, ConnectionError, TimeoutError) as exc:
+                print(f"batch_job: {exc}", file=sys.stderr)
+                return 1
+            client = RuntimeClient(handles["scheduler"])
+            defaults = {"max_new_tokens": args.max_tokens, "temperature": args.temperature}
+            parse_kwargs = dict(defaults=defaults, default_grammar=default_grammar,
+                                run_tag=uuid.uuid4().hex[:8])
+            with open(args.output, "a", encoding="utf-8") as out, \
+                    tqdm(total=len(work.todo), file=sys.stderr, unit="line",
+                         disable=args.quiet, mininterval=0.5 if sys.stderr.isatty() else 5,
+                         desc="batch_job") as bar:
+                asyncio.run(process(items(args.input, work, **parse_kwargs), client, out,
+                                    concurrency=args.concurrency, progress=bar, counts=counts))
+    except KeyboardInterrupt:
+        print("batch_job: interrupted; finished lines are in the output: run again to "
+              "resume", file=sys.stderr)
+        code = 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if owned:
+            release_runtime(owned)
+    print(f"batch_job: done={counts['done']} skipped={work.skipped} errors={counts['errors']} "
+          f"seconds={time.monotonic() - started:.1f} output={os.path.abspath(args.output)}",
+          flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
