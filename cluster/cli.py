@@ -1,5 +1,5 @@
-"""The ``rayguide`` command line: generate (local, no Ray), up / down / status (the runtime
-on a Ray cluster)."""
+"""The ``rayguide`` command line: serve (the runtime plus its OpenAI endpoint, in the
+foreground), generate (local, no Ray), up / down / status (the runtime on a Ray cluster)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,14 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rayguide", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="start the runtime and its OpenAI-compatible HTTP "
+                         "endpoint (Ray Serve); Ctrl-C stops both")
+    add_cluster_args(srv)
+    srv.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' (default: $RAYGUIDE_API_KEY)")
+    srv.add_argument("--replicas", type=int, default=1, help="HTTP front-end replicas")
     gen = sub.add_parser("generate", help="run prompts through the engine locally (no Ray)")
     add_generate_args(gen)
     up = sub.add_parser("up", help="start the runtime (grammar cache, scheduler, workers) "
@@ -26,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
     return run_cluster_command(args)
 
 
@@ -59,6 +69,44 @@ def run_cluster_command(args) -> int:
     except (ValueError, ConnectionError, TimeoutError) as exc:
         print(f"rayguide: {exc}", file=sys.stderr)
         return 1
+
+
+def run_serve(args) -> int:
+    import os
+    import signal
+    import threading
+
+    from cluster.config import ClusterConfig
+    from deploy import service
+
+    try:
+        overrides = dict(address=args.address, num_workers=args.workers, model=args.model)
+        config = (ClusterConfig.from_yaml(args.config, **overrides) if args.config else
+                  ClusterConfig(**{k: v for k, v in overrides.items() if v is not None}))
+    except (ValueError, OSError) as exc:
+        print(f"rayguide: {exc}", file=sys.stderr)
+        return 2
+    host = args.host or config.serve.host
+    port = args.port or config.serve.port
+    api_key = args.api_key or os.environ.get("RAYGUIDE_API_KEY") or None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"rayguide: starting {config.num_workers} worker(s) and the HTTP endpoint "
+          f"on {host}:{port} ...", file=sys.stderr)
+    try:
+        svc = service.start(config, host=host, port=port, api_key=api_key,
+                            num_replicas=args.replicas)
+    except (ValueError, ConnectionError, TimeoutError, RuntimeError) as exc:
+        print(f"rayguide: {exc}", file=sys.stderr)
+        return 1
+    print(f"rayguide: serving the OpenAI API at {svc.url}/v1 (Ctrl-C stops). Try:\n\n"
+          f"{svc.curl_example()}\n", flush=True)
+    while not stop.wait(0.5):
+        pass
+    print("rayguide: shutting down", file=sys.stderr)
+    service.stop(svc)
+    return 0
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

@@ -34,24 +34,35 @@ class RuntimeClient:
         expected = request.get("params", {}).get("max_new_tokens", 128)
         for attempt in range(self.max_attempts):
             route = await self.scheduler.route.remote(session_id, expected)
-            streamed = False
+            streamed = finished = False
             try:
                 async for ref in route["handle"].generate.remote(request):
                     chunk = await ref
                     streamed = True
+                    finished = chunk.get("finished", False)
                     yield chunk
                 return
             except _WORKER_GONE as exc:
+                finished = True  # nothing left to abort there
                 await self.scheduler.worker_failed.remote(route["worker_id"])
                 if streamed:
                     yield {"request_id": request.get("request_id"), "text": "", "token_ids": [],
                            "finished": True, "finish_reason": "error",
+                           "error_kind": "worker_died",
                            "error": f"worker {route['worker_id']} died while streaming this "
                                     f"request ({type(exc).__name__}); resend it"}
                     return
                 self.retries += 1
                 logger.warning("worker %s died before streaming; retrying (attempt %d)",
                                route["worker_id"], attempt + 2)
+            finally:
+                # the caller stopped early (client disconnected, task cancelled): free the
+                # request's KV and matcher on the worker now, not when it would have ended
+                if not finished and request.get("request_id"):
+                    try:
+                        route["handle"].abort.remote(request["request_id"])
+                    except Exception:  # the worker is gone: nothing to free
+                        pass
         raise RuntimeError(f"request failed on {self.max_attempts} workers in a row")
 
     async def complete(self, request: dict) -> dict:

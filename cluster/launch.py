@@ -54,7 +54,8 @@ def ray_executable() -> str:
 
 
 def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> dict:
-    """Starts (or finds) every component; returns their handles."""
+    """Starts (or finds) every component; returns their handles. Keep them: actors that are
+    not detached end when the last handle to them goes away."""
     connect(config.address, start_head=detached)
     lifetime = "detached" if detached else None
     cache = get_or_create_actor(GrammarCacheConfig(**config.grammar_cache), detached=detached)

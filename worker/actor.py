@@ -23,6 +23,8 @@ from worker.engine.engine import LLMEngine
 from worker.engine.sampling import SamplingParams
 from worker.engine.sequence import GenerationRequest
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 def request_from_dict(d: dict) -> GenerationRequest:
     """A GenerationRequest from plain data (what crosses the Ray boundary)."""
@@ -38,6 +40,14 @@ def request_from_dict(d: dict) -> GenerationRequest:
     return GenerationRequest(params=params, grammar=grammar, **d)
 
 
+def served_model_name(model: str | None) -> str:
+    """The name clients see (``/v1/models``): the default model's, or the last part of a
+    path or hub id."""
+    if not model:
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
+
+
 @ray.remote(max_restarts=-1)
 class WorkerActor:
     def __init__(self, engine_config: dict | None = None, worker_id: str | None = None,
@@ -49,6 +59,7 @@ class WorkerActor:
         self.engine = AsyncEngine(LLMEngine(config))
         self.node_id = ray.get_runtime_context().get_node_id()
         self.device = config.device
+        self.model_name = served_model_name(config.model)
         self.started = time.time()
         if scheduler is not None:
             try:
@@ -62,8 +73,14 @@ class WorkerActor:
         """Streams output chunks (plain dicts) of one request; a bad request raises
         ValueError before the first chunk."""
         req = request_from_dict(request)
+        tokenizer = self.engine.engine.tokenizer
         async for out in self.engine.generate(req):
-            yield {**dataclasses.asdict(out), "worker_id": self.worker_id}
+            chunk = {**dataclasses.asdict(out), "worker_id": self.worker_id}
+            if out.logprobs:  # front ends show tokens as text; only the worker has the vocab
+                chunk["logprob_tokens"] = [
+                    [tokenizer.decode([tid]), [tokenizer.decode([alt]) for alt, _ in top]]
+                    for tid, (_, top) in zip(out.token_ids, out.logprobs)]
+            yield chunk
 
     def end_sessions(self, session_ids: list[str]) -> int:
         for sid in session_ids:
@@ -75,7 +92,7 @@ class WorkerActor:
 
     async def load(self) -> dict:
         stats = dataclasses.asdict(await self.engine.stats())
-        stats.update(worker_id=self.worker_id, node_id=self.node_id, device=self.device,
+        stats.update(worker_id=self.worker_id, model=self.model_name, node_id=self.node_id, device=self.device,
                      host=socket.gethostname(), pid=os.getpid())
         return stats
 

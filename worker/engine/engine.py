@@ -196,8 +196,8 @@ class LLMEngine:
             logits, rows = self.runner.run(scheduled)
         except Exception as exc:  # a failed forward fails its batch, not the engine
             logger.exception("model step failed")
-            return outputs + [self._finish(s.seq, "error", error=f"model step failed: {exc}")
-                              for s in scheduled]
+            return outputs + [self._finish(s.seq, "error", error=f"model step failed: {exc}",
+                                           error_kind="internal") for s in scheduled]
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
         if sampling:
@@ -218,7 +218,8 @@ class LLMEngine:
             fut = seq.grammar_future
             if fut.done():
                 if fut.exception() is not None:
-                    outputs.append(self._finish(seq, "error", error=str(fut.exception())))
+                    outputs.append(self._finish(seq, "error", error=str(fut.exception()),
+                                                error_kind="grammar"))
                     continue
                 self.waiting_for_grammar.remove(seq)
                 self.guided.add_processor(seq.processor_key, fut.result())
@@ -227,7 +228,7 @@ class LLMEngine:
             elif time.monotonic() - seq.arrival > limit:
                 outputs.append(self._finish(seq, "error", error=(
                     f"compiling the {seq.grammar.kind} grammar took longer than {limit:g} s; "
-                    "simplify the grammar")))
+                    "simplify the grammar"), error_kind="grammar"))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob,
@@ -237,7 +238,8 @@ class LLMEngine:
         lps = [logprob] if logprob is not None else None
         if status is not None and status.error:
             return self._finish(seq, "error", new_tokens=[token], logprobs=lps,
-                                error=f"request {seq.request_id}: {status.error}")
+                                error=f"request {seq.request_id}: {status.error}",
+                                error_kind="rejected")
         reason = None
         is_eos = token in self.eos_ids and not p.ignore_eos
         if (status is not None and status.terminated) or is_eos or token in p.stop_token_ids:
@@ -255,8 +257,8 @@ class LLMEngine:
         return RequestOutput(seq.request_id, text, [token], lps, **self._usage(seq))
 
     def _finish(self, seq: Sequence, reason: str, *, text: str = "", new_tokens=(),
-                logprobs=None, error: str | None = None, keep_session: bool = True
-                ) -> RequestOutput:
+                logprobs=None, error: str | None = None, error_kind: str | None = None,
+                keep_session: bool = True) -> RequestOutput:
         if seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
             self.waiting_for_grammar.remove(seq)
             seq.status = SeqStatus.FINISHED
@@ -273,7 +275,8 @@ class LLMEngine:
         else:
             self.blocks.free(seq.block_table)
         return RequestOutput(seq.request_id, text, list(new_tokens), logprobs, finished=True,
-                             finish_reason=reason, error=error, **self._usage(seq))
+                             finish_reason=reason, error=error, error_kind=error_kind,
+                             **self._usage(seq))
 
     def _unschedulable(self) -> list[RequestOutput]:
         """Nothing could run: the head of the queue needs more KV than the whole cache
@@ -328,6 +331,6 @@ def _merge(acc: RequestOutput, out: RequestOutput) -> None:
     acc.token_ids.extend(out.token_ids)
     if out.logprobs:
         acc.logprobs.extend(out.logprobs)
-    for name in ("finished", "finish_reason", "error", "prompt_tokens", "completion_tokens",
-                 "cached_tokens"):
+    for name in ("finished", "finish_reason", "error", "error_kind", "prompt_tokens",
+                 "completion_tokens", "cached_tokens"):
         setattr(acc, name, getattr(out, name))

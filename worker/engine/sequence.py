@@ -44,6 +44,10 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
+    # who caused the error: "grammar" (the request's grammar is invalid or compiles too
+    # slowly: the client's to fix), "internal" (the engine failed), "rejected" (the grammar
+    # matcher refused a sampled token)
+    error_kind: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the session (no prefill)

@@ -1,0 +1,327 @@
+"""The OpenAI endpoint end to end: Ray Serve + FastAPI in front of the runtime (scheduler,
+one worker with the real default model, the shared grammar cache), driven by the real
+``openai`` client and by plain HTTP for what the client cannot send."""
+
+import json
+import re
+import socket
+import time
+
+import httpx2 as httpx  # the HTTP client the openai package ships with
+import jsonschema
+import openai
+import pytest
+import ray
+from pydantic import BaseModel
+
+from cluster import launch
+from cluster.config import ClusterConfig
+from deploy import service
+
+pytestmark = pytest.mark.integration
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def svc(default_model_dir):
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+    config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
+                           engine={"num_kv_blocks": 256},
+                           scheduler={"load_poll_interval_s": 0.3})
+    s = service.start(config, port=free_port(), api_key=KEY,
+                      app_args={"max_body_bytes": 1_000_000})
+    yield s
+    serve_shutdown()
+    ray.shutdown()
+
+
+def serve_shutdown():
+    from ray import serve
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(svc):
+    return openai.OpenAI(base_url=svc.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def http(svc, method, path, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.request(method, svc.url + path, headers=headers, timeout=120, **kw)
+
+
+def worker_load():
+    w = launch.handles()["workers"][0]
+    return ray.get(w.load.remote())
+
+
+def wait_idle(timeout=20.0):
+    """Every request finished and every one-shot session released on the worker."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = worker_load()
+        if (load["running"] == 0 and load["waiting"] == 0 and load["live_processors"] == 0
+                and load["live_sessions"] == 0 and load["free_blocks"] == load["total_blocks"]):
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker did not release everything: {load}")
+        time.sleep(0.2)
+
+
+def ask(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_health_models_metrics(svc, client):
+    assert http(svc, "GET", "/health", key=None).json()["status"] == "ok"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    text = http(svc, "GET", "/metrics", key=None).text
+    assert "rayguide_up 1.0" in text and "rayguide_worker_total_blocks" in text
+
+
+def test_plain_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("Say hello."),
+                                       max_tokens=12, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content.strip()
+    assert c.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 5 and 0 < r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    wait_idle()
+
+
+def test_stream_matches_non_stream_and_reports_usage(client):
+    kw = dict(model=MODEL, messages=ask("Name three colors."), max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finals and finals[-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+class Planet(BaseModel):
+    name: str
+    moons: int
+    has_rings: bool
+
+
+def test_parse_pydantic_schema(client):
+    r = client.chat.completions.parse(model=MODEL, messages=ask("Describe Saturn."),
+                                      response_format=Planet, max_tokens=60, temperature=0)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(msg.parsed, Planet)
+    jsonschema.validate(json.loads(msg.content), Planet.model_json_schema())
+
+
+def test_json_object_and_lmdeploy_regex(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("A JSON object about cats."),
+                                       response_format={"type": "json_object"},
+                                       max_tokens=40, temperature=0)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask("A date?"), max_tokens=20,
+        response_format={"type": "regex_schema", "regex_schema": r"\d{4}-\d{2}-\d{2}"})
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r.choices[0].message.content)
+
+
+def test_vllm_guided_fields(client):
+    r = client.chat.completions.create(model=MODEL, messages=ask("A phone number?"),
+                                       max_tokens=20, extra_body={"guided_regex": r"\d{3}-\d{4}"})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].message.content)
+    r = client.chat.completions.create(model=MODEL, messages=ask("Is fire hot?"), max_tokens=5,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask("Pick a fruit."), max_tokens=5,
+        extra_body={"structured_outputs": {"choice": ["apple", "pear"]}})
+    assert r.choices[0].message.content in ("apple", "pear")
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    r = client.chat.completions.create(model=MODEL, messages=ask("Give x."), max_tokens=20,
+                                       temperature=0, extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask("Answer."), max_tokens=8,
+        extra_body={"guided_grammar": 'root ::= "a" | "b"'})
+    assert r.choices[0].message.content in ("a", "b")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+def check_calls(calls, allowed):
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        tool = {t["function"]["name"]: t for t in allowed}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments),
+                            tool["function"]["parameters"])
+
+
+def test_tool_calls(client):
+    msgs = ask("What is the weather in Paris?")
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                       tool_choice="required", max_tokens=80, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message.tool_calls, [WEATHER, TIME])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                       tool_choice=named, max_tokens=80, temperature=0.8,
+                                       seed=3)
+    calls = r.choices[0].message.tool_calls
+    check_calls(calls, [TIME])
+    assert len(calls) == 1
+    # the call goes back into the conversation as history, with the tool's answer
+    follow = msgs + [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "10:30"}]
+    r = client.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER, TIME],
+                                       max_tokens=30, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason in ("stop", "length", "tool_calls")
+    if c.message.tool_calls:
+        check_calls(c.message.tool_calls, [WEATHER, TIME])
+    else:
+        assert c.message.content
+
+
+def test_tool_calls_streamed(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=ask("Weather in Oslo?"), tools=[WEATHER], tool_choice="required",
+        max_tokens=80, temperature=0, stream=True))
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    check_calls([tc for tc in calls], [WEATHER])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_n_samples_and_logprobs(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask("A number."), n=2, max_tokens=20, temperature=1.0, seed=7,
+        logprobs=True, top_logprobs=2, response_format={
+            "type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), schema)
+        lp = c.logprobs.content
+        assert lp and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in lp)
+        assert "".join(t.token for t in lp).startswith(c.message.content[:3])
+    assert r.usage.completion_tokens == sum(
+        len(c.logprobs.content) for c in r.choices)
+    wait_idle()  # the samples' shared session was ended
+
+
+def test_completions(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                  max_tokens=6, temperature=0, logprobs=2)
+    c = r.choices[0]
+    assert c.text and len(c.logprobs.tokens) == r.usage.completion_tokens
+    assert all(len(d) <= 2 for d in c.logprobs.top_logprobs)
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is",
+                                            max_tokens=6, temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    r = client.completions.create(model=MODEL, prompt=["One,", "Two,"], max_tokens=3,
+                                  extra_body={"guided_choice": ["x", "y"]})
+    assert len(r.choices) == 2 and all(ch.text in ("x", "y") for ch in r.choices)
+
+
+def test_sessions_keep_kv_and_end(svc, client):
+    sid = "conv-1"
+    msgs = ask("Tell me about tea.")
+    r1 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10,
+                                        temperature=0, extra_body={"session_id": sid})
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content},
+             {"role": "user", "content": "And coffee?"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10,
+                                        temperature=0, extra_body={"session_id": sid})
+    assert r2.usage.prompt_tokens_details.cached_tokens > r1.usage.prompt_tokens // 2
+    assert sid in worker_load()["session_ids"]
+    resp = http(svc, "DELETE", f"/v1/sessions/{sid}")
+    assert resp.status_code == 200 and resp.json()["deleted"] is True
+    wait_idle()
+
+
+def test_bad_schema_fails_alone(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=ask("x"), max_tokens=5,
+            extra_body={"guided_grammar": "root ::= missing_rule"})
+    assert err.value.status_code == 400 and "grammar" in str(err.value)
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        client.chat.completions.create(model=MODEL, messages=ask("x"), max_tokens=5,
+                                       extra_body={"guided_json": "{not json"})
+    r = client.chat.completions.create(model=MODEL, messages=ask("Hi"), max_tokens=4)
+    assert r.choices[0].message.content is not None
+    wait_idle()
+
+
+def test_client_errors(svc, client):
+    bad = openai.OpenAI(base_url=svc.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=MODEL, messages=ask("x"), max_tokens=2)
+    assert http(svc, "GET", "/v1/models", key=None).status_code == 401
+    r = http(svc, "POST", "/v1/chat/completions", json={"messages": ask("x"), "temprature": 1})
+    assert r.status_code == 400 and "temprature" in r.json()["error"]["message"]
+    r = http(svc, "POST", "/v1/chat/completions", content=b"{nope")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = http(svc, "POST", "/v1/chat/completions", json={"messages": ask("x" * 1_100_000)})
+    assert r.status_code == 413
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 60}
+                                            for i in range(4000)}}
+    r = http(svc, "POST", "/v1/chat/completions",
+             json={"messages": ask("x"), "guided_json": big})
+    assert r.status_code == 413, r.text
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        client.chat.completions.create(model="gpt-9", messages=ask("x"), max_tokens=2)
+    r = http(svc, "POST", "/v1/chat/completions",
+             json={"messages": ask("x"), "n": 99})
+    assert r.status_code == 400 and "n must be" in r.json()["error"]["message"]
+    r = http(svc, "POST", "/v1/chat/completions",
+             json={"messages": ask("x"), "max_tokens": 0})
+    assert r.status_code == 400
+    r = http(svc, "POST", "/v1/chat/completions",
+             json={"messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    for body in (r.json(),):
+        assert set(body["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_disconnect_mid_stream_releases_everything(svc):
+    # exactly 3000 letters: the request cannot finish on its own within the test
+    body = {"messages": ask("Write letters."), "max_tokens": 3000, "stream": True,
+            "guided_regex": "[a-z]{3000}"}
+    with httpx.stream("POST", svc.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        assert resp.status_code == 200
+        lines = []
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                lines.append(line)
+            if len(lines) >= 4:
+                break
+        busy = worker_load()
+        assert busy["running"] == 1 and busy["live_processors"] == 1
+    # the client hung up: the request is aborted, its matcher and KV released
+    wait_idle(timeout=10)
