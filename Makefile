@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 PROMPT ?= Give me three facts about the Moon.
 
-.PHONY: install run test test-all bench clean
+.PHONY: install run generate test test-all bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job on the embedded default: generate from the default model (converted once).
+# The main job: the runtime with the default model (converted once) behind the
+# OpenAI-compatible endpoint on 127.0.0.1:8000, in the foreground; Ctrl-C stops it.
 run: install
+	$(VENV)/bin/rayguide serve
+
+# One prompt through the engine in this process (no Ray, no HTTP).
+generate: install
 	$(VENV)/bin/rayguide generate --prompt "$(PROMPT)"
 
 # What CI runs: unit + integration tests (not the slow ones).

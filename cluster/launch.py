@@ -42,8 +42,9 @@ def connect(address: str | None = None, *, start_head: bool = False) -> None:
             subprocess.run([ray_executable(), "start", "--head", "--disable-usage-stats"],
                            check=True, capture_output=True, timeout=120)
             address = "auto"
-    if address is None:
+    if address is None:  # a new instance, even when `ray start` runs one on this machine
         kwargs["include_dashboard"] = False
+        address = "local"
     ray.init(address=address, **kwargs)
 
 

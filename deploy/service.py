@@ -48,7 +48,9 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
     started_ray = not ray.is_initialized() and config.address is None
     if started_ray:
         need = config.num_workers * config.worker.num_cpus + 1
-        ray.init(namespace=launch.NAMESPACE, include_dashboard=False, log_to_driver=False,
+        # "local": a new instance even when `ray start` runs a cluster on this machine
+        ray.init(address="local", namespace=launch.NAMESPACE, include_dashboard=False,
+                 log_to_driver=False,
                  num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
     else:
         launch.connect(config.address)

@@ -1,0 +1,112 @@
+"""The two ways a user starts the endpoint from a shell, as real processes: `rayguide serve`
+(runtime + app in the foreground, Ctrl-C stops it) and `serve run <config.yaml>` (Ray
+Serve's own command; the first replica starts the runtime). Tiny random-weight model."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited early with {proc.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError("the endpoint did not become healthy")
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 90.0) -> int:
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("did not stop within 90 s of Ctrl-C") from None
+
+
+def guided_request(url: str, key: str | None = None) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key or "none", max_retries=0,
+                           timeout=60)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "?"}],
+                                       max_tokens=4, extra_body={"guided_choice": ["A", "B"]})
+    return r.choices[0].message.content
+
+
+def env() -> dict:
+    e = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    e.pop("RAY_ADDRESS", None)
+    return e
+
+
+def test_rayguide_serve_foreground(tiny_model_dir, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [str(BIN / "rayguide"), "serve", "--port", str(port), "--workers", "1",
+         "--model", str(tiny_model_dir), "--api-key", "k1"],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=env(), start_new_session=True)
+    try:
+        banner = []
+        for line in proc.stdout:  # the banner is printed once the app is up
+            banner.append(line)
+            if line.startswith("curl "):
+                break
+        assert any(f"http://127.0.0.1:{port}/v1" in b for b in banner), "".join(banner)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        assert guided_request(url, "k1") in ("A", "B")
+        with pytest.raises(openai.AuthenticationError):
+            guided_request(url, "wrong")
+    finally:
+        code = interrupt(proc)
+    assert code == 0
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_serve_run_config_file(tiny_model_dir, tmp_path):
+    """`serve run` on a config like deploy/serve_config.yaml: the replica finds no runtime
+    and starts one from the app's args."""
+    port = free_port()
+    config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    config["http_options"]["port"] = port
+    args = config["applications"][0]["args"]
+    args.update(model=str(tiny_model_dir), num_workers=1,
+                engine={"num_kv_blocks": 128})
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = open(tmp_path / "serve_run.log", "w+")
+    proc = subprocess.Popen([str(BIN / "serve"), "run", str(path)], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        assert guided_request(url) in ("A", "B")
+    finally:
+        interrupt(proc)
