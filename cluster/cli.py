@@ -30,12 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="print each worker's node, device, load, cache stats")
     st.add_argument("--address", default=None, help="Ray address (default: local)")
     st.add_argument("--json", action="store_true")
+    lt = sub.add_parser("loadtest", help="load an OpenAI endpoint with a guided mix and "
+                        "check every output and the workers' leaks (deploy/loadtest.py)")
+    from deploy.loadtest import add_args as add_loadtest_args
+    add_loadtest_args(lt)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return run_generate(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "loadtest":
+        from deploy.loadtest import run_cli
+        return run_cli(args)
     return run_cluster_command(args)
 
 

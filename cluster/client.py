@@ -8,7 +8,9 @@ silent truncation.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import AsyncIterator
 
 import ray
@@ -22,10 +24,27 @@ _WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 class RuntimeClient:
-    def __init__(self, scheduler=None, *, max_attempts: int = 3):
+    def __init__(self, scheduler=None, *, max_attempts: int = 3,
+                 scheduler_wait_s: float = 30.0):
         self.scheduler = scheduler or ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
         self.max_attempts = max_attempts
+        self.scheduler_wait_s = scheduler_wait_s
         self.retries = 0
+
+    async def _call_scheduler(self, method: str, *args):
+        """A scheduler call that rides out a scheduler restart: Ray restarts the actor
+        (max_restarts=-1) and the same handle reaches the new instance, so an unavailable
+        scheduler is retried with backoff for up to ``scheduler_wait_s``."""
+        deadline = time.monotonic() + self.scheduler_wait_s
+        delay = 0.05
+        while True:
+            try:
+                return await getattr(self.scheduler, method).remote(*args)
+            except _WORKER_GONE:
+                if time.monotonic() + delay > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def generate(self, request: dict) -> AsyncIterator[dict]:
         """Streams the request's chunks (dicts, as WorkerActor.generate yields them). A bad
@@ -33,7 +52,7 @@ class RuntimeClient:
         session_id = request.get("session_id")
         expected = request.get("params", {}).get("max_new_tokens", 128)
         for attempt in range(self.max_attempts):
-            route = await self.scheduler.route.remote(session_id, expected)
+            route = await self._call_scheduler("route", session_id, expected)
             streamed = finished = False
             try:
                 async for ref in route["handle"].generate.remote(request):
@@ -44,7 +63,10 @@ class RuntimeClient:
                 return
             except _WORKER_GONE as exc:
                 finished = True  # nothing left to abort there
-                await self.scheduler.worker_failed.remote(route["worker_id"])
+                try:
+                    await self._call_scheduler("worker_failed", route["worker_id"])
+                except _WORKER_GONE:
+                    pass  # the restarted scheduler's load poll finds the dead worker
                 if streamed:
                     yield {"request_id": request.get("request_id"), "text": "", "token_ids": [],
                            "finished": True, "finish_reason": "error",
@@ -75,4 +97,4 @@ class RuntimeClient:
         return {**last, "text": "".join(text), "token_ids": tokens}
 
     async def end_session(self, session_id: str) -> None:
-        await self.scheduler.end_session.remote(session_id)
+        await self._call_scheduler("end_session", session_id)

@@ -60,7 +60,8 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
     except ValueError:
         runtime = launch.up(config)
         started_runtime = True
-    serve.start(http_options={"host": host, "port": port})
+    # one HTTP proxy, on this (head) node: the address printed is the address served
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     args = {"api_key": api_key, "num_replicas": num_replicas, "start_runtime": False,
             **(app_args or {})}
     serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)

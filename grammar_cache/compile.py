@@ -36,8 +36,8 @@ def _compile(compiler, spec: GrammarSpec):
     kind = spec.kind
     if kind in ("json_schema", "json_object"):
         schema = spec.source if kind == "json_schema" else '{"type": "object"}'
-        return compiler.compile_json_schema(schema, strict_mode=spec.strict,
-                                            any_order=spec.any_order, **_json_format(spec))
+        return compiler.compile_grammar(json_schema_ebnf(
+            schema, strict_mode=spec.strict, any_order=spec.any_order, **_json_format(spec)))
     if kind == "regex":
         return compiler.compile_regex(spec.source)
     if kind == "ebnf":
@@ -52,8 +52,45 @@ def _compile(compiler, spec: GrammarSpec):
             items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
                                            end=s["end"]) for s in tag["structures"]]
             return compiler.compile_structural_tag(items, tag.get("triggers", []))
-        return compiler.compile_structural_tag(spec.source)
+        return compiler.compile_structural_tag(json.dumps(_tag_json_as_ebnf(tag)))
     raise GrammarError(f"grammar kind {kind!r} has no compiler")
+
+
+# A double-quoted EBNF literal, or a negated character class (group 1: its body).
+_LITERAL_OR_NEGATED_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[\^((?:\\.|[^\]\\])*)\]')
+
+
+def json_schema_ebnf(schema: str, **options) -> str:
+    """xgrammar's EBNF for a JSON schema, with JSON's rule that a string holds no raw
+    control character (U+0000-U+001F) enforced everywhere.
+
+    xgrammar 0.2.8 writes the characters of some strings (those with ``maxLength``, for
+    one) as ``[^"\\\r\n]``, which admits raw control characters: a model can then
+    emit a tab or U+000F inside a string and the output is not JSON. Every negated class
+    in a JSON grammar is a string's character class, so each one gets ``\0-\x1f`` added.
+    """
+    ebnf = str(xgr.Grammar.from_json_schema(schema, **options))
+
+    def fix(m: re.Match) -> str:
+        body = m.group(1)
+        if body is None or body.startswith("\\0-\\x1f"):
+            return m.group(0)  # a literal, or already excludes the control characters
+        return "[^\\0-\\x1f" + body + "]"
+    return _LITERAL_OR_NEGATED_CLASS.sub(fix, ebnf)
+
+
+def _tag_json_as_ebnf(node):
+    """A structural tag with every ``json_schema`` format replaced by the equivalent
+    grammar format from ``json_schema_ebnf`` (the same control-character fix)."""
+    if isinstance(node, list):
+        return [_tag_json_as_ebnf(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json" \
+            and "json_schema" in node:
+        return {"type": "grammar", "grammar": json_schema_ebnf(
+            json.dumps(node["json_schema"]), any_whitespace=True, max_whitespace_cnt=12)}
+    return {k: _tag_json_as_ebnf(v) for k, v in node.items()}
 
 
 def _json_format(spec: GrammarSpec) -> dict:

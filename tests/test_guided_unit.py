@@ -41,7 +41,21 @@ def accepts(manager, spec, text: str) -> bool:
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
           "required": ["a", "b"]}
 
+# xgrammar 0.2.8 lets raw control characters into strings with maxLength; we do not
+SHORT = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}},
+         "required": ["s"]}
+TAG = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f>"],
+       "tags": [{"type": "tag", "begin": "<f>", "content": {"type": "json_schema",
+                                                             "json_schema": SHORT},
+                 "end": "</f>"}]}}
+
 CASES = [
+    (GrammarSpec.json_schema(SHORT, whitespace="compact"), '{"s":"ab"}', True),
+    (GrammarSpec.json_schema(SHORT, whitespace="compact"), '{"s":"a\x0fb"}', False),
+    (GrammarSpec.json_schema(SHORT, whitespace="compact"), '{"s":"a\tb"}', False),
+    (GrammarSpec.json_schema(SHORT, whitespace="compact"), '{"s":"abcdef"}', False),
+    (GrammarSpec.structural_tag(TAG), 'x<f>{"s": "ab"}</f>', True),
+    (GrammarSpec.structural_tag(TAG), 'x<f>{"s": "a\x01"}</f>', False),
     (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"a":12,"b":true}', True),
     (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"a":12}', False),
     (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"a":1,"b":true,"x":1}', False),

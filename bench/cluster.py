@@ -1,0 +1,378 @@
+"""What the runtime itself costs, and what it buys, through the whole stack.
+
+1. Overhead (tiny random-weight model, so the model costs almost nothing), with 1, 2 and
+   4 workers: the scheduler's route() round trip (added to every request), the Ray hop per
+   streamed token (a request streamed from a worker actor vs the same engine in this
+   process, rounds interleaved), and the session-end broadcast at 1,000 ends/s (messages
+   sent, time until every worker released its real sessions).
+2. Guided vs unguided through the stack (default model, HTTP, 16 concurrent clients):
+   output tokens/s with JSON-schema guidance vs none. The schema asks for more than the
+   token budget, so both sides generate exactly max_tokens per request (equal lengths,
+   equal batch occupancy). Rounds alternate sides and order.
+3. Against the baseline a user would write in an afternoon, in the same run and Ray
+   instance: a Ray Serve deployment whose replicas call HF transformers generate() with
+   xgrammar's HF logits processor, one request at a time (as many replicas as we have
+   workers, one torch thread each, like our workers). Same model, same requests (a JSON
+   schema that completes), 16 concurrent clients. Throughput and validity on both sides.
+
+    python bench/cluster.py [--quick] [--json] [--no-record]
+
+JSON keys: ratio_vs_baseline_16_clients, ratio_guided_stack, plus the overhead figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jsonschema  # noqa: E402
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from bench.report import finish, parser, table  # noqa: E402
+from cluster import launch  # noqa: E402
+from cluster.client import RuntimeClient  # noqa: E402
+from cluster.config import ClusterConfig  # noqa: E402
+
+CLIENTS = 16
+ANSWER_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"},
+    "city": {"type": "string", "maxLength": 24}}, "required": ["name", "age", "city"]}
+LONG_SCHEMA = {"type": "object", "properties": {"people": {
+    "type": "array", "minItems": 40, "items": {"type": "object", "properties": {
+        "name": {"type": "string"}, "biography": {"type": "string"}},
+        "required": ["name", "biography"]}}}, "required": ["people"]}
+TOPICS = ["a sailor", "a chemist", "a painter", "a pilot", "a baker", "a poet", "a judge",
+          "a miner", "a nurse", "a farmer", "a singer", "a tailor"]
+
+
+def pct(values, p):
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+
+
+# 1. overhead ----------------------------------------------------------------------------
+
+def tiny_model(root: Path) -> str:
+    import shutil
+
+    import torch
+    import transformers
+
+    from worker.models.loader import resolve_model_dir
+    path = root / "tiny-llama"
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    for f in Path(resolve_model_dir(None)).iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja",
+                                                         "generation_config.json"):
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+def stream_request(n_tokens: int, session: str | None = None) -> dict:
+    r = {"prompt": [{"role": "user", "content": "Hello"}],
+         "params": {"max_new_tokens": n_tokens, "temperature": 0.0, "ignore_eos": True}}
+    if session:
+        r["session_id"] = session
+    return r
+
+
+async def per_token_via_ray(client: RuntimeClient, n: int) -> float:
+    times, last = [], None
+    async for _ in client.generate(stream_request(n)):
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+    return statistics.median(times)
+
+
+def per_token_local(engine, n: int) -> float:
+    from worker.engine.sampling import SamplingParams
+    from worker.engine.sequence import GenerationRequest
+    engine.add_request(GenerationRequest([{"role": "user", "content": "Hello"}],
+                                         SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                        ignore_eos=True)))
+    times = []
+    engine.step()  # prefill
+    while engine.has_work():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+async def broadcast(client: RuntimeClient, handles: dict, n_real: int, n_total: int) -> dict:
+    """n_real real sessions (KV on the workers), then n_total ends at 1,000/s."""
+    await asyncio.gather(*(client.complete(stream_request(2, f"b{i}")) for i in range(n_real)))
+    sched = handles["scheduler"]
+    before = (await sched.stats.remote())["broadcast_messages"]
+    ids = [f"b{i}" for i in range(n_total)]
+    t0 = time.perf_counter()
+    for k in range(0, n_total, 10):  # 10 ends per ms-scale tick: 1,000 per second
+        await sched.end_sessions.remote(ids[k:k + 10])
+        await asyncio.sleep(max(0.0, t0 + (k + 10) / 1000 - time.perf_counter()))
+    sent = time.perf_counter()
+    while True:
+        loads = await asyncio.gather(*(w.load.remote() for w in handles["workers"]))
+        if all(ld["live_sessions"] == 0 for ld in loads):
+            break
+        await asyncio.sleep(0.005)
+    released = time.perf_counter()
+    msgs = (await sched.stats.remote())["broadcast_messages"] - before
+    return {"messages": msgs, "release_after_last_s": released - sent,
+            "send_s": sent - t0}
+
+
+def overhead(quick: bool, model: str) -> tuple[list, dict]:
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
+    local = LLMEngine(EngineConfig(model=model, num_threads=1, progress=False,
+                                   num_kv_blocks=128))
+    rows, figs = [], {}
+    n_tok = 64 if quick else 128
+    for workers in ((1, 2) if quick else (1, 2, 4)):
+        handles = launch.up(ClusterConfig(
+            model=model, num_workers=workers, worker={"num_cpus": 0.1, "num_threads": 1},
+            engine={"num_kv_blocks": 1024, "max_num_seqs": 256}))
+        client = RuntimeClient()
+        sched = handles["scheduler"]
+
+        async def measure():
+            route = []
+            for _ in range(100 if quick else 300):
+                t = time.perf_counter()
+                await sched.route.remote(None, 16)
+                route.append(time.perf_counter() - t)
+            ray_tok, local_tok = [], []
+            for _ in range(2 if quick else 4):  # interleaved rounds
+                ray_tok.append(await per_token_via_ray(client, n_tok))
+                local_tok.append(per_token_local(local, n_tok))
+            b = await broadcast(client, handles, 100 if quick else 300, 1000)
+            return route, ray_tok, local_tok, b
+
+        route, ray_tok, local_tok, b = asyncio.run(measure())
+        hop = statistics.median(ray_tok) - statistics.median(local_tok)
+        rows.append([workers, f"{pct(route, 50) * 1e3:.2f} / {pct(route, 99) * 1e3:.2f}",
+                     f"{statistics.median(ray_tok) * 1e3:.2f}",
+                     f"{statistics.median(local_tok) * 1e3:.2f}", f"{hop * 1e3:.2f}",
+                     b["messages"], f"{b['release_after_last_s'] * 1e3:.0f}"])
+        figs.update({f"route_ms_p50_{workers}w": round(pct(route, 50) * 1e3, 3),
+                     f"route_ms_p99_{workers}w": round(pct(route, 99) * 1e3, 3),
+                     f"ray_hop_ms_per_token_{workers}w": round(hop * 1e3, 3),
+                     f"broadcast_messages_1000_ends_{workers}w": b["messages"],
+                     f"broadcast_release_ms_{workers}w":
+                         round(b["release_after_last_s"] * 1e3, 1)})
+        del handles, client, sched
+        launch.down()
+        _wait_gone()
+    return rows, figs
+
+
+def _wait_gone(timeout=60):
+    deadline = time.monotonic() + timeout
+    while any(a["namespace"] == "rayguide" for a in ray.util.list_named_actors(True)):
+        if time.monotonic() > deadline:
+            raise TimeoutError("rayguide actors did not go away")
+        time.sleep(0.2)
+
+
+# 2 and 3. the stack and the baseline ----------------------------------------------------
+
+@serve.deployment(max_ongoing_requests=1, ray_actor_options={"num_cpus": 0.1})
+class HFBaseline:
+    """What a user writes in an afternoon: HF generate() + xgrammar's logits processor, one
+    request at a time per replica."""
+
+    def __init__(self, model_dir: str):
+        import torch
+        import transformers
+        import xgrammar as xgr
+        torch.set_num_threads(1)
+        self.torch, self.xgr = torch, xgr
+        self.tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, torch_dtype=torch.float32).eval()
+        info = xgr.TokenizerInfo.from_huggingface(self.tok,
+                                                  vocab_size=self.model.config.vocab_size)
+        self.compiler = xgr.GrammarCompiler(info)
+
+    async def __call__(self, request):
+        body = await request.json()
+        ids = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"]
+        procs = []
+        if body.get("schema"):
+            compiled = self.compiler.compile_json_schema(json.dumps(body["schema"]))
+            procs = [self.xgr.contrib.hf.LogitsProcessor(compiled)]
+        with self.torch.inference_mode():
+            out = self.model.generate(ids, max_new_tokens=body["max_tokens"], do_sample=False,
+                                      logits_processor=procs,
+                                      pad_token_id=self.tok.eos_token_id)
+        new = out[0, ids.shape[1]:]
+        n = int(len(new))
+        if n and int(new[-1]) == self.tok.eos_token_id:
+            new = new[:-1]
+        return {"text": self.tok.decode(new, skip_special_tokens=True), "tokens": n}
+
+
+def messages(i: int, long: bool = False):
+    ask = ("Describe forty people as JSON with long biographies." if long else
+           f"Describe {TOPICS[i % len(TOPICS)]} as JSON with name, age and city.")
+    return [{"role": "user", "content": ask}]
+
+
+async def run_clients(fn, n_requests: int) -> tuple[float, list]:
+    """16 concurrent clients share n_requests calls of fn(i); returns (seconds, results)."""
+    queue = list(range(n_requests))
+    results = []
+
+    async def worker():
+        while queue:
+            results.append(await fn(queue.pop()))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(CLIENTS)))
+    return time.perf_counter() - t0, results
+
+
+def stack(quick: bool) -> tuple[str, dict]:
+    import httpx2 as httpx
+    import openai
+
+    from deploy import service
+    from worker.models.loader import resolve_model_dir
+
+    workers = 2
+    port = 8000 + int(time.time()) % 1000
+    svc = service.start(ClusterConfig(num_workers=workers,
+                                      worker={"num_cpus": 0.1, "num_threads": 1},
+                                      engine={"num_kv_blocks": 1024}),
+                        port=port)
+    serve.run(HFBaseline.options(num_replicas=workers).bind(str(resolve_model_dir(None))),
+              name="baseline", route_prefix="/baseline")
+    oai = openai.AsyncOpenAI(base_url=svc.url + "/v1", api_key="none", max_retries=0,
+                             timeout=600, http_client=httpx.AsyncClient(timeout=600))
+    http = httpx.AsyncClient(timeout=600)
+    model = "SmolLM2-135M-Instruct"
+    rounds = 1 if quick else 3
+    n_cmp = 16 if quick else 32
+    n_tok = 24 if quick else 48
+
+    async def ours_guided_long(i):
+        r = await oai.chat.completions.create(
+            model=model, messages=messages(i, long=True), max_tokens=n_tok, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "p", "schema": LONG_SCHEMA}})
+        return r.usage.completion_tokens
+
+    async def ours_unguided(i):
+        r = await oai.chat.completions.create(
+            model=model, messages=messages(i, long=True), max_tokens=n_tok, temperature=0,
+            extra_body={"ignore_eos": True})
+        return r.usage.completion_tokens
+
+    async def ours_answer(i):
+        r = await oai.chat.completions.create(
+            model=model, messages=messages(i), max_tokens=96, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}})
+        c = r.choices[0]
+        return c.message.content, c.finish_reason, r.usage.completion_tokens
+
+    async def baseline_answer(i):
+        resp = await http.post(svc.url + "/baseline", json={
+            "messages": messages(i), "schema": ANSWER_SCHEMA, "max_tokens": 96})
+        d = resp.json()
+        return d["text"], None, d["tokens"]
+
+    def valid(text):
+        try:
+            jsonschema.validate(json.loads(text), ANSWER_SCHEMA)
+            return True
+        except Exception:
+            return False
+
+    async def main():
+        # warm-up: grammars compiled, both sides loaded
+        await ours_guided_long(0), await ours_unguided(0), await ours_answer(0)
+        await baseline_answer(0)
+        g_rates, u_rates = [], []
+        ours, base = {"s": 0.0, "n": 0, "valid": 0, "tok": 0}, {"s": 0.0, "n": 0, "valid": 0,
+                                                                 "tok": 0}
+        n_gu = CLIENTS * (1 if quick else 2)
+        for r in range(rounds):
+            order = [("g", ours_guided_long), ("u", ours_unguided)]
+            for name, fn in (order if r % 2 == 0 else order[::-1]):
+                secs, toks = await run_clients(fn, n_gu)
+                (g_rates if name == "g" else u_rates).append(sum(toks) / secs)
+            sides = [("ours", ours_answer, ours), ("base", baseline_answer, base)]
+            for name, fn, acc in (sides if r % 2 == 0 else sides[::-1]):
+                secs, res = await run_clients(fn, n_cmp)
+                acc["s"] += secs
+                acc["n"] += len(res)
+                acc["valid"] += sum(valid(t) for t, _, _ in res)
+                acc["tok"] += sum(k for _, _, k in res)
+        return g_rates, u_rates, ours, base
+
+    try:
+        g_rates, u_rates, ours, base = asyncio.run(main())
+    finally:
+        serve.delete("baseline")
+        service.stop(svc)
+    ratio_guided = statistics.median(g_rates) / statistics.median(u_rates)
+    ours_rps, base_rps = ours["n"] / ours["s"], base["n"] / base["s"]
+    body = table(["through the stack (default model, 16 clients)", "value"], [
+        ["guided (JSON schema) output tok/s, per round",
+         ", ".join(f"{x:.1f}" for x in g_rates)],
+        ["unguided output tok/s, per round", ", ".join(f"{x:.1f}" for x in u_rates)],
+        ["guided / unguided (medians)", f"{ratio_guided:.3f}"],
+        ["rayguide: requests/s, valid", f"{ours_rps:.3f}, {ours['valid']}/{ours['n']}"],
+        ["HF generate + xgrammar on Serve: requests/s, valid",
+         f"{base_rps:.3f}, {base['valid']}/{base['n']}"],
+        ["rayguide / baseline throughput", f"{ours_rps / base_rps:.2f}"],
+        ["output tokens per request (rayguide / baseline)",
+         f"{ours['tok'] / ours['n']:.1f} / {base['tok'] / base['n']:.1f}"],
+    ])
+    figs = {"ratio_guided_stack": round(ratio_guided, 4),
+            "ratio_vs_baseline_16_clients": round(ours_rps / base_rps, 3),
+            "rayguide_rps_16_clients": round(ours_rps, 4),
+            "baseline_rps_16_clients": round(base_rps, 4),
+            "rayguide_valid_share": round(ours["valid"] / ours["n"], 4),
+            "baseline_valid_share": round(base["valid"] / base["n"], 4)}
+    return body, figs
+
+
+def main() -> None:
+    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    ray.init(address="local", namespace="rayguide", num_cpus=8, include_dashboard=False,
+             log_to_driver=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_model(Path(tmp))
+        rows, figs = overhead(args.quick, model)
+    body = table(["workers", "route() p50 / p99 ms", "per token via Ray ms",
+                  "per token in-process ms", "Ray hop per token ms",
+                  "broadcast msgs / 1,000 ends", "release after last end ms"], rows)
+    stack_body, stack_figs = stack(args.quick)
+    figs.update(stack_figs)
+    ray.shutdown()
+    body = ("Runtime overhead (tiny random-weight model):\n\n" + body +
+            "\n\nThrough the whole stack (HTTP, Serve, scheduler, 2 workers, default model):"
+            "\n\n" + stack_body)
+    finish("cluster", body, figs, args)
+
+
+if __name__ == "__main__":
+    main()
