@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 PROMPT ?= Give me three facts about the Moon.
 
-.PHONY: install run generate test test-all bench clean
+.PHONY: install run generate test test-all load-test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q
+
+# The long multi-node load and fault runs (5x the CI counts), printing each fault's cost.
+load-test: install
+	RAYGUIDE_LOAD_SCALE=5 $(PY) -m pytest -q -s tests/test_load_cluster.py \
+		"tests/test_serve.py::test_load_tool_default_model"
 
 bench: install
 	$(PY) bench/engine_throughput.py

@@ -44,16 +44,20 @@ class SchedulerActor:
                                   self.config.session_idle_timeout_s)
         self._pending_ends: list[str] = []
         self._tasks: list[asyncio.Task] = []
+        self._started: asyncio.Task | None = None
         self.counts = {"routes": 0, "sessions_ended": 0, "broadcast_messages": 0,
                        "workers_dropped": 0, "rejected": 0, "registrations": 0}
 
     async def _ensure_started(self) -> None:
-        if self._tasks:
-            return
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._broadcast_loop()),
-                       loop.create_task(self._poll_loop())]
-        await self._rediscover()
+        """Starts the background loops and rebuilds the tables once; every call waits for
+        that rebuild, so a restarted scheduler never answers NoWorkers while it is still
+        finding its workers."""
+        if self._started is None:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._broadcast_loop()),
+                           loop.create_task(self._poll_loop())]
+            self._started = loop.create_task(self._rediscover())
+        await asyncio.shield(self._started)
 
     async def _rediscover(self) -> None:
         """Finds running workers by name (after a scheduler restart) and restores the

@@ -325,3 +325,18 @@ def test_disconnect_mid_stream_releases_everything(svc):
         assert busy["running"] == 1 and busy["live_processors"] == 1
     # the client hung up: the request is aborted, its matcher and KV released
     wait_idle(timeout=10)
+
+
+def test_load_tool_default_model(svc):
+    """A short run of the load tool against the real default model: every request
+    completes, every finished guided output is valid, nothing leaks."""
+    import asyncio
+
+    from deploy.loadtest import LoadConfig, LoadTest, format_report
+    cfg = LoadConfig(url=svc.url, api_key=KEY, clients=8, requests=24, max_tokens=24,
+                     duration_s=300, session_share=0.25, seed=1)
+    r = asyncio.run(LoadTest(cfg).run())
+    print(format_report(r))
+    assert r["failed"] == 0, r["error_examples"]
+    assert r["guided_checked"] > 5 and r["valid_share"] == 1.0, r["invalid_examples"]
+    assert r["leaks"]["leak_free"], r["leaks"]
