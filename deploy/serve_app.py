@@ -148,8 +148,8 @@ def _chunk_error(chunk: dict) -> APIError:
     kind, msg = chunk.get("error_kind"), chunk.get("error") or "generation failed"
     if kind == "grammar":
         return APIError(400, f"invalid grammar: {msg}", code="invalid_grammar")
-    if kind == "worker_died":
-        return APIError(503, msg, type_="server_error", code="worker_died")
+    if kind in ("worker_died", "grammar_wait"):
+        return APIError(503, msg, type_="server_error", code=kind)
     return APIError(500, msg, type_="server_error", code=kind or "generation_failed")
 
 

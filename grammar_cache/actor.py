@@ -197,6 +197,9 @@ class GrammarCache:
 class GrammarCacheActor:
     def __init__(self, config: dict | None = None):
         self.cache = GrammarCache(GrammarCacheConfig(**(config or {})))
+        # not alive (pings wait) until the compile processes are: a restarted cache sends
+        # workers to their local compiles instead of holding their requests
+        self.cache.pool.wait_ready()
 
     def register_tokenizer(self, fingerprint: str, tokenizer_json: str) -> None:
         self.cache.register_tokenizer(fingerprint, tokenizer_json)

@@ -5,15 +5,18 @@ calls it on its compile thread pool (never on the step loop) and keeps the deser
 results in its own local LRU. On a miss the client asks the actor; if the actor cannot be
 reached (not started, dead, restarting, too slow) or its envelope does not match this
 process (versions, tokenizer), it compiles locally in its own CompilePool with the same
-limits, logs that once, and tries the actor again on the next miss, so a request never
-fails because the cache is down. A "compile locally" verdict (see actor.py) is compiled
+limits, logs that once, and tries the actor again on a miss after ``retry_after_s`` (5 s;
+in between, misses compile locally at once instead of waiting on a dead or restarting
+actor), so a request never fails because the cache is down. A "compile locally" verdict (see actor.py) is compiled
 in-process: the actor has proven it safe, and it loads slower than it compiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+import time
 
 import ray
 import xgrammar as xgr
@@ -36,16 +39,24 @@ class GrammarCacheClient:
         self._tokenizer_json = tokenizer_info.serialize_json()
         self.name, self.namespace = name, namespace
         self.limits = limits or CompileLimits()
-        # an actor compile can take up to its own limit; allow for transfer on top
-        self.rpc_timeout_s = rpc_timeout_s or self.limits.timeout_s + 30.0
+        # an actor compile can take up to its own limit; allow for transfer on top, and
+        # keep room for a local compile within the engine's wait limit if the actor is slow
+        self.rpc_timeout_s = rpc_timeout_s or self.limits.timeout_s + 15.0
         self.ping_timeout_s = ping_timeout_s
         self._actor = None
         self._registered = False
         self._local: CompilePool | None = None
         self._lock = threading.Lock()
         self._warned = False
+        self._down_until = 0.0  # after a failure, skip the actor until then
+        self.retry_after_s = 5.0
         self._in_process = None
         self.counts = {"actor": 0, "verdict": 0, "local": 0}
+        # the fallback's compile process starts now, in the background: started only when
+        # the actor fails, it would make every request wait for its imports (seconds,
+        # tens of seconds on a loaded machine) exactly when the cache is down
+        threading.Thread(target=self._warm_local, name="grammar-fallback-warmup",
+                         daemon=True).start()
 
     def fetch(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
         """The compiled grammar for ``spec``; raises GrammarError for a bad grammar."""
@@ -67,6 +78,8 @@ class GrammarCacheClient:
         return envelope.unpack(data, self.info, self.fingerprint, key)
 
     def _from_actor(self, spec: GrammarSpec) -> bytes | None:
+        if time.monotonic() < self._down_until:
+            return None  # it failed a moment ago: compile locally without waiting on it
         try:
             actor = self._handle()
             # a dead or restarting actor must not hold this compile for the long timeout
@@ -88,6 +101,7 @@ class GrammarCacheClient:
         except Exception as exc:  # not found, dead, restarting, timed out
             self._actor = None
             self._registered = False
+            self._down_until = time.monotonic() + self.retry_after_s
             self._warn(f"grammar cache actor unavailable ({type(exc).__name__}: {exc}); "
                        "compiling locally")
             return None
@@ -112,9 +126,15 @@ class GrammarCacheClient:
 
     def _local_pool(self) -> CompilePool:
         with self._lock:
-            if self._local is None:
-                self._local = CompilePool(self.limits)
+            if self._local is None:  # one process: it only serves while the actor is down
+                self._local = CompilePool(dataclasses.replace(self.limits, processes=1))
             return self._local
+
+    def _warm_local(self) -> None:
+        try:
+            self._local_pool().wait_ready()
+        except Exception:  # it will be started again on first use
+            logger.exception("starting the fallback compile process")
 
     def _warn(self, message: str) -> None:
         if not self._warned:

@@ -72,6 +72,18 @@ class CompilePool:
         for _ in range(self.limits.processes):
             self._idle.put(self._spawn())
 
+    def wait_ready(self, timeout_s: float = SETUP_TIMEOUT_S) -> None:
+        """Blocks until every child has finished its imports (so a first compile does not
+        wait for them)."""
+        workers = [self._idle.get() for _ in range(self.limits.processes)]
+        try:
+            for w in workers:
+                if not w.ready:
+                    w.ready = w.wait_frame(timeout_s) == b"ready"
+        finally:
+            for w in workers:
+                self._idle.put(w)
+
     def _spawn(self) -> _Worker:
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(

@@ -104,7 +104,7 @@ def actor_node(class_name: str) -> set[str]:
                                                     ("state", "=", "ALIVE")])}
 
 
-def under_fault(stack, name: str, inject) -> dict:
+def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dict:
     """Runs load in a thread, injects the fault 2 s in, and checks the pass rules."""
     box = {}
     n = int(120 * SCALE)
@@ -127,7 +127,7 @@ def under_fault(stack, name: str, inject) -> dict:
     assert r["completed"] + r["failed"] == r["requests"]
     assert r["valid_share"] in (None, 1.0)
     assert r["leaks"]["leak_free"], r["leaks"]
-    assert recovery < 30
+    assert recovery < recovery_limit_s
     return r
 
 
@@ -138,7 +138,10 @@ def test_fault_worker_killed(stack):
 
 def test_fault_grammar_cache_killed(stack):
     cache = launch.handles()["cache"]
-    r = under_fault(stack, "grammar cache killed", lambda: ray.kill(cache, no_restart=False))
+    # a new grammar waits for a compile while the cache restarts: measured 20-30 s under
+    # this load on 2 cores, hence the wider bound (see the closing note of issue 7)
+    r = under_fault(stack, "grammar cache killed", lambda: ray.kill(cache, no_restart=False),
+                    recovery_limit_s=60.0)
     assert r["failed"] == 0  # workers compile locally until the cache is back
 
 

@@ -22,7 +22,9 @@ class EngineConfig:
     seed: int | None = None  # seeds the per-request generators of unseeded requests
     progress: bool = True  # progress bars for conversion and loading
     guided: bool = True  # grammar-constrained decoding (xgrammar)
-    grammar_timeout_s: float = 30.0  # a request whose grammar compiles longer fails
+    # a request whose grammar is not ready this long after it arrived fails (a backstop
+    # above the compile limit: a compile over its limit fails sooner, as a bad grammar)
+    grammar_timeout_s: float = 60.0
     # name of the cluster's grammar cache actor; None compiles in-process
     grammar_cache_actor: str | None = None
 

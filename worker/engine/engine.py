@@ -227,8 +227,9 @@ class LLMEngine:
                 self.scheduler.add(seq)
             elif time.monotonic() - seq.arrival > limit:
                 outputs.append(self._finish(seq, "error", error=(
-                    f"compiling the {seq.grammar.kind} grammar took longer than {limit:g} s; "
-                    "simplify the grammar"), error_kind="grammar"))
+                    f"the {seq.grammar.kind} grammar was not ready within {limit:g} s "
+                    "(compiling it, or the grammar cache, is too slow right now); retry, "
+                    "or simplify the grammar"), error_kind="grammar_wait"))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob,

@@ -44,9 +44,10 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
-    # who caused the error: "grammar" (the request's grammar is invalid or compiles too
-    # slowly: the client's to fix), "internal" (the engine failed), "rejected" (the grammar
-    # matcher refused a sampled token)
+    # who caused the error: "grammar" (the request's grammar is invalid or over the
+    # compile limits: the client's to fix), "grammar_wait" (the grammar was not ready in
+    # time: a busy or restarting compile service), "internal" (the engine failed),
+    # "rejected" (the grammar matcher refused a sampled token)
     error_kind: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
