@@ -143,7 +143,7 @@ def overhead(quick: bool, model: str) -> tuple[list, dict]:
                                    num_kv_blocks=128))
     rows, figs = [], {}
     n_tok = 64 if quick else 128
-    for workers in ((1, 2) if quick else (1, 2, 4)):
+    for workers in ((2,) if quick else (1, 2, 4)):
         handles = launch.up(ClusterConfig(
             model=model, num_workers=workers, worker={"num_cpus": 0.1, "num_threads": 1},
             engine={"num_kv_blocks": 1024, "max_num_seqs": 256}))
@@ -160,7 +160,7 @@ def overhead(quick: bool, model: str) -> tuple[list, dict]:
             for _ in range(2 if quick else 4):  # interleaved rounds
                 ray_tok.append(await per_token_via_ray(client, n_tok))
                 local_tok.append(per_token_local(local, n_tok))
-            b = await broadcast(client, handles, 100 if quick else 300, 1000)
+            b = await broadcast(client, handles, 50 if quick else 300, 1000)
             return route, ray_tok, local_tok, b
 
         route, ray_tok, local_tok, b = asyncio.run(measure())
@@ -268,7 +268,7 @@ def stack(quick: bool) -> tuple[str, dict]:
     http = httpx.AsyncClient(timeout=600)
     model = "SmolLM2-135M-Instruct"
     rounds = 1 if quick else 3
-    n_cmp = 16 if quick else 32
+    n_cmp = 16 if quick else 32  # at least one request per client: 16 in flight
     n_tok = 24 if quick else 48
 
     async def ours_guided_long(i):
