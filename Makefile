@@ -40,7 +40,7 @@ test-all: install
 # The long multi-node load and fault runs (5x the CI counts), printing each fault's cost.
 load-test: install
 	RAYGUIDE_LOAD_SCALE=5 $(PY) -m pytest -q -s tests/test_load_cluster.py \
-		"tests/test_serve.py::test_load_tool_default_model"
+		tests/test_load_default_model.py "tests/test_serve.py::test_load_tool_default_model"
 
 bench: install
 	$(PY) bench/engine_throughput.py

@@ -7,6 +7,8 @@
     grammar_cache: {compile_timeout_s: 10, max_bytes: ...}   # GrammarCacheConfig fields
     scheduler: {max_queued_tokens: 65536, ...}               # SchedulerConfig fields
     address: null              # null: a local Ray instance; "auto" or "ray://host:10001"
+    control_resources: null    # e.g. {head: 0.01}: custom resources the scheduler and the
+                               # grammar cache need, to keep them on some nodes
     serve: {host: 127.0.0.1, port: 8000}
 
 Unknown keys are errors that name the key, so a typo never passes silently.
@@ -48,6 +50,7 @@ class ClusterConfig:
     grammar_cache: dict = field(default_factory=dict)
     scheduler: dict = field(default_factory=dict)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    control_resources: dict | None = None  # custom Ray resources of scheduler and cache
 
     def __post_init__(self):
         if self.num_workers < 1:

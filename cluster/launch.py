@@ -59,8 +59,10 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
     not detached end when the last handle to them goes away."""
     connect(config.address, start_head=detached)
     lifetime = "detached" if detached else None
-    cache = get_or_create_actor(GrammarCacheConfig(**config.grammar_cache), detached=detached)
-    scheduler = get_or_create_scheduler(SchedulerConfig(**config.scheduler), detached=detached)
+    cache = get_or_create_actor(GrammarCacheConfig(**config.grammar_cache), detached=detached,
+                                resources=config.control_resources)
+    scheduler = get_or_create_scheduler(SchedulerConfig(**config.scheduler), detached=detached,
+                                        resources=config.control_resources)
     engine = dataclasses.asdict(config.engine_config())
     engine["grammar_cache_actor"] = CACHE_NAME
     workers = []

@@ -51,6 +51,7 @@ class AppSettings:
     api_key: str | None = None  # default: $RAYGUIDE_API_KEY; None: no auth
     num_replicas: int = 1
     replica_num_cpus: float = 0.0
+    replica_resources: dict | None = None  # e.g. {"cpu_node": 0.01}: where replicas may run
     max_body_bytes: int = 4 * 1024 * 1024
     default_max_tokens: int = 512
     max_n: int = 16
@@ -545,7 +546,9 @@ def build_app(args: dict[str, Any] | None = None):
     return OpenAIServer.options(
         num_replicas=settings.num_replicas,
         max_ongoing_requests=settings.max_ongoing_requests,
-        ray_actor_options={"num_cpus": settings.replica_num_cpus},
+        ray_actor_options={"num_cpus": settings.replica_num_cpus,
+                           **({"resources": settings.replica_resources}
+                              if settings.replica_resources else {})},
     ).bind(dataclasses.asdict(settings))
 
 

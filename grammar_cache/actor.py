@@ -215,9 +215,11 @@ class GrammarCacheActor:
 
 
 def get_or_create_actor(config: GrammarCacheConfig | None = None, *, detached: bool = False,
-                        name: str = ACTOR_NAME, namespace: str = NAMESPACE):
-    """The cluster's grammar cache actor, created on first use (``ray.init`` must have run)."""
+                        name: str = ACTOR_NAME, namespace: str = NAMESPACE,
+                        resources: dict | None = None):
+    """The cluster's grammar cache actor, created on first use (``ray.init`` must have run).
+    ``resources``: custom Ray resources it needs (to place it on some nodes)."""
     return GrammarCacheActor.options(
         name=name, namespace=namespace, get_if_exists=True,
-        lifetime="detached" if detached else None,
+        lifetime="detached" if detached else None, resources=resources or {},
     ).remote(asdict(config or GrammarCacheConfig()))

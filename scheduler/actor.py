@@ -163,8 +163,9 @@ class SchedulerActor:
                 await self.end_sessions(idle)
 
 
-def get_or_create_scheduler(config: SchedulerConfig | None = None, *, detached: bool = False):
+def get_or_create_scheduler(config: SchedulerConfig | None = None, *, detached: bool = False,
+                            resources: dict | None = None):
     return SchedulerActor.options(
         name=SCHEDULER_NAME, namespace=NAMESPACE, get_if_exists=True,
-        lifetime="detached" if detached else None,
+        lifetime="detached" if detached else None, resources=resources or {},
     ).remote(asdict(config or SchedulerConfig()))

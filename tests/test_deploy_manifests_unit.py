@@ -86,3 +86,20 @@ def test_app_settings_reject_unknown_keys():
         AppSettings.from_args({"engine": {"kv_cache_gbs": 1}})
     s = AppSettings.from_args({"num_replicas": "3", "start_runtime": "false"})
     assert s.num_replicas == 3 and s.start_runtime is False
+
+
+def test_runtime_errors_map_to_statuses():
+    """What the ingress answers when the runtime refuses or fails (no Ray needed)."""
+    import asyncio
+
+    from deploy.serve_app import _api_error, _chunk_error
+    from scheduler.routing import NoWorkers, Overloaded
+    assert _api_error(Overloaded("all queues full")).status == 429
+    assert _api_error(NoWorkers("none")).status == 503
+    assert _api_error(ValueError("max_new_tokens must be >= 1")).status == 400
+    assert _api_error(RuntimeError("boom")).status == 503
+    with pytest.raises(asyncio.CancelledError):
+        _api_error(asyncio.CancelledError())
+    assert _chunk_error({"error": "bad", "error_kind": "grammar"}).status == 400
+    assert _chunk_error({"error": "slow", "error_kind": "grammar_wait"}).status == 503
+    assert _chunk_error({"error": "gone", "error_kind": "worker_died"}).status == 503

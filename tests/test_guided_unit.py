@@ -265,3 +265,24 @@ def test_cuda_kernel_matches_reference():
     reference_apply(expected, bitmask)
     apply_token_bitmask_inplace(logits, bitmask)
     assert torch.equal(logits.float().cpu(), expected)
+
+
+def test_failed_fetch_does_not_poison_the_spec():
+    """A compile service failure (not the grammar's fault) fails that wait only: the next
+    request for the same spec tries again."""
+    info = xgr.TokenizerInfo(VOCAB, vocab_size=40, stop_token_ids=[EOS])
+    compiler = xgr.GrammarCompiler(info)
+    calls = []
+
+    def flaky_fetch(spec):
+        calls.append(spec)
+        if len(calls) == 1:
+            raise OSError("compile service unavailable")
+        return compiler.compile_regex(spec.source)
+
+    m = GuidedDecodingManager(info, max_batch_size=2, fetch=flaky_fetch)
+    spec = GrammarSpec.regex("x+")
+    with pytest.raises(OSError):
+        m.get_grammar(spec).result(timeout=30)
+    assert m.get_grammar(spec).result(timeout=30) is not None
+    assert len(calls) == 2

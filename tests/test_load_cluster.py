@@ -40,15 +40,20 @@ CLEAR_ERRORS = {"http_503", "http_429", "APIError"}  # 503 worker died / 429 ove
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    # the front end, scheduler and cache stay on the head (as on a real cluster's CPU
+    # head), so removing a worker node costs what losing a GPU node costs
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 2, "resources": {"head": 1}})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
     ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=3, worker={"num_cpus": 1, "num_threads": 1},
         engine={"num_kv_blocks": 512, "max_num_seqs": 64},
-        scheduler={"load_poll_interval_s": 0.5, "rpc_timeout_s": 3.0})
+        scheduler={"load_poll_interval_s": 0.5, "rpc_timeout_s": 3.0},
+        control_resources={"head": 0.01})
     from tests.test_serve import free_port
-    svc = service.start(config, port=free_port())
+    svc = service.start(config, port=free_port(),
+                        app_args={"replica_resources": {"head": 0.01}})
     yield {"cluster": cluster, "nodes": nodes, "svc": svc}
     serve.shutdown()
     ray.shutdown()
@@ -173,3 +178,4 @@ def test_fault_node_removed(stack):
     while asyncio.run(read_worker_gauges(stack["svc"].url))["workers"] < 3:
         assert time.monotonic() < deadline, "the lost worker did not come back"
         time.sleep(1)
+

@@ -36,7 +36,8 @@ def svc(default_model_dir):
     config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 256},
                            scheduler={"load_poll_interval_s": 0.3})
-    s = service.start(config, port=free_port(), api_key=KEY,
+    # two front-end replicas: sessions stay sticky because the scheduler routes them
+    s = service.start(config, port=free_port(), api_key=KEY, num_replicas=2,
                       app_args={"max_body_bytes": 1_000_000})
     yield s
     serve_shutdown()
@@ -320,9 +321,11 @@ def test_disconnect_mid_stream_releases_everything(svc):
             if line.startswith("data:"):
                 lines.append(line)
             if len(lines) >= 4:
+                busy = worker_load()  # still reading: leaving the loop may close the stream
                 break
-        busy = worker_load()
-        assert busy["running"] == 1 and busy["live_processors"] == 1
+        assert not any('"finish_reason":"' in line.replace(" ", "") for line in lines), lines
+        assert busy["running"] + busy["waiting"] == 1 and busy["live_processors"] == 1, (
+            busy, lines)
     # the client hung up: the request is aborted, its matcher and KV released
     wait_idle(timeout=10)
 

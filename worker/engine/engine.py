@@ -218,8 +218,10 @@ class LLMEngine:
             fut = seq.grammar_future
             if fut.done():
                 if fut.exception() is not None:
-                    outputs.append(self._finish(seq, "error", error=str(fut.exception()),
-                                                error_kind="grammar"))
+                    exc = fut.exception()  # a bad grammar, or the compile service failed
+                    kind = "grammar" if isinstance(exc, ValueError) else "grammar_wait"
+                    outputs.append(self._finish(seq, "error", error=str(exc),
+                                                error_kind=kind))
                     continue
                 self.waiting_for_grammar.remove(seq)
                 self.guided.add_processor(seq.processor_key, fut.result())

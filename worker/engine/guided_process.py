@@ -51,7 +51,9 @@ class GuidedDecodingManager:
         self._error_time: dict[str, float] = {}
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=compile_threads,
+        # with a remote fetch (the cache actor) the threads mostly wait: several, so one
+        # slow answer does not hold every other new grammar behind it
+        self._pool = ThreadPoolExecutor(max_workers=compile_threads if fetch is None else 4,
                                         thread_name_prefix="grammar-compile")
         self._fetch = fetch or (lambda spec: compile_spec(self.compiler, spec))
         self.cache_size = cache_size
@@ -101,6 +103,12 @@ class GuidedDecodingManager:
             result = self._fetch(spec)
         except GrammarError as exc:
             result = exc
+        except BaseException:
+            # not the grammar's fault (the compile service failed): fail this wait, and let
+            # the next request for the spec try again instead of joining a dead future
+            with self._lock:
+                self._inflight.pop(key, None)
+            raise
         with self._lock:
             self._inflight.pop(key, None)
             self.stats["compiles"] += 1
