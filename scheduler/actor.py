@@ -45,6 +45,7 @@ class SchedulerActor:
         self._pending_ends: list[str] = []
         self._tasks: list[asyncio.Task] = []
         self._started: asyncio.Task | None = None
+        self._broadcast_lock = asyncio.Lock()
         self.counts = {"routes": 0, "sessions_ended": 0, "broadcast_messages": 0,
                        "workers_dropped": 0, "rejected": 0, "registrations": 0}
 
@@ -76,9 +77,14 @@ class SchedulerActor:
 
     # the interface ----------------------------------------------------------------------
 
-    async def register(self, worker_id: str, handle, node_id: str = "") -> None:
+    async def register(self, worker_id: str, handle, node_id: str = "",
+                       info: dict | None = None) -> None:
+        """info: what the worker knows of itself at start (its model's name), shown in
+        stats until its first load report."""
         await self._ensure_started()
         self.table.add_worker(worker_id, handle, node_id)
+        if info:
+            self.table.update_load(worker_id, info)
         self.counts["registrations"] += 1
         logger.info("worker %s registered (node %s)", worker_id, node_id)
 
@@ -130,6 +136,11 @@ class SchedulerActor:
         return self.table.drop_worker(worker_id)
 
     async def _broadcast(self) -> None:
+        # one batch at a time: flush() waits for a batch the loop is still delivering
+        async with self._broadcast_lock:
+            await self._send_pending()
+
+    async def _send_pending(self) -> None:
         if not self._pending_ends:
             return
         batch, self._pending_ends = self._pending_ends, []

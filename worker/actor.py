@@ -65,7 +65,8 @@ class WorkerActor:
             try:
                 handle = ray.get_actor(scheduler[0], namespace=scheduler[1])
                 me = ray.get_runtime_context().current_actor
-                handle.register.remote(self.worker_id, me, self.node_id)
+                handle.register.remote(self.worker_id, me, self.node_id,
+                                       {"model": self.model_name})
             except ValueError:
                 pass  # no scheduler yet: it finds workers by name when it starts
 
