@@ -10,15 +10,12 @@ import re
 
 import xgrammar as xgr
 
+from grammar_cache.errors import GrammarError
 from grammar_cache.spec import GrammarSpec
 
+__all__ = ["GrammarError", "compile_spec", "tokenizer_fingerprint"]
 
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
-
-
-class GrammarError(ValueError):
-    """A grammar that cannot be compiled: invalid schema / regex / syntax, unsupported
-    feature, or over a limit. The request that sent it fails; nothing else does."""
 
 
 def compile_spec(compiler: "xgr.GrammarCompiler", spec: GrammarSpec) -> "xgr.CompiledGrammar":

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 
 
 def rayguide(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--quiet", *args],
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "generate", "--quiet", *args],
                           capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stderr

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def rayguide(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 
