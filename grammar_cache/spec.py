@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import msgpack
@@ -153,14 +153,27 @@ class GrammarSpec:
     # identity ---------------------------------------------------------------------------
 
     def key(self, tokenizer_fingerprint: str = "") -> str:
-        """Stable across processes: sha256 over a msgpack encoding of the spec."""
-        fields = asdict(self)
-        packed = msgpack.packb([KEY_VERSION, tokenizer_fingerprint] +
-                               [fields[k] for k in sorted(fields)])
-        return hashlib.sha256(packed).hexdigest()[:32]
+        """Stable across processes: sha256 over a msgpack encoding of the spec plus the
+        tokenizer's fingerprint. Computed once per fingerprint and kept on the spec."""
+        memo = self.__dict__.setdefault("_keys", {})
+        key = memo.get(tokenizer_fingerprint)
+        if key is None:
+            fields = self.to_dict()
+            packed = msgpack.packb([KEY_VERSION, tokenizer_fingerprint] +
+                                   [fields[k] for k in sorted(fields)])
+            key = memo[tokenizer_fingerprint] = hashlib.sha256(packed).hexdigest()[:32]
+        return key
+
+    @property
+    def family(self) -> str:
+        """The tokenizer-independent part of the key: equal for equal specs whatever the
+        model (what the edge can give the scheduler for grammar-affinity routing)."""
+        return self.key("")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain data, for the compile process's pipe (not for Ray: specs cross Ray as
+        objects, with their cached keys)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GrammarSpec":
