@@ -52,6 +52,31 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the session (no prefill)
+    # per new token, when logprobs were asked for: [token text, [top-n alternative texts]]
+    # (filled by the worker actor, which has the vocabulary; front ends show text)
+    logprob_tokens: list | None = None
+    worker_id: str | None = None  # which worker produced it (set by the worker actor)
+
+    def merge(self, chunk: "RequestOutput") -> "RequestOutput":
+        """Accumulates a later chunk of the same request into this one (texts, tokens and
+        logprobs appended; the final fields taken from the chunk). The one merge: the
+        engine's ``generate``, the runtime client and the HTTP front end all use it."""
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs:
+            self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
+        if chunk.logprob_tokens:
+            self.logprob_tokens = (self.logprob_tokens or []) + list(chunk.logprob_tokens)
+        for name in _FINAL_FIELDS:
+            value = getattr(chunk, name)
+            if value is not None:
+                setattr(self, name, value)
+        return self
+
+
+# fields a later chunk overrides when merged (the last chunk carries the final values)
+_FINAL_FIELDS = ("finished", "finish_reason", "error", "error_kind", "prompt_tokens",
+                 "completion_tokens", "cached_tokens", "worker_id")
 
 
 class SeqStatus(enum.Enum):
