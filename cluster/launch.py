@@ -64,14 +64,16 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
     scheduler = get_or_create_scheduler(SchedulerConfig(**config.scheduler), detached=detached,
                                         resources=config.control_resources)
     engine = dataclasses.asdict(config.engine_config())
-    engine["grammar_cache_actor"] = CACHE_NAME
+    # workers compile through the cache actor with the cluster's compile limits (their
+    # fallback compiles too)
+    cache_link = (CACHE_NAME, NAMESPACE, dict(config.grammar_cache))
     workers = []
     for i in range(config.num_workers):
         workers.append(WorkerActor.options(
             name=f"{WORKER_PREFIX}{i}", namespace=NAMESPACE, get_if_exists=True,
             lifetime=lifetime, scheduling_strategy="SPREAD",
             num_cpus=config.worker.num_cpus, num_gpus=config.worker.num_gpus,
-        ).remote(engine, f"w{i}", (SCHEDULER_NAME, NAMESPACE)))
+        ).remote(engine, f"w{i}", (SCHEDULER_NAME, NAMESPACE), cache_link))
     if wait:
         ray.get([w.health.remote() for w in workers])
         ray.get(cache.ping.remote())
