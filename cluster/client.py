@@ -4,6 +4,10 @@ from that worker. If the worker dies before the request streamed anything, the s
 is told (it stops routing there at once) and the request is retried on another worker; if
 it dies after tokens were streamed, the stream ends with a clear error chunk instead of a
 silent truncation.
+
+Requests and chunks cross Ray as typed objects (``GenerationRequest`` with its
+``GrammarSpec`` and cached key, ``RequestOutput``). This module is the front ends' one door
+into the runtime: it re-exports what they need, so deploy/ imports nothing below cluster/.
 """
 
 from __future__ import annotations
@@ -14,9 +18,18 @@ import time
 from typing import AsyncIterator
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
+from grammar_cache.spec import GrammarSpec
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
+from scheduler.routing import NoWorkers, Overloaded
+from worker.engine.sampling import SamplingParams
+from worker.engine.sequence import GenerationRequest, RequestOutput
+
+__all__ = ["RuntimeClient", "GenerationRequest", "RequestOutput", "SamplingParams",
+           "GrammarSpec", "ErrorKind", "GrammarError", "GrammarUnavailable", "NoWorkers",
+           "Overloaded", "RayTaskError", "NAMESPACE"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +59,11 @@ class RuntimeClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def generate(self, request: dict) -> AsyncIterator[dict]:
-        """Streams the request's chunks (dicts, as WorkerActor.generate yields them). A bad
-        request raises ValueError; Overloaded / NoWorkers come from the scheduler."""
-        session_id = request.get("session_id")
-        expected = request.get("params", {}).get("max_new_tokens", 128)
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Streams the request's chunks as WorkerActor.generate yields them. A bad request
+        raises ValueError; Overloaded / NoWorkers come from the scheduler."""
+        session_id = request.session_id
+        expected = request.params.max_new_tokens
         for attempt in range(self.max_attempts):
             route = await self._call_scheduler("route", session_id, expected)
             streamed = finished = False
@@ -58,7 +71,7 @@ class RuntimeClient:
                 async for ref in route["handle"].generate.remote(request):
                     chunk = await ref
                     streamed = True
-                    finished = chunk.get("finished", False)
+                    finished = chunk.finished
                     yield chunk
                 return
             except _WORKER_GONE as exc:
@@ -68,11 +81,11 @@ class RuntimeClient:
                 except _WORKER_GONE:
                     pass  # the restarted scheduler's load poll finds the dead worker
                 if streamed:
-                    yield {"request_id": request.get("request_id"), "text": "", "token_ids": [],
-                           "finished": True, "finish_reason": "error",
-                           "error_kind": "worker_died",
-                           "error": f"worker {route['worker_id']} died while streaming this "
-                                    f"request ({type(exc).__name__}); resend it"}
+                    yield RequestOutput(
+                        request.request_id, finished=True, finish_reason="error",
+                        error_kind=ErrorKind.WORKER_DIED,
+                        error=f"worker {route['worker_id']} died while streaming this "
+                              f"request ({type(exc).__name__}); resend it")
                     return
                 self.retries += 1
                 logger.warning("worker %s died before streaming; retrying (attempt %d)",
@@ -80,21 +93,19 @@ class RuntimeClient:
             finally:
                 # the caller stopped early (client disconnected, task cancelled): free the
                 # request's KV and matcher on the worker now, not when it would have ended
-                if not finished and request.get("request_id"):
+                if not finished:
                     try:
-                        route["handle"].abort.remote(request["request_id"])
+                        route["handle"].abort.remote(request.request_id)
                     except Exception:  # the worker is gone: nothing to free
                         pass
         raise RuntimeError(f"request failed on {self.max_attempts} workers in a row")
 
-    async def complete(self, request: dict) -> dict:
-        """The whole output as one dict (text joined, last chunk's fields)."""
-        text, tokens, last = [], [], {}
+    async def complete(self, request: GenerationRequest) -> RequestOutput:
+        """The whole output as one RequestOutput (the chunks merged)."""
+        out = RequestOutput(request.request_id)
         async for chunk in self.generate(request):
-            text.append(chunk["text"])
-            tokens.extend(chunk["token_ids"])
-            last = chunk
-        return {**last, "text": "".join(text), "token_ids": tokens}
+            out.merge(chunk)
+        return out
 
     async def end_session(self, session_id: str) -> None:
         await self._call_scheduler("end_session", session_id)

@@ -1,7 +1,7 @@
 """GrammarSpec: what a guided request asks for, in one canonical, hashable form.
 
-Every way a client can ask for structure (OpenAI ``response_format``, LMDeploy's
-``regex_schema``, vLLM's ``guided_*`` fields, a CLI flag) becomes one ``GrammarSpec``. Its
+Every way a client can ask for structure (deploy/dialects.py turns every API
+dialect into one) becomes one ``GrammarSpec``. Its
 ``source`` is canonical text (JSON keeps the key order given, since property order is
 part of what is generated), so equal requests give equal keys in every process:
 ``key(fingerprint)`` hashes a msgpack encoding of the spec plus the tokenizer's fingerprint.
@@ -19,10 +19,12 @@ from typing import Any
 
 import msgpack
 
+from grammar_cache.errors import ErrorKind, GrammarError
+
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
 ALIASES = {"regex_schema": "regex", "grammar": "ebnf", "gbnf": "ebnf", "json": "json_schema"}
 WHITESPACE = ("bounded", "any", "compact", "indent")
-MAX_SOURCE_CHARS = 256 * 1024
+MAX_SOURCE_BYTES = 256 * 1024
 MAX_CHOICES = 4096
 KEY_VERSION = 1
 
@@ -52,9 +54,11 @@ class GrammarSpec:
         object.__setattr__(self, "kind", kind)
         if not isinstance(self.source, str):
             raise ValueError(f"{kind} grammar source must be a string")
-        if len(self.source) > MAX_SOURCE_CHARS:
-            raise ValueError(f"{kind} grammar is {len(self.source)} characters, over the limit "
-                             f"of {MAX_SOURCE_CHARS}; send a smaller grammar")
+        size = len(self.source.encode("utf-8", "surrogatepass"))
+        if size > MAX_SOURCE_BYTES:
+            raise GrammarError(f"{kind} grammar is {size} bytes, over the limit of "
+                               f"{MAX_SOURCE_BYTES}; send a smaller grammar",
+                               ErrorKind.GRAMMAR_TOO_LARGE)
         if kind != "json_object" and not self.source.strip():
             raise ValueError(f"{kind} grammar is empty")
         if self.whitespace not in WHITESPACE:
@@ -126,30 +130,6 @@ class GrammarSpec:
             return cls("structural_tag", tag)
         return cls("structural_tag", _canonical_json(tag))
 
-    @classmethod
-    def from_response_format(cls, rf: dict[str, Any] | None) -> "GrammarSpec | None":
-        """OpenAI ``response_format`` (json_schema, json_object, text) and LMDeploy's
-        ``{"type": "regex_schema", "regex_schema": "..."}``; None for text / no format."""
-        if rf is None:
-            return None
-        if not isinstance(rf, dict) or "type" not in rf:
-            raise ValueError("response_format must be an object with a 'type'")
-        kind = rf["type"]
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            return cls.json_object()
-        if kind == "json_schema":
-            body = rf.get("json_schema")
-            if not isinstance(body, dict) or "schema" not in body:
-                raise ValueError("response_format json_schema needs "
-                                 "{'json_schema': {'name': ..., 'schema': {...}}}")
-            return cls.json_schema(body)
-        if kind == "regex_schema":
-            return cls.regex(rf.get("regex_schema", ""))
-        raise ValueError(f"response_format type {kind!r} is not supported; use text, "
-                         "json_object, json_schema or regex_schema")
-
     # identity ---------------------------------------------------------------------------
 
     def key(self, tokenizer_fingerprint: str = "") -> str:
@@ -187,7 +167,7 @@ class GrammarSpec:
 def _canonical_json(value) -> str:
     try:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"grammar is not JSON-serializable: {exc}") from None
 
 
@@ -195,6 +175,7 @@ def _check_choices(choices) -> None:
     if not isinstance(choices, list) or not choices:
         raise ValueError("choice needs a non-empty list of strings")
     if len(choices) > MAX_CHOICES:
-        raise ValueError(f"choice has {len(choices)} options, over the limit of {MAX_CHOICES}")
+        raise GrammarError(f"choice has {len(choices)} options, over the limit of "
+                           f"{MAX_CHOICES}", ErrorKind.GRAMMAR_TOO_LARGE)
     if any(not isinstance(c, str) or not c for c in choices):
         raise ValueError("every choice must be a non-empty string")

@@ -16,28 +16,12 @@ import time
 
 import ray
 
-from grammar_cache.spec import GrammarSpec
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.sampling import SamplingParams
 from worker.engine.sequence import GenerationRequest
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def request_from_dict(d: dict) -> GenerationRequest:
-    """A GenerationRequest from plain data (what crosses the Ray boundary)."""
-    d = dict(d)
-    params = SamplingParams.from_dict(d.pop("params", {}) or {})
-    grammar = d.pop("grammar", None)
-    if grammar is not None:
-        grammar = GrammarSpec.from_dict(grammar)
-    allowed = {"prompt", "request_id", "session_id", "seq_id"}
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise ValueError(f"unknown request field(s) {unknown}; known: {sorted(allowed)}")
-    return GenerationRequest(params=params, grammar=grammar, **d)
 
 
 def served_model_name(model: str | None) -> str:
@@ -51,12 +35,19 @@ def served_model_name(model: str | None) -> str:
 @ray.remote(max_restarts=-1)
 class WorkerActor:
     def __init__(self, engine_config: dict | None = None, worker_id: str | None = None,
-                 scheduler: tuple[str, str] | None = None):
+                 scheduler: tuple[str, str] | None = None,
+                 grammar_cache: tuple[str, str, dict] | None = None):
         """scheduler: (name, namespace) of the scheduler actor to register with, at start
-        and again whenever Ray restarts this actor."""
+        and again whenever Ray restarts this actor. grammar_cache: (name, namespace,
+        GrammarCacheConfig fields) of the shared cache actor to compile through; None:
+        compile in-process."""
         config = EngineConfig(**(engine_config or {}))
         self.worker_id = worker_id or f"worker-{os.getpid()}"
-        self.engine = AsyncEngine(LLMEngine(config))
+        self.grammar_client = None
+        fetch = None
+        if grammar_cache is not None:
+            fetch = self._cache_fetch(*grammar_cache)
+        self.engine = AsyncEngine(LLMEngine(config, grammar_fetch=fetch))
         self.node_id = ray.get_runtime_context().get_node_id()
         self.device = config.device
         self.model_name = served_model_name(config.model)
@@ -70,18 +61,31 @@ class WorkerActor:
             except ValueError:
                 pass  # no scheduler yet: it finds workers by name when it starts
 
-    async def generate(self, request: dict):
-        """Streams output chunks (plain dicts) of one request; a bad request raises
-        ValueError before the first chunk."""
-        req = request_from_dict(request)
+    def _cache_fetch(self, name: str, namespace: str, config: dict):
+        """The engine's grammar source: a factory the engine calls with its tokenizer
+        info, giving the cache client's fetch (the engine itself knows no Ray)."""
+        from grammar_cache.actor import GrammarCacheConfig
+        from grammar_cache.client import GrammarCacheClient
+
+        def factory(info):
+            self.grammar_client = GrammarCacheClient(
+                info, config=GrammarCacheConfig(**config), name=name, namespace=namespace)
+            return self.grammar_client.fetch
+        return factory
+
+    async def generate(self, request: GenerationRequest):
+        """Streams the request's RequestOutput chunks; a bad request raises ValueError
+        before the first chunk."""
+        if not isinstance(request, GenerationRequest):
+            raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         tokenizer = self.engine.engine.tokenizer
-        async for out in self.engine.generate(req):
-            chunk = {**dataclasses.asdict(out), "worker_id": self.worker_id}
+        async for out in self.engine.generate(request):
+            out.worker_id = self.worker_id
             if out.logprobs:  # front ends show tokens as text; only the worker has the vocab
-                chunk["logprob_tokens"] = [
+                out.logprob_tokens = [
                     [tokenizer.decode([tid]), [tokenizer.decode([alt]) for alt, _ in top]]
                     for tid, (_, top) in zip(out.token_ids, out.logprobs)]
-            yield chunk
+            yield out
 
     def end_sessions(self, session_ids: list[str]) -> int:
         for sid in session_ids:
@@ -93,8 +97,12 @@ class WorkerActor:
 
     async def load(self) -> dict:
         stats = dataclasses.asdict(await self.engine.stats())
-        stats.update(worker_id=self.worker_id, model=self.model_name, node_id=self.node_id, device=self.device,
-                     host=socket.gethostname(), pid=os.getpid())
+        stats.update(worker_id=self.worker_id, model=self.model_name, node_id=self.node_id,
+                     device=self.device, host=socket.gethostname(), pid=os.getpid(),
+                     max_model_len=self.engine.engine.max_model_len,
+                     uptime_s=time.time() - self.started,
+                     grammar_client=(self.grammar_client.stats()
+                                     if self.grammar_client is not None else {}))
         return stats
 
     async def health(self) -> bool:
