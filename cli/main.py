@@ -193,30 +193,9 @@ def run_generate(args) -> int:
 
 def grammar_from_args(args):
     """The GrammarSpec the guided flags ask for (None without one); two flags is an error."""
-    from pathlib import Path
+    from deploy.dialects import from_cli_args
 
-    from grammar_cache.spec import GrammarSpec
-
-    given = [name for name in ("json_schema", "json_object", "regex", "choice", "grammar", "lark")
-             if getattr(args, name)]
-    if len(given) > 1:
-        raise ValueError(f"use one guided flag at a time, got {', '.join(given)}")
-    if args.json_schema:
-        text = args.json_schema
-        if not text.lstrip().startswith(("{", "[")) and Path(text).is_file():
-            text = Path(text).read_text()
-        return GrammarSpec.json_schema(text)
-    if args.json_object:
-        return GrammarSpec.json_object()
-    if args.regex:
-        return GrammarSpec.regex(args.regex)
-    if args.choice:
-        return GrammarSpec.choice(args.choice)
-    if args.grammar:
-        return GrammarSpec.ebnf(Path(args.grammar).read_text())
-    if args.lark:
-        return GrammarSpec.lark(Path(args.lark).read_text())
-    return None
+    return from_cli_args(args)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,15 @@ class ClusterConfig:
 
 
 def _build(cls, values: dict, where: str):
+    """One validation pattern for every section: unknown keys are errors naming the key
+    (dataclass sections), or pydantic's own check (pydantic sections, extra="forbid")."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a mapping, got {type(values).__name__}")
+    if hasattr(cls, "model_validate"):
+        try:
+            return cls.model_validate(values)
+        except Exception as exc:  # pydantic's ValidationError names the key
+            raise ValueError(f"invalid {where}: {exc}") from None
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -64,7 +64,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from grammar_cache.spec import GrammarSpec
+from cluster.client import (GenerationRequest, GrammarSpec, NoWorkers, Overloaded,
+                            RequestOutput, SamplingParams)
+from deploy import dialects
 
 FORMAT_KEYS = ("schema", "response_format", "regex", "choice")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
@@ -84,7 +86,7 @@ class Item:
 
     line: int
     id: Any
-    request: dict | None = None
+    request: GenerationRequest | None = None
     error: str | None = None
     is_json: bool = False
 
@@ -106,27 +108,11 @@ def line_id(obj: Any, line: int) -> Any:
 
 
 def grammar_of(obj: dict, default: GrammarSpec | None) -> GrammarSpec | None:
-    given = [k for k in FORMAT_KEYS if obj.get(k) is not None]
-    if len(given) > 1:
-        raise LineError(f"give at most one format, got {', '.join(given)}")
-    if not given:
-        return default
-    key = given[0]
-    value = obj[key]
+    """The line's grammar (deploy/dialects.py reads the batch keys); else the default."""
     try:
-        if key == "schema":
-            return GrammarSpec.json_schema(value)
-        if key == "response_format":
-            return GrammarSpec.from_response_format(value)
-        if key == "regex":
-            if not isinstance(value, str):
-                raise LineError("regex must be a string")
-            return GrammarSpec.regex(value)
-        return GrammarSpec.choice(value)
-    except LineError:
-        raise
-    except (ValueError, TypeError) as exc:
-        raise LineError(f"invalid {key}: {exc}") from None
+        return dialects.from_batch_line(obj, default)
+    except ValueError as exc:
+        raise LineError(f"invalid {getattr(exc, 'param', None) or 'format'}: {exc}") from None
 
 
 def prompt_of(obj: dict):
@@ -146,9 +132,7 @@ def prompt_of(obj: dict):
     raise LineError("the line has no `prompt` or `messages`")
 
 
-def params_of(obj: dict, defaults: dict) -> dict:
-    from worker.engine.sampling import SamplingParams
-
+def params_of(obj: dict, defaults: dict) -> SamplingParams:
     known = {f for f in SamplingParams.__dataclass_fields__}
     params = dict(defaults)
     given = [k for k in MAX_TOKENS_KEYS if obj.get(k) is not None]
@@ -160,10 +144,9 @@ def params_of(obj: dict, defaults: dict) -> dict:
         if obj.get(name) is not None:
             params[name] = obj[name]
     try:
-        SamplingParams.from_dict(params)  # checked here: a bad value fails its line at once
+        return SamplingParams.from_dict(params)  # a bad value fails its line at once
     except (ValueError, TypeError) as exc:
         raise LineError(str(exc)) from None
-    return params
 
 
 def parse_line(text: str | None, line: int, *, defaults: dict,
@@ -176,6 +159,8 @@ def parse_line(text: str | None, line: int, *, defaults: dict,
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         return Item(line, line, error=f"line {line} is not valid JSON: {exc}")
+    except RecursionError:
+        return Item(line, line, error=f"line {line} is nested too deeply to read")
     item = Item(line, line_id(obj, line))
     try:
         if not isinstance(obj, dict):
@@ -183,12 +168,9 @@ def parse_line(text: str | None, line: int, *, defaults: dict,
         if obj.get("id") is not None and not _valid_id(obj["id"]):
             raise LineError("`id` must be a string or an integer")
         grammar = grammar_of(obj, default_grammar)
-        request = {"prompt": prompt_of(obj), "params": params_of(obj, defaults),
-                   "request_id": f"batch-{run_tag}-{line}"}
-        if grammar is not None:
-            request["grammar"] = grammar.to_dict()
-            item.is_json = grammar.kind in JSON_KINDS
-        item.request = request
+        item.request = GenerationRequest(prompt_of(obj), params_of(obj, defaults),
+                                         request_id=f"batch-{run_tag}-{line}", grammar=grammar)
+        item.is_json = grammar is not None and grammar.kind in JSON_KINDS
     except LineError as exc:
         item.error = str(exc)
     return item
@@ -204,29 +186,32 @@ def load_schema(value: str) -> GrammarSpec:
     else:
         raise ValueError(f"--schema {value}: no such file")
     try:
-        return GrammarSpec.json_schema(text)
+        return dialects.json_schema(text, "--schema")
     except ValueError as exc:
         raise ValueError(f"--schema {value}: {exc}") from None
 
 
 # ---- results -----------------------------------------------------------------------------
 
-def error_row(item: Item, error: str, out: dict | None = None) -> dict:
-    out = out or {}
-    return {"id": item.id, "line": item.line, "text": out.get("text", ""),
-            "finish_reason": "error",
-            "usage": {"prompt_tokens": out.get("prompt_tokens", 0),
-                      "completion_tokens": out.get("completion_tokens", 0)},
+def error_row(item: Item, error: str, out: RequestOutput | None = None) -> dict:
+    out = out or RequestOutput("")
+    return {"id": item.id, "line": item.line, "text": out.text, "finish_reason": "error",
+            "usage": {"prompt_tokens": out.prompt_tokens,
+                      "completion_tokens": out.completion_tokens},
             "error": error}
 
 
-def result_row(item: Item, out: dict) -> dict:
-    if out.get("finish_reason") == "error":
-        return error_row(item, out.get("error") or "the request failed", out)
-    row = {"id": item.id, "line": item.line, "text": out.get("text", ""),
-           "finish_reason": out.get("finish_reason"),
-           "usage": {"prompt_tokens": out.get("prompt_tokens", 0),
-                     "completion_tokens": out.get("completion_tokens", 0)}}
+def result_row(item: Item, out: RequestOutput) -> dict:
+    if out.finish_reason == "error":
+        return error_row(item, out.error or "the request failed", out)
+    row = {"id": item.id, "line": item.line, "text": out.text,
+           "finish_reason": out.finish_reason,
+           "usage": {"prompt_tokens": out.prompt_tokens,
+                     "completion_tokens": out.completion_tokens}}
+    if getattr(out, "validation", None) is not None:
+        row["validation"] = out.validation
+        if getattr(out, "validation_error", None):
+            row["validation_error"] = out.validation_error
     if item.is_json:
         try:
             row["json"] = json.loads(row["text"])
@@ -245,8 +230,6 @@ def exception_message(exc: BaseException) -> str:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    from scheduler.routing import NoWorkers, Overloaded
-
     cause = getattr(exc, "cause", None)
     return isinstance(exc, (Overloaded, NoWorkers)) or isinstance(cause, (Overloaded, NoWorkers))
 
@@ -439,7 +422,7 @@ def acquire_runtime(args) -> tuple[dict, list[str]]:
 
     from cluster import launch
     from cluster.config import ClusterConfig
-    from scheduler.actor import NAMESPACE
+    from cluster.client import NAMESPACE
 
     _connect(args.address)
     try:
@@ -479,7 +462,7 @@ def acquire_runtime(args) -> tuple[dict, list[str]]:
 def release_runtime(owned: list[str]) -> None:
     import ray
 
-    from scheduler.actor import NAMESPACE
+    from cluster.client import NAMESPACE
 
     for name in owned:
         try:

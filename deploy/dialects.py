@@ -50,19 +50,27 @@ def _wrap(param: str, make, *args, **kwargs) -> GrammarSpec:
         raise DialectError(f"invalid grammar in {param}: {exc}", param) from None
 
 
-def check_depth(value: Any, param: str, limit: int = MAX_SCHEMA_DEPTH) -> None:
-    """Refuses a JSON value nested deeper than ``limit`` (iteratively: a hostile value
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether a JSON value nests deeper than ``limit`` (iteratively: a hostile value
     cannot exhaust the stack here)."""
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > limit:
-            raise DialectError(f"{param} is nested deeper than {limit} levels; flatten it",
-                               param, ErrorKind.GRAMMAR_TOO_LARGE)
+            return True
         if isinstance(node, dict):
             stack.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             stack.extend((v, depth + 1) for v in node)
+    return False
+
+
+def check_depth(value: Any, param: str, limit: int = MAX_SCHEMA_DEPTH) -> None:
+    """Refuses a schema nested deeper than ``limit``, before anything walks it
+    recursively (the JSON encoder, xgrammar's converter)."""
+    if nested_deeper(value, limit):
+        raise DialectError(f"{param} is nested deeper than {limit} levels; flatten it",
+                           param, ErrorKind.GRAMMAR_TOO_LARGE)
 
 
 def json_schema(schema: Any, param: str = "json_schema", **options) -> GrammarSpec:
@@ -72,7 +80,8 @@ def json_schema(schema: Any, param: str = "json_schema", **options) -> GrammarSp
         try:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as exc:
-            raise DialectError(f"{param} is not valid JSON: {exc}", param) from None
+            raise DialectError(f"invalid grammar in {param}: not valid JSON: {exc}",
+                               param) from None
     check_depth(schema, param)
     if isinstance(schema, dict) and "schema" in schema and ("name" in schema
                                                             or "strict" in schema):

@@ -1,46 +1,29 @@
-"""The OpenAI API as rayguide speaks it: request models, their translation into runtime
-requests, and the shapes of responses and stream chunks. No Ray and no HTTP here, so every
-rule is unit-testable; deploy/serve_app.py does the I/O.
+"""The OpenAI API as rayguide speaks it: request models and their translation into runtime
+requests. No Ray and no HTTP here, so every rule is unit-testable; deploy/serve_app.py does
+the I/O, deploy/responses.py shapes what goes back.
 
-A request becomes a ``Plan``: one runtime request per choice (``n`` samples of a chat, or
-``n`` per prompt of a completion), the grammar that constrains them, and what the response
-needs (tool mode, logprobs, usage). Guided fields from every dialect map to one
-``GrammarSpec``: OpenAI ``response_format`` (json_schema with ``strict``, json_object,
-text), LMDeploy's ``regex_schema``, vLLM's ``guided_*`` and ``structured_outputs``, and
-``tools`` + ``tool_choice``, which become an xgrammar structural tag (see ``tool_grammar``).
+A request becomes a ``Plan``: one ``GenerationRequest`` per choice (``n`` samples of a
+chat, or ``n`` per prompt of a completion), the grammar that constrains them (built once
+by deploy/dialects.py, its key cached on it), and what the response needs (tool mode,
+logprobs, usage). Every limit comes from ``settings.Limits`` and is refused with a 4xx that
+names it.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from grammar_cache.spec import MAX_SOURCE_CHARS, GrammarSpec
+from cluster.client import GenerationRequest, GrammarSpec, SamplingParams
+from deploy import dialects, tools
+from deploy.errors import APIError, bad_request, for_kind
+from deploy.settings import Limits
 
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param",
-    "code"}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+Validation = Literal["flag", "retry", "off"]
 
 
 # requests -------------------------------------------------------------------------------
@@ -64,6 +47,9 @@ class _Request(BaseModel):
     user: str | None = None
     # rayguide: keep a multi-turn conversation (and its KV) on one worker
     session_id: str | None = None
+    # rayguide: what to do when a finished JSON output fails its full schema ("flag":
+    # say so in the response; "retry": resample a non-streamed request; "off")
+    validation: Validation | None = None
     # vLLM-compatible extras
     top_k: int | None = None
     min_p: float | None = None
@@ -107,30 +93,25 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
+        errors = exc.errors()
         problems = []
-        for err in exc.errors()[:5]:
+        for err in errors[:5]:
             where = ".".join(str(p) for p in err["loc"]) or "body"
             msg = ("unknown field; remove it" if err["type"] == "extra_forbidden"
                    else err["msg"])
             problems.append(f"'{where}': {msg}")
-        first = ".".join(str(p) for p in exc.errors()[0]["loc"]) if exc.errors() else None
+        first = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
         raise bad_request("invalid request: " + "; ".join(problems), param=first) from None
 
 
 # plans ----------------------------------------------------------------------------------
 
 @dataclass
-class Limits:
-    """Server-side bounds on what one request may ask for."""
-    default_max_tokens: int = 512
-    max_n: int = 16
-
-
-@dataclass
 class Plan:
     """What one API request runs: ``requests[i]`` is choice i's runtime request."""
     kind: Literal["chat", "completion"]
-    requests: list[dict]
+    requests: list[GenerationRequest]
+    grammar: GrammarSpec | None = None
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -139,49 +120,64 @@ class Plan:
     session_id: str | None = None  # the client's session
     temp_session: str | None = None  # a session the server made (n > 1) and must end
     model: str | None = None
+    validation: Validation = "flag"
     # tokens in the prompt of each choice (completions with several prompts differ)
     prompt_index: list[int] = field(default_factory=list)
 
 
-def plan_chat(req: ChatCompletionRequest, limits: Limits) -> Plan:
+def plan_chat(req: ChatCompletionRequest, limits: Limits, context: int | None = None) -> Plan:
+    """``context``: the served model's context length, when known (max_tokens beyond it
+    is refused)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    params = _params(req, limits, req.max_completion_tokens or req.max_tokens)
-    if req.logprobs:
-        params["logprobs"] = req.top_logprobs or 0
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
+    if len(req.messages) > limits.max_messages:
+        raise bad_request(f"{len(req.messages)} messages is over the limit of "
+                          f"{limits.max_messages}", "messages")
+    params = _params(req, limits, req.max_completion_tokens or req.max_tokens, context,
+                     logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     messages = _messages(req.messages)
+    _check_prompt_chars(sum(len(m["content"]) for m in messages), limits)
     grammar = _grammar(req)
-    tools, mode = None, None
+    functions, mode = None, None
     if req.tools:
-        tools, mode, tool_grammar_spec = tool_grammar(req.tools, req.tool_choice,
-                                                      req.parallel_tool_calls)
+        if len(req.tools) > limits.max_tools:
+            raise bad_request(f"{len(req.tools)} tools is over the limit of "
+                              f"{limits.max_tools}", "tools")
+        try:
+            functions, mode, tool_spec = tools.tool_grammar(req.tools, req.tool_choice,
+                                                            req.parallel_tool_calls)
+        except dialects.DialectError as exc:
+            raise for_kind(exc.kind, str(exc), exc.param) from None
         if mode is not None:
             if grammar is not None:
                 raise bad_request("tools cannot be combined with response_format or guided "
                                   "fields in one request; send one of them", "tools")
-            grammar = tool_grammar_spec
-            messages = _with_tool_prompt(messages, tools, mode, req.tool_choice)
+            grammar = tool_spec
+            messages = tools.with_tool_prompt(messages, functions, mode, req.tool_choice)
     elif req.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
-    plan = Plan("chat", [], stream=req.stream, include_usage=_include_usage(req),
-                logprobs=req.logprobs, tools=tools, tool_mode=mode,
-                session_id=req.session_id, model=req.model)
-    _fill(plan, [messages], req, params, grammar)
+    plan = Plan("chat", [], grammar, stream=req.stream, include_usage=_include_usage(req),
+                logprobs=req.logprobs, tools=functions, tool_mode=mode,
+                session_id=req.session_id, model=req.model,
+                validation=req.validation or "flag")
+    _fill(plan, [messages], req, params)
     return plan
 
 
-def plan_completion(req: CompletionRequest, limits: Limits) -> Plan:
+def plan_completion(req: CompletionRequest, limits: Limits,
+                    context: int | None = None) -> Plan:
     if req.echo:
         raise bad_request("echo is not supported; leave it false", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of not in (None, req.n):
         raise bad_request("best_of must equal n (no server-side ranking)", "best_of")
-    params = _params(req, limits, req.max_tokens, default=16)
-    if req.logprobs is not None:
-        if not 0 <= req.logprobs <= 20:
-            raise bad_request("logprobs must be in [0, 20]", "logprobs")
-        params["logprobs"] = req.logprobs
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise bad_request("logprobs must be in [0, 20]", "logprobs")
+    params = _params(req, limits, req.max_tokens, context, default=16,
+                     logprobs=req.logprobs)
     prompts = req.prompt
     if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
         prompts = [prompts]
@@ -190,14 +186,16 @@ def plan_completion(req: CompletionRequest, limits: Limits) -> Plan:
     if len(prompts) * req.n > limits.max_n * 8:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} is over the limit of "
                           f"{limits.max_n * 8} choices per request", "prompt")
-    plan = Plan("completion", [], stream=req.stream, include_usage=_include_usage(req),
-                logprobs=req.logprobs is not None, session_id=req.session_id, model=req.model)
-    _fill(plan, list(prompts), req, params, _grammar(req))
+    _check_prompt_chars(sum(len(p) for p in prompts), limits)
+    plan = Plan("completion", [], _grammar(req), stream=req.stream,
+                include_usage=_include_usage(req), logprobs=req.logprobs is not None,
+                session_id=req.session_id, model=req.model,
+                validation=req.validation or "flag")
+    _fill(plan, list(prompts), req, params)
     return plan
 
 
-def _fill(plan: Plan, prompts: list, req: _Request, params: dict,
-          grammar: GrammarSpec | None) -> None:
+def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> None:
     """One runtime request per (prompt, sample). Samples of one prompt share a session, so
     they run on one worker, reuse the prompt's KV and each get their own grammar matcher."""
     session = req.session_id
@@ -207,16 +205,20 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: dict,
         raise bad_request("session_id needs a single prompt", "session_id")
     for p_index, prompt in enumerate(prompts):
         for i in range(req.n):
-            p = dict(params)
-            if p.get("seed") is not None:
-                p["seed"] = p["seed"] + i  # n samples with one seed would all be equal
-            r = {"prompt": prompt, "params": p, "request_id": uuid.uuid4().hex, "seq_id": i}
+            p = params
+            if p.seed is not None and i:  # n samples with one seed would all be equal
+                p = SamplingParams(**{**_fields(p), "seed": p.seed + i})
+            sid = None
             if session is not None:
-                r["session_id"] = session if len(prompts) == 1 else f"{session}-{p_index}"
-            if grammar is not None:
-                r["grammar"] = grammar.to_dict()
-            plan.requests.append(r)
+                sid = session if len(prompts) == 1 else f"{session}-{p_index}"
+            plan.requests.append(GenerationRequest(
+                prompt=prompt, params=p, request_id=uuid.uuid4().hex, session_id=sid,
+                grammar=plan.grammar, seq_id=i, validation=plan.validation))
             plan.prompt_index.append(p_index)
+
+
+def _fields(params: SamplingParams) -> dict:
+    return {name: getattr(params, name) for name in params.__dataclass_fields__}
 
 
 def _include_usage(req: _Request) -> bool:
@@ -225,7 +227,15 @@ def _include_usage(req: _Request) -> bool:
     return bool((req.stream_options or {}).get("include_usage"))
 
 
-def _params(req: _Request, limits: Limits, max_tokens: int | None, default=None) -> dict:
+def _check_prompt_chars(n: int, limits: Limits) -> None:
+    if n > limits.max_prompt_chars:
+        raise APIError(413, f"the prompt is {n} characters, over the limit of "
+                            f"{limits.max_prompt_chars}; shorten it", param="messages",
+                       code="prompt_too_large")
+
+
+def _params(req: _Request, limits: Limits, max_tokens: int | None, context: int | None,
+            default: int | None = None, logprobs: int | None = None) -> SamplingParams:
     if not 1 <= req.n <= limits.max_n:
         raise bad_request(f"n must be in [1, {limits.max_n}], got {req.n}", "n")
     if req.logit_bias:
@@ -233,71 +243,49 @@ def _params(req: _Request, limits: Limits, max_tokens: int | None, default=None)
                           "grammar instead", "logit_bias")
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    p: dict[str, Any] = {"max_new_tokens": max_tokens or default or limits.default_max_tokens}
+    if max_tokens is not None and context is not None and max_tokens >= context:
+        raise bad_request(f"max_tokens is {max_tokens}, but the model's context is {context} "
+                          "tokens (prompt included); ask for fewer", "max_tokens")
+    budget = max_tokens or default or limits.default_max_tokens
+    if context is not None:
+        budget = min(budget, context - 1)
+    p: dict[str, Any] = {"max_new_tokens": budget}
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "ignore_eos"):
         value = getattr(req, name)
         if value is not None:
             p[name] = value
     if req.stop:
-        p["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        if len(stops) > limits.max_stops:
+            raise bad_request(f"{len(stops)} stop strings is over the limit of "
+                              f"{limits.max_stops}", "stop")
+        if any(len(s) > limits.max_stop_chars for s in stops):
+            raise bad_request(f"a stop string is longer than {limits.max_stop_chars} "
+                              "characters", "stop")
+        p["stop"] = stops
     if req.stop_token_ids:
+        if len(req.stop_token_ids) > limits.max_stop_token_ids:
+            raise bad_request(f"{len(req.stop_token_ids)} stop_token_ids is over the limit "
+                              f"of {limits.max_stop_token_ids}", "stop_token_ids")
         p["stop_token_ids"] = list(req.stop_token_ids)
-    return p
+    if logprobs is not None:
+        p["logprobs"] = logprobs
+    try:
+        return SamplingParams(**p)
+    except (ValueError, TypeError) as exc:
+        name = next((k for k in p if k in str(exc)), None)
+        raise bad_request(str(exc), name) from None
 
 
 def _grammar(req: _Request) -> GrammarSpec | None:
     """The one grammar a request asks for, from whichever dialect it used."""
-    asked: list[tuple[str, Any]] = []
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        asked.append(("response_format", req.response_format))
-    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            asked.append((name, getattr(req, name)))
-    if req.structured_outputs:
-        asked.append(("structured_outputs", req.structured_outputs))
-    if len(asked) > 1:
-        raise bad_request(f"only one of {', '.join(n for n, _ in asked)} may be set")
-    if not asked:
-        if req.response_format is not None:
-            GrammarSpec.from_response_format(req.response_format)  # checks its shape
-        return None
-    name, value = asked[0]
+    fields = {name: getattr(req, name) for name in
+              ("response_format", *dialects.VLLM_FIELDS, "structured_outputs")}
     try:
-        if name == "response_format":
-            return GrammarSpec.from_response_format(value)
-        if name == "guided_json":
-            return GrammarSpec.json_schema(value)
-        if name == "guided_regex":
-            return GrammarSpec.regex(value)
-        if name == "guided_choice":
-            return GrammarSpec.choice(value)
-        if name == "guided_grammar":
-            return GrammarSpec.ebnf(value)
-        return _structured_outputs(value)
-    except ValueError as exc:
-        raise grammar_error(exc, name) from None
-
-
-def _structured_outputs(so: dict) -> GrammarSpec:
-    makers = {"json": GrammarSpec.json_schema, "regex": GrammarSpec.regex,
-              "choice": GrammarSpec.choice, "grammar": GrammarSpec.ebnf,
-              "structural_tag": GrammarSpec.structural_tag}
-    given = [k for k in so if so[k] is not None]
-    if len(given) != 1 or given[0] not in makers:
-        raise ValueError(f"structured_outputs needs exactly one of {sorted(makers)}; "
-                         f"got {sorted(given)}")
-    if given[0] == "json" and so["json"] is True:
-        return GrammarSpec.json_object()
-    return makers[given[0]](so[given[0]])
-
-
-def grammar_error(exc: ValueError, param: str | None = None) -> APIError:
-    """A grammar the server refuses: 413 when it is too large, 400 otherwise."""
-    msg = str(exc)
-    if "over the limit" in msg and str(MAX_SOURCE_CHARS) in msg:
-        return APIError(413, msg, param=param, code="grammar_too_large")
-    return APIError(400, f"invalid grammar: {msg}", param=param, code="invalid_grammar")
+        return dialects.from_openai(fields)
+    except dialects.DialectError as exc:
+        raise for_kind(exc.kind, str(exc), exc.param) from None
 
 
 def _messages(messages: list[dict]) -> list[dict]:
@@ -311,25 +299,43 @@ def _messages(messages: list[dict]) -> list[dict]:
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad_request(f"messages[{i}].role must be system, developer, user, "
-                              f"assistant or tool; got {role!r}", f"messages.{i}.role")
+                              f"assistant or tool; got {str(role)[:40]!r}",
+                              f"messages.{i}.role")
         content = _text(m.get("content"), i)
         if role == "assistant" and m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                fn = call.get("function", {}) if isinstance(call, dict) else {}
-                args = fn.get("arguments", "{}")
-                try:
-                    args = json.loads(args) if isinstance(args, str) else args
-                except json.JSONDecodeError:
-                    raise bad_request(f"messages[{i}].tool_calls: arguments are not JSON",
-                                      f"messages.{i}.tool_calls") from None
-                calls.append(_call_text(fn.get("name", ""), args))
-            content = "\n".join(([content] if content else []) + calls)
+            content = "\n".join(([content] if content else [])
+                                + _tool_call_texts(m["tool_calls"], i))
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         elif role == "developer":
             role = "system"
         out.append({"role": role, "content": content})
+    return out
+
+
+def _tool_call_texts(calls: Any, i: int) -> list[str]:
+    """An assistant message's tool_calls as the text the tool grammar generates."""
+    where = f"messages.{i}.tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"messages[{i}].tool_calls must be a list of "
+                          "{'type': 'function', 'function': {'name', 'arguments'}}", where)
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"messages[{i}].tool_calls[{k}] needs 'function': "
+                              "{'name': str, 'arguments': str}", f"{where}.{k}")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except (json.JSONDecodeError, RecursionError):
+            raise bad_request(f"messages[{i}].tool_calls[{k}]: arguments are not JSON",
+                              f"{where}.{k}") from None
+        try:
+            out.append(tools.call_text(fn["name"], args))
+        except (TypeError, ValueError, RecursionError):
+            raise bad_request(f"messages[{i}].tool_calls[{k}]: arguments are not "
+                              "JSON-serializable", f"{where}.{k}") from None
     return out
 
 
@@ -344,232 +350,12 @@ def _text(content, i: int) -> str:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise bad_request(f"messages[{i}].content: only text parts are supported, "
-                                  f"got {kind!r}", f"messages.{i}.content")
-            parts.append(str(part.get("text", "")))
+                                  f"got {str(kind)[:40]!r}", f"messages.{i}.content")
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise bad_request(f"messages[{i}].content: a text part's 'text' must be a "
+                                  "string", f"messages.{i}.content")
+            parts.append(text)
         return "".join(parts)
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
                       f"messages.{i}.content")
-
-
-# tools ----------------------------------------------------------------------------------
-# Calls are written as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, a
-# format many open models were trained on. The grammar fixes everything but the arguments,
-# which follow the function's parameter schema, so a call under "required" or a named
-# tool_choice cannot be malformed; under "auto" the model may write text, and once it
-# starts a call the same rule holds.
-
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
-
-
-def _call_text(name: str, arguments) -> str:
-    return (f'{CALL_OPEN}\n{{"name": {json.dumps(name)}, "arguments": '
-            f'{json.dumps(arguments, ensure_ascii=False)}}}\n{CALL_CLOSE}')
-
-
-def tool_grammar(tools: list[dict], tool_choice, parallel: bool | None
-                 ) -> tuple[list[dict], str | None, GrammarSpec | None]:
-    """(function definitions, mode, structural-tag grammar); mode None: tool_choice none."""
-    functions = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
-                              f"tools.{i}")
-        if not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}",
-                                                                    fn["name"]):
-            raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, "
-                              "'_', '.' or '-'", f"tools.{i}.function.name")
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(params, dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
-                              f"tools.{i}.function.parameters")
-        functions.append({**fn, "parameters": params})
-    names = [f["name"] for f in functions]
-    if len(set(names)) != len(names):
-        raise bad_request("tool function names must be unique", "tools")
-
-    if tool_choice in (None, "auto"):
-        mode, chosen = "auto", functions
-    elif tool_choice == "none":
-        return functions, None, None
-    elif tool_choice == "required":
-        mode, chosen = "required", functions
-    elif isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
-        name = tool_choice["function"].get("name")
-        chosen = [f for f in functions if f["name"] == name]
-        if not chosen:
-            raise bad_request(f"tool_choice names {name!r}, which is not in tools "
-                              f"({', '.join(names)})", "tool_choice")
-        mode = "named"
-    else:
-        raise bad_request("tool_choice must be 'none', 'auto', 'required' or "
-                          "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
-
-    tags = [{"type": "tag", "begin": f'{CALL_OPEN}\n{{"name": {json.dumps(f["name"])}, '
-                                     '"arguments": ',
-             "content": {"type": "json_schema", "json_schema": f["parameters"]},
-             "end": f"}}\n{CALL_CLOSE}"} for f in chosen]
-    if mode == "auto":
-        fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
-               "at_least_one": False, "stop_after_first": parallel is False}
-    else:
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
-               "at_least_one": True, "stop_after_first": mode == "named" or parallel is False}
-    try:
-        spec = GrammarSpec.structural_tag({"type": "structural_tag", "format": fmt})
-    except ValueError as exc:
-        raise grammar_error(exc, "tools") from None
-    return functions, mode, spec
-
-
-def _with_tool_prompt(messages: list[dict], functions: list[dict], mode: str,
-                      tool_choice) -> list[dict]:
-    """Tells the model which functions exist and how to call them (in the system message,
-    since not every chat template renders tools)."""
-    listing = "\n".join(json.dumps({"name": f["name"], "description": f.get("description", ""),
-                                    "parameters": f["parameters"]}, ensure_ascii=False)
-                        for f in functions)
-    how = ("To call a function, write\n<tool_call>\n"
-           '{"name": <function name>, "arguments": <arguments object>}\n</tool_call>')
-    if mode == "required":
-        how += "\nYou must call at least one function."
-    elif mode == "named":
-        how += f"\nCall the function {tool_choice['function']['name']}."
-    text = f"You can call these functions:\n{listing}\n{how}"
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text},
-                *messages[1:]]
-    return [{"role": "system", "content": text}, *messages]
-
-
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content outside the calls or None, OpenAI tool_calls). A call that does not parse
-    (cut off by max_tokens) stays in the content."""
-    calls, kept, pos = [], [], 0
-    for m in _CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-            name, args = obj["name"], obj.get("arguments", {})
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-        kept.append(text[pos:m.start()])
-        pos = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name,
-                                   "arguments": json.dumps(args, ensure_ascii=False)}})
-    kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None), calls
-
-
-class ToolStreamSplitter:
-    """Streams content text while holding back anything that may be the start of a tool
-    call; once a call starts, everything after it is kept for ``parse_tool_calls``."""
-
-    def __init__(self):
-        self.pending = ""
-        self.in_calls = False
-        self.captured = ""
-
-    def feed(self, text: str) -> str:
-        if self.in_calls:
-            self.captured += text
-            return ""
-        self.pending += text
-        at = self.pending.find(CALL_OPEN)
-        if at >= 0:
-            out, self.captured = self.pending[:at], self.pending[at:]
-            self.pending, self.in_calls = "", True
-            return out
-        keep = 0  # the longest tail that is a prefix of CALL_OPEN
-        for k in range(min(len(CALL_OPEN) - 1, len(self.pending)), 0, -1):
-            if CALL_OPEN.startswith(self.pending[-k:]):
-                keep = k
-                break
-        out = self.pending[:len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep:]
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content still held back, parsed calls)."""
-        content, calls = parse_tool_calls(self.captured) if self.captured else (None, [])
-        return self.pending + (content or ""), calls
-
-
-# responses ------------------------------------------------------------------------------
-
-@dataclass
-class Choice:
-    """What one choice produced, accumulated over its chunks."""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # (logprob, [(id, lp)]) per token
-    logprob_tokens: list = field(default_factory=list)  # [token text, [alt texts]]
-    finish_reason: str | None = None
-    error: str | None = None
-    error_kind: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def add(self, chunk: dict) -> None:
-        self.text += chunk.get("text", "")
-        self.token_ids += chunk.get("token_ids", [])
-        self.logprobs += chunk.get("logprobs") or []
-        self.logprob_tokens += chunk.get("logprob_tokens") or []
-        if chunk.get("finished"):
-            self.finish_reason = chunk.get("finish_reason")
-            self.error, self.error_kind = chunk.get("error"), chunk.get("error_kind")
-        for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
-            if chunk.get(name) is not None:
-                setattr(self, name, chunk[name])
-
-
-def chat_logprobs(logprobs: list, tokens: list) -> dict:
-    content = []
-    for (lp, top), (text, alts) in zip(logprobs, tokens):
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": t, "logprob": a_lp,
-                                          "bytes": list(t.encode())}
-                                         for t, (_, a_lp) in zip(alts, top)]})
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(logprobs: list, tokens: list, offset: int = 0) -> dict:
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for (lp, top), (text, alts) in zip(logprobs, tokens):
-        out["tokens"].append(text)
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({t: a_lp for t, (_, a_lp) in zip(alts, top)})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
-
-
-def finish_reason(reason: str | None, has_calls: bool) -> str:
-    if has_calls:
-        return "tool_calls"
-    return "length" if reason == "length" else "stop"
-
-
-def usage(choices: list[Choice], prompt_index: list[int]) -> dict:
-    """Each distinct prompt counts once; every sample's output counts."""
-    prompt, cached, seen = 0, 0, set()
-    for c, p in zip(choices, prompt_index):
-        if p not in seen:
-            seen.add(p)
-            prompt += c.prompt_tokens
-            cached += c.cached_tokens
-    completion = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def new_id(kind: str) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-
-
-def now() -> int:
-    return int(time.time())

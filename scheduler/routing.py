@@ -77,7 +77,9 @@ class RoutingTable:
         if not self.workers:
             raise NoWorkers("no worker is alive; the runtime is starting or every worker died")
         best = min(self.workers.values(), key=lambda w: (w.queued_tokens, w.worker_id))
-        if best.queued_tokens + expected_tokens > self.max_queued_tokens:
+        # an idle worker takes any request: a large max_tokens is a budget, not a queue,
+        # and refusing it on an idle cluster would make a retrying client spin forever
+        if best.queued_tokens and best.queued_tokens + expected_tokens > self.max_queued_tokens:
             raise Overloaded(f"every worker has over {self.max_queued_tokens} tokens queued; "
                              "retry later")
         best.routed_since_report += expected_tokens

@@ -6,13 +6,15 @@ import json
 
 import pytest
 
+from cluster.client import RequestOutput
 from deploy import openai_api as api
-from deploy.openai_api import APIError
-from grammar_cache.spec import GrammarSpec
+from deploy import responses, tools
+from deploy.errors import APIError
+from deploy.settings import Limits
 
 pytestmark = pytest.mark.unit
 
-LIMITS = api.Limits()
+LIMITS = Limits()
 
 
 def chat(**body):
@@ -21,8 +23,7 @@ def chat(**body):
 
 
 def grammar_of(plan):
-    g = plan.requests[0].get("grammar")
-    return GrammarSpec.from_dict(g) if g else None
+    return plan.requests[0].grammar
 
 
 def test_unknown_field_is_named():
@@ -34,15 +35,15 @@ def test_unknown_field_is_named():
 def test_params_mapping():
     plan = chat(max_completion_tokens=7, temperature=0, top_p=0.9, seed=5, stop="END",
                 presence_penalty=0.5, logprobs=True, top_logprobs=3, n=2, top_k=4)
-    p0, p1 = (r["params"] for r in plan.requests)
-    assert p0["max_new_tokens"] == 7 and p0["stop"] == ["END"] and p0["logprobs"] == 3
-    assert p0["top_k"] == 4 and p0["temperature"] == 0
-    assert (p0["seed"], p1["seed"]) == (5, 6)  # n samples differ
+    p0, p1 = (r.params for r in plan.requests)
+    assert p0.max_new_tokens == 7 and p0.stop == ("END",) and p0.logprobs == 3
+    assert p0.top_k == 4 and p0.temperature == 0
+    assert (p0.seed, p1.seed) == (5, 6)  # n samples differ
     # n > 1 without a session: a server-made session, so the samples share a worker
-    assert plan.temp_session and {r["session_id"] for r in plan.requests} == {plan.temp_session}
-    assert [r["seq_id"] for r in plan.requests] == [0, 1]
-    assert chat().requests[0]["params"]["max_new_tokens"] == LIMITS.default_max_tokens
-    assert "session_id" not in chat().requests[0]
+    assert plan.temp_session and {r.session_id for r in plan.requests} == {plan.temp_session}
+    assert [r.seq_id for r in plan.requests] == [0, 1]
+    assert chat().requests[0].params.max_new_tokens == LIMITS.default_max_tokens
+    assert chat().requests[0].session_id is None
 
 
 @pytest.mark.parametrize("body, bad", [
@@ -121,7 +122,7 @@ def test_tool_modes_compile(choice, mode, default_tokenizer_info):
     if mode is None:
         assert g is None
         return
-    system = plan.requests[0]["prompt"][0]
+    system = plan.requests[0].prompt[0]
     assert system["role"] == "system" and "get_weather" in system["content"]
     _check_matches(g, default_tokenizer_info, mode)
 
@@ -163,7 +164,7 @@ def test_tool_history_is_rendered_as_text():
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "-3C"}], tools=[WEATHER])
-    msgs = plan.requests[0]["prompt"]
+    msgs = plan.requests[0].prompt
     assert '"name": "get_weather"' in msgs[2]["content"] and "Oslo" in msgs[2]["content"]
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n-3C\n</tool_response>"}
 
@@ -171,22 +172,22 @@ def test_tool_history_is_rendered_as_text():
 def test_parse_tool_calls():
     text = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}'
             '\n</tool_call>\n<tool_call>\n{"name": "note", "arguments": {}}\n</tool_call>')
-    content, calls = api.parse_tool_calls(text)
+    content, calls = tools.parse_tool_calls(text)
     assert content == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "note"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
-    content, calls = api.parse_tool_calls('<tool_call>\n{"name": "x", "argu')  # cut off
+    content, calls = tools.parse_tool_calls('<tool_call>\n{"name": "x", "argu')  # cut off
     assert calls == [] and content.startswith("<tool_call>")
 
 
 def test_stream_splitter_holds_back_call_starts():
-    s = api.ToolStreamSplitter()
+    s = tools.ToolStreamSplitter()
     out = [s.feed(t) for t in ["Hello <", "b> and <tool", "_call>\n{\"name\": \"note\", ",
                                "\"arguments\": {}}\n</tool_call>"]]
     assert "".join(out) == "Hello <b> and "
     tail, calls = s.finish()
     assert tail == "" and calls[0]["function"]["name"] == "note"
-    s = api.ToolStreamSplitter()
+    s = tools.ToolStreamSplitter()
     assert s.feed("a <tool") == "a "
     assert s.finish() == ("<tool", [])  # never a call: the held-back text comes out
 
@@ -194,20 +195,20 @@ def test_stream_splitter_holds_back_call_starts():
 def test_completion_plans():
     plan = api.plan_completion(api.parse_request(api.CompletionRequest, {
         "prompt": ["a", "b"], "n": 2, "logprobs": 1, "guided_choice": ["x"]}), LIMITS)
-    assert [r["prompt"] for r in plan.requests] == ["a", "a", "b", "b"]
+    assert [r.prompt for r in plan.requests] == ["a", "a", "b", "b"]
     assert plan.prompt_index == [0, 0, 1, 1] and plan.logprobs
-    assert plan.requests[0]["session_id"] != plan.requests[2]["session_id"]
+    assert plan.requests[0].session_id != plan.requests[2].session_id
     assert api.plan_completion(api.parse_request(api.CompletionRequest, {
-        "prompt": [1, 2, 3]}), LIMITS).requests[0]["prompt"] == [1, 2, 3]
+        "prompt": [1, 2, 3]}), LIMITS).requests[0].prompt == [1, 2, 3]
     with pytest.raises(APIError, match="echo"):
         api.plan_completion(api.parse_request(api.CompletionRequest,
                                               {"prompt": "a", "echo": True}), LIMITS)
 
 
 def test_usage_counts_each_prompt_once():
-    a = api.Choice(prompt_tokens=10, completion_tokens=3, cached_tokens=4)
-    b = api.Choice(prompt_tokens=10, completion_tokens=5, cached_tokens=4)
-    u = api.usage([a, b], [0, 0])
+    a = RequestOutput("a", prompt_tokens=10, completion_tokens=3, cached_tokens=4)
+    b = RequestOutput("b", prompt_tokens=10, completion_tokens=5, cached_tokens=4)
+    u = responses.usage([a, b], [0, 0])
     assert u == {"prompt_tokens": 10, "completion_tokens": 8, "total_tokens": 18,
                  "prompt_tokens_details": {"cached_tokens": 4}}
 
@@ -215,9 +216,9 @@ def test_usage_counts_each_prompt_once():
 def test_logprob_shapes():
     lps = [(-0.1, [(5, -0.1), (6, -2.0)])]
     toks = [["Hi", ["Hi", "Yo"]]]
-    c = api.chat_logprobs(lps, toks)["content"][0]
+    c = responses.chat_logprobs(lps, toks)["content"][0]
     assert c["token"] == "Hi" and c["top_logprobs"][1] == {"token": "Yo", "logprob": -2.0,
                                                            "bytes": [89, 111]}
-    lp = api.completion_logprobs(lps, toks, offset=3)
+    lp = responses.completion_logprobs(lps, toks, offset=3)
     assert lp == {"tokens": ["Hi"], "token_logprobs": [-0.1],
                   "top_logprobs": [{"Hi": -0.1, "Yo": -2.0}], "text_offset": [3]}

@@ -1,0 +1,95 @@
+"""The endpoint's settings: one pydantic model, and every limit a request is checked
+against, defined once here and honoured on every path (HTTP, batch job).
+
+``AppSettings`` are the app's arguments (``build_app(args)``, a Serve config's ``args``,
+``serve run ... key=value`` pairs, which arrive as strings and are converted by pydantic).
+Runtime keys (model, num_workers, ... or a ``config`` YAML path) are used only when a
+replica has to start the runtime itself. Unknown keys are errors naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cluster.config import ClusterConfig
+
+
+class Limits(BaseModel):
+    """What one request may ask for. Each is checked at the edge with a 4xx naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # counted while the body is read
+    max_json_depth: int = Field(64, ge=8)  # nesting of the request body
+    default_max_tokens: int = Field(256, ge=1)
+    max_n: int = Field(16, ge=1)
+    max_messages: int = Field(1024, ge=1)
+    max_prompt_chars: int = Field(1_000_000, ge=1)  # checked before any tokenization
+    max_stops: int = Field(16, ge=0)
+    max_stop_chars: int = Field(256, ge=1)
+    max_stop_token_ids: int = Field(64, ge=0)
+    max_tools: int = Field(128, ge=0)
+
+
+class AppSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    api_key: str | None = None  # default: $RAYGUIDE_API_KEY; None: no auth
+    # /metrics, /docs and /openapi.json follow the API key unless this is true
+    public_metrics: bool = False
+    num_replicas: int = Field(1, ge=1)
+    replica_num_cpus: float = Field(0.0, ge=0)
+    replica_resources: dict | None = None  # e.g. {"cpu_node": 0.01}: where replicas may run
+    max_ongoing_requests: int = Field(256, ge=1)
+    # when a non-streamed request with validation "retry" comes back invalid: how many
+    # more samples it may take
+    max_validation_retries: int = Field(2, ge=0, le=8)
+    limits: Limits = Field(default_factory=Limits)
+    start_runtime: bool = True
+    config: str | None = None  # a ClusterConfig YAML
+    model: str | None = None
+    num_workers: int | None = None
+    address: str | None = None
+    engine: dict | None = None
+    worker: dict | None = None
+    grammar_cache: dict | None = None
+    scheduler: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _limits_at_top(cls, values):
+        """Limits may be given flat (``max_n=4``) as well as under ``limits``."""
+        if isinstance(values, dict):
+            flat = {k: values[k] for k in Limits.model_fields if k in values}
+            if flat:
+                values = {k: v for k, v in values.items() if k not in flat}
+                values["limits"] = {**(values.get("limits") or {}), **flat}
+        return values
+
+    @classmethod
+    def from_args(cls, args: dict | None) -> "AppSettings":
+        """Settings from app arguments; errors name the key. The API key defaults to
+        ``$RAYGUIDE_API_KEY``. A bad runtime key fails here, at build time."""
+        try:
+            settings = cls.model_validate(dict(args or {}))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'args'}: "
+                f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
+                for e in exc.errors()[:5])
+            raise ValueError(f"invalid app arguments: {problems}; known: "
+                             f"{sorted(cls.model_fields)}") from None
+        if settings.api_key is None:
+            settings.api_key = os.environ.get("RAYGUIDE_API_KEY") or None
+        settings.cluster_config()
+        return settings
+
+    def cluster_config(self) -> ClusterConfig:
+        overrides = {k: getattr(self, k) for k in
+                     ("model", "num_workers", "engine", "worker", "grammar_cache", "scheduler")
+                     if getattr(self, k) is not None}
+        if self.config:
+            return ClusterConfig.from_yaml(self.config, **overrides)
+        return ClusterConfig(**overrides)
