@@ -10,7 +10,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 PROMPT ?= Give me three facts about the Moon.
 
-.PHONY: install run generate test test-all load-test bench clean
+.PHONY: install run generate test test-all load-test fuzz bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ test-all: install
 load-test: install
 	RAYGUIDE_LOAD_SCALE=5 $(PY) -m pytest -q -s tests/test_load_cluster.py \
 		tests/test_load_default_model.py "tests/test_serve.py::test_load_tool_default_model"
+
+# The hostile-input fuzzers (tests/test_fuzz.py) at 10x the CI count, printing the statuses.
+fuzz: install
+	RAYGUIDE_FUZZ_EXAMPLES=1200 $(PY) -m pytest -q -s tests/test_fuzz.py
 
 bench: install
 	$(PY) bench/engine_throughput.py
