@@ -38,7 +38,8 @@ from ray import serve  # noqa: E402
 
 from bench.report import finish, parser, table  # noqa: E402
 from cluster import launch  # noqa: E402
-from cluster.client import RuntimeClient  # noqa: E402
+from cluster.client import (GenerationRequest, RuntimeClient,  # noqa: E402
+                            SamplingParams)
 from cluster.config import ClusterConfig  # noqa: E402
 
 CLIENTS = 16
@@ -81,12 +82,10 @@ def tiny_model(root: Path) -> str:
     return str(path)
 
 
-def stream_request(n_tokens: int, session: str | None = None) -> dict:
-    r = {"prompt": [{"role": "user", "content": "Hello"}],
-         "params": {"max_new_tokens": n_tokens, "temperature": 0.0, "ignore_eos": True}}
-    if session:
-        r["session_id"] = session
-    return r
+def stream_request(n_tokens: int, session: str | None = None) -> GenerationRequest:
+    return GenerationRequest([{"role": "user", "content": "Hello"}],
+                             SamplingParams(max_new_tokens=n_tokens, temperature=0.0,
+                                            ignore_eos=True), session_id=session)
 
 
 async def per_token_via_ray(client: RuntimeClient, n: int) -> float:
@@ -100,8 +99,6 @@ async def per_token_via_ray(client: RuntimeClient, n: int) -> float:
 
 
 def per_token_local(engine, n: int) -> float:
-    from worker.engine.sampling import SamplingParams
-    from worker.engine.sequence import GenerationRequest
     engine.add_request(GenerationRequest([{"role": "user", "content": "Hello"}],
                                          SamplingParams(max_new_tokens=n, temperature=0.0,
                                                         ignore_eos=True)))

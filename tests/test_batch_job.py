@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.client import GenerationRequest, RequestOutput, SamplingParams
 from deploy import batch_job
 from grammar_cache.spec import GrammarSpec
 
@@ -60,12 +61,13 @@ def test_parse_prompt_messages_sampling():
     item = parse({"id": "a", "prompt": "Hi", "max_tokens": 5, "temperature": 0.7,
                   "top_p": 0.9, "seed": 3, "stop": ["\n"]}, line=4)
     assert item.error is None and item.id == "a" and item.line == 4 and not item.is_json
-    assert item.request == {"prompt": "Hi", "request_id": "batch-t-4", "params": {
-        "max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9, "seed": 3, "stop": ["\n"]}}
+    assert item.request == GenerationRequest("Hi", SamplingParams(
+        max_new_tokens=5, temperature=0.7, top_p=0.9, seed=3, stop=("\n",)),
+        request_id="batch-t-4")
     msgs = [{"role": "user", "content": "Hi"}]
     item = parse({"messages": msgs}, line=7)
-    assert item.id == 7 and item.request["prompt"] == msgs
-    assert item.request["params"] == DEFAULTS and "grammar" not in item.request
+    assert item.id == 7 and item.request.prompt == msgs
+    assert item.request.params == SamplingParams(**DEFAULTS) and item.request.grammar is None
 
 
 @pytest.mark.unit
@@ -73,19 +75,19 @@ def test_parse_formats():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     default = GrammarSpec.json_schema({"type": "string"})
     own = parse({"prompt": "x", "schema": schema}, default_grammar=default)
-    assert own.is_json and own.request["grammar"] == GrammarSpec.json_schema(schema).to_dict()
-    assert parse({"prompt": "x"}, default_grammar=default).request["grammar"] == default.to_dict()
+    assert own.is_json and own.request.grammar == GrammarSpec.json_schema(schema)
+    assert parse({"prompt": "x"}, default_grammar=default).request.grammar == default
     text = parse({"prompt": "x", "response_format": {"type": "text"}}, default_grammar=default)
-    assert "grammar" not in text.request and not text.is_json
+    assert text.request.grammar is None and not text.is_json
     rf = parse({"prompt": "x", "response_format": {
         "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
-    assert rf.is_json and rf.request["grammar"]["kind"] == "json_schema"
+    assert rf.is_json and rf.request.grammar.kind == "json_schema"
     assert parse({"prompt": "x", "response_format": {"type": "json_object"}}).is_json
     rx = parse({"prompt": "x", "response_format": {"type": "regex_schema",
                                                    "regex_schema": "[0-9]+"}})
-    assert rx.request["grammar"]["kind"] == "regex" and not rx.is_json
-    assert parse({"prompt": "x", "regex": "a+"}).request["grammar"]["source"] == "a+"
-    assert parse({"prompt": "x", "choice": ["y", "n"]}).request["grammar"]["kind"] == "choice"
+    assert rx.request.grammar.kind == "regex" and not rx.is_json
+    assert parse({"prompt": "x", "regex": "a+"}).request.grammar.source == "a+"
+    assert parse({"prompt": "x", "choice": ["y", "n"]}).request.grammar.kind == "choice"
 
 
 @pytest.mark.unit
@@ -122,20 +124,21 @@ class FakeClient:
         self.in_flight = self.max_in_flight = 0
 
     async def complete(self, request):
-        self.seen.append(request["request_id"])
+        self.seen.append(request.request_id)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             await asyncio.sleep(random.random() * 0.01)
-            prompt = request["prompt"]
+            prompt = request.prompt
             if prompt == "raise":
                 raise ValueError("prompt is too long")
             if prompt == "worker-error":
-                return {"text": "", "finish_reason": "error", "error": "invalid json_schema "
-                        "grammar: boom", "prompt_tokens": 3, "completion_tokens": 0}
-            text = '{"a": 1}' if "grammar" in request else f"echo {prompt}"
-            return {"text": text, "finish_reason": "stop", "prompt_tokens": 3,
-                    "completion_tokens": 2}
+                return RequestOutput(request.request_id, "", finish_reason="error",
+                                     error="invalid json_schema grammar: boom",
+                                     prompt_tokens=3, completion_tokens=0)
+            text = '{"a": 1}' if request.grammar is not None else f"echo {prompt}"
+            return RequestOutput(request.request_id, text, finish_reason="stop",
+                                 prompt_tokens=3, completion_tokens=2)
         finally:
             self.in_flight -= 1
 
@@ -206,7 +209,7 @@ def test_undecodable_and_blank_lines(tmp_path):
     got = list(batch_job.items(str(inp), work, defaults=DEFAULTS, default_grammar=None,
                                run_tag="t"))
     assert [(i.line, i.id) for i in got] == [(1, 1), (2, 2), (4, 4)]
-    assert got[1].error == "line 2 is not valid UTF-8" and got[2].request["prompt"] == "c"
+    assert got[1].error == "line 2 is not valid UTF-8" and got[2].request.prompt == "c"
 
 
 @pytest.mark.unit

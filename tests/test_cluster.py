@@ -11,7 +11,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster import launch
-from cluster.client import RuntimeClient
+from cluster.client import GenerationRequest, RuntimeClient, SamplingParams
 from cluster.config import ClusterConfig
 from grammar_cache.spec import GrammarSpec
 
@@ -41,13 +41,9 @@ def run(coro):
 
 
 def req(session=None, n=8, grammar=None, text="Hello there"):
-    r = {"prompt": [{"role": "user", "content": text}],
-         "params": {"max_new_tokens": n, "temperature": 0.0}}
-    if session is not None:
-        r["session_id"] = session
-    if grammar is not None:
-        r["grammar"] = grammar.to_dict()
-    return r
+    return GenerationRequest([{"role": "user", "content": text}],
+                             SamplingParams(max_new_tokens=n, temperature=0.0),
+                             session_id=session, grammar=grammar)
 
 
 def loads():
@@ -81,9 +77,9 @@ def test_sessions_stick_and_new_ones_spread(runtime):
         return first, second
 
     first, second = run(main())
-    assert [a["worker_id"] for a in first] == [b["worker_id"] for b in second]
-    assert len({a["worker_id"] for a in first}) == 3
-    assert all(b["cached_tokens"] > 0 for b in second)  # the session's KV was reused
+    assert [a.worker_id for a in first] == [b.worker_id for b in second]
+    assert len({a.worker_id for a in first}) == 3
+    assert all(b.cached_tokens > 0 for b in second)  # the session's KV was reused
     for i in range(6):
         run(client.end_session(f"s{i}"))
     wait_released()
@@ -96,7 +92,7 @@ def test_broadcast_releases_every_processor(runtime):
     async def main():
         outs = await asyncio.gather(*(client.complete(req(f"g{i}", n=6, grammar=spec))
                                       for i in range(9)))
-        assert all(o["finish_reason"] in ("stop", "length") for o in outs)
+        assert all(o.finish_reason in ("stop", "length") for o in outs)
         assert sum(w["live_sessions"] for w in loads()) == 9
         await asyncio.gather(*(client.end_session(f"g{i}") for i in range(9)))
 
@@ -134,7 +130,7 @@ def test_restarted_scheduler_rebuilds_its_tables(runtime):
         time.sleep(0.3)
     assert len(st["workers"]) == 3 and st["sessions"] >= 1
     again = run(RuntimeClient().complete(req("keep", text="more")))
-    assert again["worker_id"] == out["worker_id"]  # the pin survived the restart
+    assert again.worker_id == out.worker_id  # the pin survived the restart
     run(RuntimeClient().end_session("keep"))
     wait_released()
 
@@ -164,13 +160,13 @@ def test_worker_death_mid_stream_and_before_streaming(runtime):
         async for chunk in client.generate(req("doomed", n=400)):
             chunks.append(chunk)
             if len(chunks) == 3:
-                ray.kill(ray.get_actor(f"rayguide_worker_{chunk['worker_id'][1:]}",
+                ray.kill(ray.get_actor(f"rayguide_worker_{chunk.worker_id[1:]}",
                                        namespace="rayguide"), no_restart=True)
         return chunks
 
     chunks = run(mid_stream())
     victim = chunks[0]["worker_id"]
-    assert chunks[-1]["finish_reason"] == "error" and "died while streaming" in chunks[-1]["error"]
+    assert chunks[-1].finish_reason == "error" and "died while streaming" in chunks[-1].error
     assert victim not in ray.get(client.scheduler.stats.remote())["workers"]  # dropped at once
     # a session pinned to a worker that dies before streaming anything is retried elsewhere
     pinned = run(client.complete(req("pinned")))
@@ -182,5 +178,5 @@ def test_worker_death_mid_stream_and_before_streaming(runtime):
             ray.get(doomed.health.remote(), timeout=5)
             time.sleep(0.1)
     out = run(client.complete(req("pinned", text="still there?")))
-    assert out["finish_reason"] in ("stop", "length") and out["worker_id"] not in (victim, target)
+    assert out.finish_reason in ("stop", "length") and out.worker_id not in (victim, target)
     assert client.retries == 1

@@ -12,7 +12,7 @@ import ray
 from cluster import launch
 from cluster.client import RuntimeClient
 from cluster.config import ClusterConfig
-from grammar_cache.spec import GrammarSpec
+from cluster.client import GenerationRequest, GrammarSpec, SamplingParams
 
 pytestmark = pytest.mark.integration
 
@@ -40,32 +40,36 @@ def stream(actor, request):
     return [ray.get(ref) for ref in actor.generate.remote(request)]
 
 
+def req(prompt, max_new_tokens=16, grammar=None, session_id=None, **params):
+    return GenerationRequest(prompt, SamplingParams(max_new_tokens=max_new_tokens, **params),
+                             session_id=session_id, grammar=grammar)
+
+
 def test_streams_chunks(worker):
-    chunks = stream(worker, {"prompt": chat("Count from one to five."),
-                             "params": {"max_new_tokens": 16, "temperature": 0.0}})
-    assert len(chunks) > 2 and chunks[-1]["finished"]
-    assert not any(c["finished"] for c in chunks[:-1])
-    assert "".join(c["text"] for c in chunks).strip()
+    chunks = stream(worker, req(chat("Count from one to five."), 16, temperature=0.0))
+    assert len(chunks) > 2 and chunks[-1].finished
+    assert not any(c.finished for c in chunks[:-1])
+    assert "".join(c.text for c in chunks).strip()
+    assert {c.worker_id for c in chunks} == {"w0"}
 
 
 def test_guided_request(worker):
-    chunks = stream(worker, {"prompt": chat("Is ice cold?"), "params": {"max_new_tokens": 8},
-                             "grammar": GrammarSpec.choice(["yes", "no"]).to_dict()})
-    assert "".join(c["text"] for c in chunks) in ("yes", "no")
+    chunks = stream(worker, req(chat("Is ice cold?"), 8,
+                                grammar=GrammarSpec.choice(["yes", "no"])))
+    assert "".join(c.text for c in chunks) in ("yes", "no")
 
 
 def test_bad_request_raises(worker):
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        stream(worker, {"prompt": "x", "params": {"max_new_tokens": 0}})
-    with pytest.raises(ValueError, match="unknown request field"):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        stream(worker, req(""))
+    with pytest.raises(ValueError, match="GenerationRequest"):
         stream(worker, {"prompt": "x", "colour": "red"})
 
 
 def test_end_sessions_releases_everything(worker):
     for sid in ("a", "b"):
-        stream(worker, {"prompt": chat("Hello"), "session_id": sid,
-                        "params": {"max_new_tokens": 4},
-                        "grammar": GrammarSpec.regex("[a-z]{1,8}").to_dict()})
+        stream(worker, req(chat("Hello"), 4, session_id=sid,
+                           grammar=GrammarSpec.regex("[a-z]{1,8}")))
     load = ray.get(worker.load.remote())
     assert load["live_sessions"] == 2 and load["worker_id"] == "w0" and load["node_id"]
     assert ray.get(worker.end_sessions.remote(["a", "b"])) == 2
@@ -78,14 +82,13 @@ def test_whole_path_with_the_default_model(runtime):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "country": {"type": "string", "maxLength": 20}},
               "required": ["city", "country"]}
-    request = {"prompt": chat("Name a city and its country as JSON."), "session_id": "whole",
-               "params": {"max_new_tokens": 48, "temperature": 0.0},
-               "grammar": GrammarSpec.json_schema(schema).to_dict()}
+    request = req(chat("Name a city and its country as JSON."), 48, session_id="whole",
+                  temperature=0.0, grammar=GrammarSpec.json_schema(schema))
     client = RuntimeClient()
     compiles = ray.get(runtime["cache"].stats.remote())["compiles"]
     out = asyncio.run(client.complete(request))
-    assert out["finish_reason"] == "stop", out
-    jsonschema.validate(json.loads(out["text"]), schema)
+    assert out.finish_reason == "stop", out
+    jsonschema.validate(json.loads(out.text), schema)
     assert ray.get(runtime["cache"].stats.remote())["compiles"] == compiles + 1
     asyncio.run(client.end_session("whole"))
     ray.get(runtime["scheduler"].flush.remote())
@@ -97,8 +100,7 @@ def test_forgotten_sessions_end_after_the_idle_timeout(runtime):
     import time
 
     client = RuntimeClient()
-    asyncio.run(client.complete({"prompt": chat("Hi"), "session_id": "forgotten",
-                                 "params": {"max_new_tokens": 4}}))
+    asyncio.run(client.complete(req(chat("Hi"), 4, session_id="forgotten")))
     worker = runtime["workers"][0]
     assert "forgotten" in ray.get(worker.load.remote())["session_ids"]
     deadline = time.monotonic() + 30
