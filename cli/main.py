@@ -4,6 +4,7 @@ foreground), generate (local, no Ray), up / down / status (the runtime on a Ray 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -23,13 +24,26 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="run prompts through the engine locally (no Ray)")
     add_generate_args(gen)
     up = sub.add_parser("up", help="start the runtime (grammar cache, scheduler, workers) "
-                        "as detached Ray actors")
+                        "as detached Ray actors, on a new Ray head with token auth (or on "
+                        "the cluster at --address)")
     add_cluster_args(up)
-    down = sub.add_parser("down", help="stop every rayguide actor on the cluster")
-    down.add_argument("--address", default=None, help="Ray address (default: local)")
-    st = sub.add_parser("status", help="print each worker's node, device, load, cache stats")
-    st.add_argument("--address", default=None, help="Ray address (default: local)")
-    st.add_argument("--json", action="store_true")
+    up.add_argument("--listen", default="127.0.0.1", metavar="HOST",
+                    help="the address the new head serves its dashboard / job API on and "
+                    "advertises to other nodes (default 127.0.0.1: this machine only; "
+                    "e.g. the LAN IP to let other nodes join)")
+    up.add_argument("--port", type=int, default=None,
+                    help="the new head's GCS port (default 6379, or a free one if taken)")
+    target = ("Ray address of the cluster to act on (default: the head `rayguide up` "
+              "started on this machine; never another Ray instance found running here)")
+    down = sub.add_parser("down", help="stop the rayguide actors, and the Ray head "
+                          "`rayguide up` started, of the runtime it is pointed at")
+    down.add_argument("--address", default=None, help=target)
+    down.add_argument("--keep-ray", action="store_true",
+                      help="stop the actors only, leave the Ray head `rayguide up` started")
+    st = sub.add_parser("status", help="a table of the workers (node, device, model, load, "
+                        "KV use, sessions, grammars, uptime), the cache and the scheduler")
+    st.add_argument("--address", default=None, help=target)
+    st.add_argument("--json", action="store_true", help="print the raw status as JSON")
     lt = sub.add_parser("loadtest", help="load an OpenAI endpoint with a guided mix and "
                         "check every output and the workers' leaks (deploy/loadtest.py)")
     from deploy.loadtest import add_args as add_loadtest_args
@@ -55,6 +69,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_cluster_command(args) -> int:
+    from ray.exceptions import AuthenticationError
+
     from cluster import launch
     from cluster.config import ClusterConfig
 
@@ -63,25 +79,61 @@ def run_cluster_command(args) -> int:
             overrides = dict(address=args.address, num_workers=args.workers, model=args.model)
             config = (ClusterConfig.from_yaml(args.config, **overrides) if args.config else
                       ClusterConfig(**{k: v for k, v in overrides.items() if v is not None}))
+            if config.address is None:
+                record = launch.recorded_head()
+                if record is None or not launch.head_alive(record):
+                    print("rayguide: starting a Ray head (token authentication on) ...",
+                          file=sys.stderr, flush=True)
+                    record = launch.start_ray_head(listen=args.listen, port=args.port)
+                launch.use_head_token(record)
+                config = dataclasses.replace(config, address=record["address"])
             launch.up(config, detached=True)
             print(launch.status_table(launch.status()))
+            if args.address is None:
+                print(_head_banner(launch.recorded_head()))
             return 0
-        launch.connect(args.address or "auto")
+        record = launch.connect_target(args.address)
         if args.command == "down":
             print(f"stopped {launch.down()} rayguide actors")
+            if record is not None and not args.keep_ray:
+                import ray
+
+                ray.shutdown()
+                n = launch.stop_ray_head(record)
+                print(f"stopped the Ray head at {record['address']} ({n} processes)")
             return 0
         st = launch.status()
         print(json.dumps(st, default=str) if args.json else launch.status_table(st))
         return 0
-    except (ValueError, ConnectionError, TimeoutError) as exc:
+    except AuthenticationError as exc:
+        print(f"rayguide: {exc}\nThis cluster requires Ray's token: export "
+              "RAY_AUTH_MODE=token, and RAY_AUTH_TOKEN_PATH=<file> (or RAY_AUTH_TOKEN) "
+              "unless it is in ~/.ray/auth_token.", file=sys.stderr)
+        return 1
+    except (ValueError, ConnectionError, TimeoutError, OSError) as exc:
         print(f"rayguide: {exc}", file=sys.stderr)
         return 1
+
+
+def _head_banner(record: dict) -> str:
+    token = record.get("token_path")
+    where = (f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token}" if token else
+             "export RAY_AUTH_MODE=token  # and the same RAY_AUTH_TOKEN")
+    return (f"\nRay head: {record['address']} (token authentication on; token in "
+            f"{token or '$RAY_AUTH_TOKEN'}); dashboard and job API: {record['dashboard']}\n"
+            f"To use it from this machine (ray job submit, ray.init, serve deploy):\n"
+            f"  {where}\n"
+            f"  export RAY_ADDRESS={record['address']}\n"
+            f"Other machines need the same token (copy the file, keep it secret).\n"
+            f"`rayguide status` shows this runtime; `rayguide down` stops it and this head.")
 
 
 def run_serve(args) -> int:
     import os
     import signal
     import threading
+
+    from ray.exceptions import RayError
 
     from cluster.config import ClusterConfig
     from deploy import service
@@ -103,17 +155,29 @@ def run_serve(args) -> int:
           f"on {host}:{port} ...", file=sys.stderr)
     try:
         svc = service.start(config, host=host, port=port, api_key=api_key,
-                            num_replicas=args.replicas)
-    except (ValueError, ConnectionError, TimeoutError, RuntimeError) as exc:
-        print(f"rayguide: {exc}", file=sys.stderr)
+                            num_replicas=args.replicas, progress=service._stderr_progress)
+    except (ValueError, ConnectionError, TimeoutError, RuntimeError, RayError) as exc:
+        # RayError: an actor failed to start (a bad model path, out of memory): its text
+        # names the cause
+        print(f"rayguide: could not start: {exc}", file=sys.stderr)
         return 1
     print(f"rayguide: serving the OpenAI API at {svc.url}/v1 (Ctrl-C stops). Try:\n\n"
           f"{svc.curl_example()}\n", flush=True)
-    while not stop.wait(0.5):
-        pass
+    code = 0
+    # every 2 s: rebuild what died for good; exit non-zero when that is impossible, so a
+    # supervisor (systemd, k8s) restarts the whole thing rather than it answering 503s
+    while not stop.wait(2.0):
+        try:
+            service.heal(svc)
+        except service.RuntimeLost as exc:
+            print(f"rayguide: the runtime is lost and cannot be rebuilt here: {exc}. "
+                  "Exiting with status 3; restart `rayguide serve` (a supervisor "
+                  "such as systemd or Kubernetes does this on its own).", file=sys.stderr)
+            code = 3
+            break
     print("rayguide: shutting down", file=sys.stderr)
     service.stop(svc)
-    return 0
+    return code
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

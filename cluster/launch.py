@@ -9,11 +9,15 @@ it outlives the process that started it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import ray
 
@@ -28,24 +32,214 @@ logger = logging.getLogger(__name__)
 
 
 def connect(address: str | None = None, *, start_head: bool = False) -> None:
-    """Joins an existing cluster (``"auto"``, ``"ray://..."``); with no address, starts a
-    Ray instance: inside this process, or (``start_head``, for a runtime that must outlive
-    this process) a local head node with ``ray start --head``, unless one is running."""
+    """Joins an existing cluster (``"auto"``, ``"host:port"``, ``"ray://..."``); with no
+    address, starts a Ray instance: inside this process, or (``start_head``, for a runtime
+    that must outlive this process) the head recorded by an earlier ``rayguide up``, else a
+    new private head (:func:`start_head`). Never attaches to some other Ray instance on the
+    machine by accident."""
     if ray.is_initialized():
         return
     kwargs = dict(namespace=NAMESPACE, log_to_driver=False)
     if address is None and start_head:
-        try:
-            ray.init(address="auto", **kwargs)
-            return
-        except ConnectionError:
-            subprocess.run([ray_executable(), "start", "--head", "--disable-usage-stats"],
-                           check=True, capture_output=True, timeout=120)
-            address = "auto"
+        record = recorded_head()
+        if record is None or not head_alive(record):
+            record = start_ray_head()
+        use_head_token(record)
+        address = record["address"]
     if address is None:  # a new instance, even when `ray start` runs one on this machine
         kwargs["include_dashboard"] = False
         address = "local"
     ray.init(address=address, **kwargs)
+
+
+# A head started by `rayguide up` -----------------------------------------------------------
+#
+# Recorded in $RAYGUIDE_RUN_DIR/head.json (default ~/.cache/rayguide/run), so `rayguide
+# down` / `status` act on exactly that head by default and never on another Ray instance
+# (a `rayguide serve`, someone's `ray start`) that happens to run on the machine.
+
+RUN_DIR_ENV = "RAYGUIDE_RUN_DIR"
+LOOPBACK = "127.0.0.1"
+
+
+def run_dir() -> Path:
+    return Path(os.environ.get(RUN_DIR_ENV) or Path.home() / ".cache" / "rayguide" / "run")
+
+
+def head_record_path() -> Path:
+    return run_dir() / "head.json"
+
+
+def recorded_head() -> dict | None:
+    try:
+        return json.loads(head_record_path().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def token_path() -> Path:
+    """Where Ray looks for the token: $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token."""
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+
+
+def ensure_token() -> Path | None:
+    """The token file the head will require (created, mode 0600, when missing); None when
+    the token comes from $RAY_AUTH_TOKEN instead."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = token_path()
+    if not path.exists():
+        from ray._private.authentication.authentication_token_generator import \
+            generate_new_authentication_token
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(generate_new_authentication_token())
+    return path
+
+
+def use_head_token(record: dict) -> None:
+    """Makes this process (and what it starts) authenticate to a token-auth head."""
+    if record.get("token_path") and not os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ["RAY_AUTH_TOKEN_PATH"] = record["token_path"]
+    set_auth_mode("token")
+
+
+def set_auth_mode(mode: str) -> None:
+    """Sets RAY_AUTH_MODE for this process and what it starts. Ray reads the mode and the
+    token once per process and caches them: refresh both (as Ray's own _enable_token_auth
+    does), or an earlier read without them wins."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ["RAY_AUTH_MODE"] = mode
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _free_port(preferred: int | None = None, host: str = "") -> int:
+    for candidate in ([preferred] if preferred else []) + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port")
+
+
+def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
+                   timeout_s: float = 120.0) -> dict:
+    """``ray start --head`` with token authentication on, its own ports and temp dir, the
+    dashboard on ``listen`` (loopback by default), recorded for ``down`` / ``status``.
+
+    Ray 2.60's GCS and raylet gRPC servers listen on every interface whatever the node IP
+    (there is no bind option, and ``ray start`` turns a loopback node IP into the routable
+    one), so the token is what keeps them closed; what rayguide can bind, it binds to
+    ``listen``: the dashboard (and Ray's job API behind it) and the node IP it advertises.
+    """
+    token_file = ensure_token()
+    temp_dir = run_dir() / "ray"
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    gcs_port = _free_port(port or 6379)
+    if port and gcs_port != port:
+        raise ConnectionError(f"port {port} is in use; pick another with --port")
+    dashboard_port = _free_port(8265)
+    cmd = [ray_executable(), "start", "--head", "--disable-usage-stats",
+           f"--port={gcs_port}", f"--temp-dir={temp_dir}",
+           f"--dashboard-host={listen}", f"--dashboard-port={dashboard_port}",
+           # Ray's fixed defaults (10001, 52365, ...) collide with any other Ray instance
+           # on the machine: every port gets a free one
+           f"--ray-client-server-port={_free_port()}",
+           f"--dashboard-agent-listen-port={_free_port()}",
+           f"--dashboard-agent-grpc-port={_free_port()}",
+           f"--runtime-env-agent-port={_free_port()}",
+           f"--metrics-export-port={_free_port()}"]
+    if listen not in (LOOPBACK, "localhost", "0.0.0.0", "::"):
+        cmd.append(f"--node-ip-address={listen}")
+    env = dict(os.environ, RAY_AUTH_MODE="token")
+    env.pop("RAY_ADDRESS", None)
+    if token_file is not None:
+        env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
+    # its own session: the head's processes are found (and stopped) by its session id
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise TimeoutError(f"`ray start --head` did not finish in {timeout_s:.0f} s") from None
+    if proc.returncode != 0:
+        raise ConnectionError("`ray start --head` failed:\n" + out[-2000:])
+    from ray._private.services import get_node_ip_address
+
+    node_ip = listen if "--node-ip-address" in " ".join(cmd) else get_node_ip_address()
+    record = {"address": f"{node_ip}:{gcs_port}", "gcs_port": gcs_port,
+              "dashboard": f"http://{LOOPBACK if listen in ('0.0.0.0', '::') else listen}"
+                           f":{dashboard_port}",
+              "listen": listen, "temp_dir": str(temp_dir), "session_id": proc.pid,
+              "token_path": str(token_file) if token_file else None,
+              "started_at": time.time()}
+    head_record_path().write_text(json.dumps(record, indent=1))
+    return record
+
+
+def head_processes(record: dict) -> list[int]:
+    """The live processes of a recorded head: those in its session whose command line is
+    Ray's (a pid or session id reused by something else is left alone)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) != record["session_id"]:  # field 6: session id
+                continue
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if "ray" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def head_alive(record: dict) -> bool:
+    return any("gcs_server" in _cmdline(pid) and record["temp_dir"] in _cmdline(pid)
+               for pid in head_processes(record))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def stop_ray_head(record: dict, grace_s: float = 5.0) -> int:
+    """Stops the head ``rayguide up`` started (its processes only, never `ray stop`, which
+    stops every Ray instance on the machine); forgets the record. Returns how many
+    processes were signalled."""
+    pids = head_processes(record)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        if not any(_alive(p) for p in pids):
+            break
+    if recorded_head() == record:
+        head_record_path().unlink(missing_ok=True)
+    return len(pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def ray_executable() -> str:
@@ -120,17 +314,58 @@ def down() -> int:
     return len(names)
 
 
+def connect_target(address: str | None) -> dict | None:
+    """Connects ``down`` / ``status`` to what they act on: ``address`` when given, else the
+    head ``rayguide up`` recorded on this machine (returned). Never ``auto``: that attaches
+    to whatever Ray instance runs here, e.g. a ``rayguide serve``, whose actors ``down``
+    would then kill."""
+    if address:
+        connect(address)
+        return None
+    record = recorded_head()
+    if record is None:
+        raise ConnectionError(
+            f"no Ray head started by `rayguide up` is recorded in {head_record_path()}; "
+            "pass --address HOST:PORT (or ray://HOST:PORT) of the cluster to act on")
+    if not head_alive(record):
+        raise ConnectionError(
+            f"the Ray head `rayguide up` started ({record['address']}) is no longer "
+            f"running; start it again with `rayguide up`, or pass --address")
+    use_head_token(record)
+    connect(record["address"])
+    return record
+
+
+def _uptime(seconds: float | None) -> str:
+    if not seconds:
+        return "-"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
 def status_table(st: dict) -> str:
-    rows = ["worker  node          device  running  waiting  free/total KV  sessions  matchers"]
+    """One row per worker, then the cache and the scheduler: what an operator looks at."""
+    header = ("worker  node          device  model                 running  waiting  "
+              "KV used         sessions  grammars  uptime")
+    rows = [header]
     for w in sorted(st["workers"], key=lambda w: w["worker_id"]):
-        rows.append(f"{w['worker_id']:<7} {w['node_id'][:12]:<13} {w['device']:<7} "
-                    f"{w['running']:>7}  {w['waiting']:>7}  "
-                    f"{w['free_blocks']:>6}/{w['total_blocks']:<6} {w['live_sessions']:>8}  "
-                    f"{w['live_processors']:>8}")
+        total = w.get("total_blocks") or 0
+        used = total - (w.get("free_blocks") or 0)
+        kv = f"{used}/{total} ({100 * used / total:.0f}%)" if total else "-"
+        grammars = (w.get("grammar_cache") or {}).get("compiles", "-")
+        rows.append(f"{w['worker_id']:<7} {str(w.get('node_id', ''))[:12]:<13} "
+                    f"{w.get('device', '-'):<7} {str(w.get('model', '-'))[:21]:<21} "
+                    f"{w.get('running', 0):>7}  {w.get('waiting', 0):>7}  {kv:<15} "
+                    f"{w.get('live_sessions', 0):>8}  {grammars:>8}  "
+                    f"{_uptime(w.get('uptime_s'))}")
+    if not st["workers"]:
+        rows.append("(no workers)")
     c = st["grammar_cache"]
-    rows.append(f"grammar cache: {c['compiles']} compiles, {c['hits']} hits, "
-                f"{c['errors']} errors, {c['timeouts']} timeouts, {c['bytes'] / 1e6:.1f} MB")
+    rows.append(f"grammar cache: {c.get('entries', 0)} grammars cached "
+                f"({c.get('bytes', 0) / 1e6:.1f} MB), {c.get('compiles', 0)} compiles, "
+                f"{c.get('hits', 0)} hits, {c.get('errors', 0)} errors, "
+                f"{c.get('timeouts', 0)} timeouts")
     s = st["scheduler"]
-    rows.append(f"scheduler: {len(s['workers'])} workers, {s['sessions']} sessions, "
-                f"{s['routes']} routes, {s['broadcast_messages']} broadcast messages")
+    rows.append(f"scheduler: {len(s['workers'])} workers registered, {s['sessions']} sessions, "
+                f"{s['routes']} routes, {s.get('rejected', 0)} rejected (overloaded)")
     return "\n".join(rows)

@@ -4,13 +4,22 @@ plus the OpenAI endpoint on Ray Serve. ``rayguide serve`` and the tests use it.
 With no address it starts a Ray instance inside this process, so everything ends with the
 process. On an existing cluster (``address="auto"``) it reuses a runtime that is already up
 (``rayguide up``) and leaves it running on stop; what it started itself it takes down.
+
+Self-healing: ``heal`` (called every few seconds by ``rayguide serve``) rebuilds any
+component of a runtime this process started that died for good (killed with no restart,
+or out of restarts) and, when the scheduler was replaced, redeploys the app so the front
+ends reach the new one; what it cannot rebuild it reports as ``RuntimeLost``, and
+``rayguide serve`` then exits non-zero so a supervisor restarts it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import ray
 from ray import serve
@@ -20,6 +29,16 @@ from cluster.config import ClusterConfig
 from deploy.serve_app import build_app
 
 APP_NAME = "rayguide"
+
+logger = logging.getLogger(__name__)
+
+
+class RuntimeLost(RuntimeError):
+    """The runtime behind the endpoint is gone and this process cannot rebuild it."""
+
+
+def _stderr_progress(message: str) -> None:
+    print(f"rayguide: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -31,6 +50,10 @@ class Service:
     # the handles of the actors this process started: a non-detached actor lives while a
     # handle to it does, so the Service must hold them
     runtime: dict | None = None
+    config: ClusterConfig | None = None
+    app_args: dict = field(default_factory=dict)
+    stages: dict = field(default_factory=dict)  # stage -> seconds, in start order
+    rebuilds: int = 0
 
     def curl_example(self) -> str:
         auth = f" \\\n  -H 'Authorization: Bearer {self.api_key}'" if self.api_key else ""
@@ -42,31 +65,96 @@ class Service:
                 f"{auth} \\\n  -d '{body}'")
 
 
+class _Stages:
+    """Times each start stage and reports it as one line (``progress``)."""
+
+    def __init__(self, progress: Callable[[str], None] | None):
+        self.progress = progress
+        self.times: dict[str, float] = {}
+        self.t0 = time.monotonic()
+        self._last = self.t0
+
+    def done(self, name: str, what: str) -> None:
+        now = time.monotonic()
+        self.times[name] = round(now - self._last, 3)
+        self._last = now
+        if self.progress:
+            self.progress(f"{what} ({self.times[name]:.1f} s)")
+
+
 def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, num_replicas: int = 1, app_args: dict | None = None
-          ) -> Service:
+          api_key: str | None = None, num_replicas: int = 1, app_args: dict | None = None,
+          progress: Callable[[str], None] | None = None) -> Service:
+    """Starts Ray (unless connected), the runtime (unless one runs), the Serve HTTP proxy and
+    the app, in that order; ``progress`` gets one line per stage with its time."""
+    stages = _Stages(progress)
     started_ray = not ray.is_initialized() and config.address is None
     if started_ray:
         need = config.num_workers * config.worker.num_cpus + 1
+        # Token auth on, said explicitly: Ray turns it on for a new local instance anyway,
+        # but warns that it did when RAY_AUTH_MODE is unset. A user's own setting wins.
+        if "RAY_AUTH_MODE" not in os.environ:
+            launch.set_auth_mode("token")
         # "local": a new instance even when `ray start` runs a cluster on this machine
         ray.init(address="local", namespace=launch.NAMESPACE, include_dashboard=False,
                  log_to_driver=False,
                  num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
     else:
         launch.connect(config.address)
+    stages.done("ray", "Ray ready" + (" (a private instance in this process)"
+                                      if started_ray else f" (connected to {config.address})"))
     try:
         runtime = launch.handles()
-        started_runtime = False
-    except ValueError:
-        runtime = launch.up(config)
-        started_runtime = True
+    except ValueError:  # none yet (outside the except: its errors are not "during" this)
+        runtime = None
+    started_runtime = runtime is None
+    if started_runtime:
+        runtime = _start_runtime(config, stages)
+    else:
+        stages.done("runtime", "using the rayguide runtime already on this cluster")
     # one HTTP proxy, on this (head) node: the address printed is the address served
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+    stages.done("serve_controller", f"Serve controller and HTTP proxy on {host}:{port}")
     args = {"api_key": api_key, "num_replicas": num_replicas, "start_runtime": False,
             **(app_args or {})}
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+    _deploy(args)
+    stages.done("app", f"app ready ({num_replicas} front-end replica(s))")
+    return Service(f"http://{host}:{port}", started_ray, started_runtime, api_key, runtime,
+                   config, args, stages.times)
+
+
+def _start_runtime(config: ClusterConfig, stages: _Stages) -> dict:
+    """``launch.up`` with each wait reported on its own: the actors are created at once
+    and load in parallel, so each stage's time is how much longer it took than the last."""
+    runtime = launch.up(config, wait=False)
+    ray.get(runtime["cache"].ping.remote())
+    stages.done("grammar_cache", "grammar cache ready (its compile processes are up)")
+    ray.get([w.health.remote() for w in runtime["workers"]])
+    stages.done("workers", f"{len(runtime['workers'])} worker(s) loaded the model "
+                f"({config.model or 'the default model'})")
+    launch._wait_registered(runtime["scheduler"], config.num_workers)
+    stages.done("scheduler", "workers registered with the scheduler")
+    return runtime
+
+
+def _deploy(args: dict) -> None:
+    """Deploys the app on the Serve instance ``start`` just started. ``serve.run`` would call
+    ``serve.start`` again, which only logs that the controller exists and that "new
+    http_options will not be applied" (alarming, and untrue here: they were applied a moment
+    ago), so the app is built and deployed the way ``serve.run`` does, through the client
+    ``serve.start`` left. Falls back to ``serve.run`` if Ray's internals moved."""
+    app = build_app(args)
+    try:
+        from ray.serve._private.build_app import build_app as build_serve_app
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client()
+        built = build_serve_app(app, name=APP_NAME, route_prefix="/",
+                                default_runtime_env=ray.get_runtime_context().runtime_env)
+        client.deploy_applications([built], wait_for_applications_running=False)
+    except (ImportError, AttributeError, TypeError):
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     _wait_ready(APP_NAME)
-    return Service(f"http://{host}:{port}", started_ray, started_runtime, api_key, runtime)
 
 
 def _wait_ready(name: str, timeout_s: float = 300.0) -> None:
@@ -79,16 +167,72 @@ def _wait_ready(name: str, timeout_s: float = 300.0) -> None:
         if state.endswith("DEPLOY_FAILED") or time.monotonic() > deadline:
             raise RuntimeError(f"the Serve app did not start ({state}): "
                                f"{getattr(status, 'message', '')}")
-        time.sleep(0.5)
+        time.sleep(0.2)
+
+
+def missing_components(service: Service) -> list[str]:
+    """The runtime's named actors that are gone for good. A dead actor's name is released
+    only when Ray will not restart it (killed with ``no_restart``, or out of restarts); one
+    that is restarting keeps its name and is not missing."""
+    config = service.config
+    names = [launch.CACHE_NAME, launch.SCHEDULER_NAME] + [
+        f"{launch.WORKER_PREFIX}{i}" for i in range(config.num_workers if config else 0)]
+    missing = []
+    for name in names:
+        try:
+            ray.get_actor(name, namespace=launch.NAMESPACE)
+        except ValueError:
+            missing.append(name)
+    return missing
+
+
+def heal(service: Service, progress: Callable[[str], None] | None = _stderr_progress
+         ) -> list[str]:
+    """Rebuilds what died for good; returns what was rebuilt (empty: all was well). Raises
+    RuntimeLost when it cannot: Ray itself is gone, or the runtime is not this process's
+    (``rayguide up`` owns it), or the rebuild fails."""
+    try:
+        missing = missing_components(service)
+    except Exception as exc:  # the GCS is gone: nothing left to rebuild on
+        raise RuntimeLost(f"lost the Ray instance ({type(exc).__name__}: {exc})") from exc
+    if not missing:
+        return []
+    if not service.started_runtime:
+        raise RuntimeLost(f"{', '.join(missing)} died and this process did not start the "
+                          "runtime; start it again with `rayguide up`")
+    if progress:
+        progress(f"{', '.join(missing)} died for good (killed, or out of restarts); "
+                 "rebuilding")
+    t0 = time.monotonic()
+    try:
+        service.runtime = launch.up(service.config)
+        if launch.SCHEDULER_NAME in missing:
+            # the front ends hold the old scheduler's handle, which stays dead: replace
+            # them (a few seconds of 503s / refused connections)
+            serve.delete(APP_NAME)
+            _deploy(service.app_args)
+    except Exception as exc:
+        raise RuntimeLost(f"could not rebuild {', '.join(missing)}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    service.rebuilds += 1
+    if progress:
+        progress(f"rebuilt {', '.join(missing)} in {time.monotonic() - t0:.1f} s")
+    return missing
 
 
 def stop(service: Service) -> None:
-    """Takes down what ``start`` brought up, in reverse order."""
+    """Takes down what ``start`` brought up, in reverse order: the app first, so Serve drains
+    its replicas while the runtime still answers them, then the runtime, then Ray. Serve's
+    controller is not asked to shut down on a private instance: its ``graceful_shutdown``
+    ends by killing its own actor, which Ray reports as a failed task ("killed by
+    ray.kill"); ``ray.shutdown`` ends it with everything else."""
+    try:
+        serve.delete(APP_NAME)
+    except Exception as exc:  # Ray already gone (e.g. the runtime was lost): nothing to drain
+        logger.debug("serve.delete failed: %s", exc)
     if service.started_ray:
-        serve.shutdown()
+        service.runtime = None
         ray.shutdown()
         return
-    serve.delete(APP_NAME)
     if service.started_runtime:
         launch.down()
-
