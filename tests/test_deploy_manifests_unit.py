@@ -103,3 +103,56 @@ def test_runtime_errors_map_to_statuses():
     assert _chunk_error({"error": "bad", "error_kind": "grammar"}).status == 400
     assert _chunk_error({"error": "slow", "error_kind": "grammar_wait"}).status == 503
     assert _chunk_error({"error": "gone", "error_kind": "worker_died"}).status == 503
+
+
+def _containers(cluster: dict):
+    groups = [cluster["headGroupSpec"]] + cluster.get("workerGroupSpecs", [])
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+@pytest.mark.parametrize("name,key", [("rayservice.yaml", "rayClusterConfig"),
+                                      ("rayjob.yaml", "rayClusterSpec")])
+def test_manifests_secure_by_default(name, key):
+    """Ray token auth on; the dashboard not bound to every interface by us and not put on
+    an external service (KubeRay's head service is ClusterIP); no Ray client port."""
+    doc = yaml.safe_load((K8S / name).read_text())
+    cluster = doc["spec"][key]
+    assert cluster.get("authOptions") == {"mode": "token"}
+    for group in [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]:
+        assert "dashboard-host" not in group.get("rayStartParams", {})
+    assert cluster["headGroupSpec"].get("headService", {}).get("spec", {}).get(
+        "type", "ClusterIP") == "ClusterIP"
+    for c in _containers(cluster):
+        assert 10001 not in [p["containerPort"] for p in c.get("ports", [])]
+
+
+def test_rayservice_requires_the_api_key():
+    """Every container that reads the API key gets it from the secret, which is required:
+    without the secret the pods do not start, rather than serving without auth."""
+    doc = yaml.safe_load((K8S / "rayservice.yaml").read_text())
+    refs = [e["valueFrom"]["secretKeyRef"] for c in _containers(doc["spec"]["rayClusterConfig"])
+            for e in c.get("env", []) if e["name"] == "RAYGUIDE_API_KEY"]
+    assert len(refs) == 2  # head (where the replicas run) and GPU workers
+    for ref in refs:
+        assert ref["name"] == "rayguide" and ref["key"] == "api-key"
+        assert ref.get("optional", False) is False
+
+
+def test_network_policy_keeps_ray_ports_inside():
+    doc = yaml.safe_load((K8S / "networkpolicy.yaml").read_text())
+    assert doc["kind"] == "NetworkPolicy" and doc["spec"]["policyTypes"] == ["Ingress"]
+    rules = doc["spec"]["ingress"]
+    # any rule without `ports` admits every port: only Ray pods of a cluster may have one
+    for rule in rules:
+        if "ports" not in rule:
+            (peer,) = rule["from"]
+            assert peer["podSelector"]["matchExpressions"][0]["key"] == "ray.io/cluster"
+    open_ports = {p["port"] for r in rules if "ports" in r for p in r["ports"]}
+    assert open_ports == {8265, 8000}
+    (dash,) = [r for r in rules if "ports" in r and r["ports"][0]["port"] == 8265]
+    assert "namespaceSelector" in dash["from"][0]  # the KubeRay operator's namespace only
+
+
+def test_local_serve_config_binds_loopback():
+    config = yaml.safe_load((ROOT / "deploy" / "serve_config.yaml").read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"
