@@ -64,8 +64,9 @@ class RuntimeClient:
         raises ValueError; Overloaded / NoWorkers come from the scheduler."""
         session_id = request.session_id
         expected = request.params.max_new_tokens
+        family = request.grammar.family if request.grammar is not None else None
         for attempt in range(self.max_attempts):
-            route = await self._call_scheduler("route", session_id, expected)
+            route = await self._call_scheduler("route", session_id, expected, family)
             streamed = finished = False
             try:
                 async for ref in route["handle"].generate.remote(request):

@@ -34,6 +34,9 @@ class SchedulerConfig:
     broadcast_interval_s: float = 0.005  # session ends are batched this long
     load_poll_interval_s: float = 0.5
     rpc_timeout_s: float = 10.0  # a worker that does not answer a load poll is dropped
+    # a guided request goes to a worker holding its grammar when that worker's queued
+    # tokens are within this margin of the least-loaded worker's
+    affinity_margin_tokens: int = 2048
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -41,7 +44,8 @@ class SchedulerActor:
     def __init__(self, config: dict | None = None):
         self.config = SchedulerConfig(**(config or {}))
         self.table = RoutingTable(self.config.max_queued_tokens,
-                                  self.config.session_idle_timeout_s)
+                                  self.config.session_idle_timeout_s,
+                                  self.config.affinity_margin_tokens)
         self._pending_ends: list[str] = []
         self._tasks: list[asyncio.Task] = []
         self._started: asyncio.Task | None = None
@@ -88,12 +92,14 @@ class SchedulerActor:
         self.counts["registrations"] += 1
         logger.info("worker %s registered (node %s)", worker_id, node_id)
 
-    async def route(self, session_id: str | None = None, expected_tokens: int = 256) -> dict:
-        """{"worker_id", "handle"} of the worker for this session; raises Overloaded or
-        NoWorkers (scheduler/routing.py)."""
+    async def route(self, session_id: str | None = None, expected_tokens: int = 256,
+                    grammar_family: str | None = None) -> dict:
+        """{"worker_id", "handle"} of the worker for this session (sticky), else of a worker
+        holding the grammar (within the affinity margin), else the least loaded; raises
+        Overloaded or NoWorkers (scheduler/routing.py)."""
         await self._ensure_started()
         try:
-            entry = self.table.route(session_id, expected_tokens)
+            entry = self.table.route(session_id, expected_tokens, grammar_family)
         except Exception:
             self.counts["rejected"] += 1  # Overloaded or NoWorkers
             raise
@@ -118,9 +124,9 @@ class SchedulerActor:
     async def stats(self) -> dict:
         await self._ensure_started()
         return {**self.counts, "sessions": len(self.table.sessions),
+                "affinity_routes": self.table.affinity_routes,
                 "config": asdict(self.config),
-                "workers": {w.worker_id: {"node_id": w.node_id, **w.load}
-                            for w in self.table.workers.values()}}
+                "workers": {w.worker_id: _shown(w) for w in self.table.workers.values()}}
 
     async def flush(self) -> None:
         """Sends pending session ends now (tests, shutdown)."""
@@ -172,6 +178,14 @@ class SchedulerActor:
             idle = self.table.idle_sessions()
             if idle:
                 await self.end_sessions(idle)
+
+
+def _shown(entry) -> dict:
+    """A worker's row in stats(): its last load report, with the grammar families it holds
+    as a count (plain data for JSON and metrics)."""
+    load = {k: v for k, v in entry.load.items() if k != "grammar_families"}
+    load["grammars_held"] = len(entry.load.get("grammar_families", ()))
+    return {"node_id": entry.node_id, **load}
 
 
 def get_or_create_scheduler(config: SchedulerConfig | None = None, *, detached: bool = False,

@@ -6,6 +6,12 @@ otherwise the least-loaded live worker by queued + running tokens, counting what
 routed to it since its last load report so a burst spreads before the next report. When
 every live worker is over its queue limit the answer is Overloaded (HTTP 429 later), never
 an unbounded queue; with no live worker it is NoWorkers (503).
+
+Grammar affinity: a new guided request names its grammar's family (the tokenizer-independent
+part of its key). After session stickiness, a worker that holds that grammar (it reports its
+families in its load; the table also remembers where it sent a family since that report) is
+chosen when its load is within ``affinity_margin_tokens`` of the least-loaded worker, so a
+request does not wait for a grammar another worker already has compiled.
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ class WorkerEntry:
     load: dict = field(default_factory=dict)
     routed_since_report: int = 0  # tokens routed here since the last load report
     last_report: float = 0.0
+    families_since_report: set = field(default_factory=set)  # grammars sent here since
+
+    def holds(self, family: str) -> bool:
+        return family in self.families_since_report or family in self.load.get(
+            "grammar_families", ())
 
     @property
     def queued_tokens(self) -> int:
@@ -38,8 +49,11 @@ class WorkerEntry:
 
 
 class RoutingTable:
-    def __init__(self, max_queued_tokens: int = 65536, session_idle_timeout_s: float = 600.0):
+    def __init__(self, max_queued_tokens: int = 65536, session_idle_timeout_s: float = 600.0,
+                 affinity_margin_tokens: int = 2048):
         self.max_queued_tokens = max_queued_tokens
+        self.affinity_margin_tokens = affinity_margin_tokens
+        self.affinity_routes = 0  # new requests sent to a worker for its grammar
         self.session_idle_timeout_s = session_idle_timeout_s
         self.workers: dict[str, WorkerEntry] = {}
         self.sessions: dict[str, tuple[str, float]] = {}  # session -> (worker, last used)
@@ -61,11 +75,15 @@ class RoutingTable:
     def update_load(self, worker_id: str, load: dict) -> None:
         entry = self.workers.get(worker_id)
         if entry is not None:
+            if "grammar_families" in load:  # a set: membership tests on every route
+                load = {**load, "grammar_families": frozenset(load["grammar_families"])}
             entry.load = load
             entry.routed_since_report = 0
+            entry.families_since_report = set()
             entry.last_report = time.monotonic()
 
-    def route(self, session_id: str | None, expected_tokens: int = 256) -> WorkerEntry:
+    def route(self, session_id: str | None, expected_tokens: int = 256,
+              grammar_family: str | None = None) -> WorkerEntry:
         now = time.monotonic()
         if session_id is not None and session_id in self.sessions:
             worker_id, _ = self.sessions[session_id]
@@ -77,12 +95,20 @@ class RoutingTable:
         if not self.workers:
             raise NoWorkers("no worker is alive; the runtime is starting or every worker died")
         best = min(self.workers.values(), key=lambda w: (w.queued_tokens, w.worker_id))
+        if grammar_family is not None and not best.holds(grammar_family):
+            holders = [w for w in self.workers.values() if w.holds(grammar_family)
+                       and w.queued_tokens <= best.queued_tokens + self.affinity_margin_tokens]
+            if holders:
+                best = min(holders, key=lambda w: (w.queued_tokens, w.worker_id))
+                self.affinity_routes += 1
         # an idle worker takes any request: a large max_tokens is a budget, not a queue,
         # and refusing it on an idle cluster would make a retrying client spin forever
         if best.queued_tokens and best.queued_tokens + expected_tokens > self.max_queued_tokens:
             raise Overloaded(f"every worker has over {self.max_queued_tokens} tokens queued; "
                              "retry later")
         best.routed_since_report += expected_tokens
+        if grammar_family is not None:
+            best.families_since_report.add(grammar_family)
         if session_id is not None:
             self.sessions[session_id] = (best.worker_id, now)
         return best

@@ -75,3 +75,34 @@ def test_cluster_config_checks_keys(tmp_path):
         ClusterConfig(engine={"max_num_sequences": 8})
     with pytest.raises(ValueError, match="num_workers"):
         ClusterConfig(num_workers=0)
+
+
+def test_grammar_affinity_within_the_margin():
+    t = table(3, affinity_margin_tokens=1000)
+    for w, tokens in (("w0", 0), ("w1", 500), ("w2", 3000)):
+        t.update_load(w, {"running_tokens": tokens, "grammar_families": ["g"] if w != "w0"
+                          else []})
+    # w1 holds the grammar and is within the margin of the least loaded (w0): it wins
+    assert t.route(None, 10, grammar_family="g").worker_id == "w1"
+    assert t.affinity_routes == 1
+    # w2 holds it too but is too busy; an unknown grammar goes to the least loaded
+    t.update_load("w1", {"running_tokens": 2000, "grammar_families": ["g"]})
+    assert t.route(None, 10, grammar_family="g").worker_id == "w0"
+    # ... which from then on counts as holding it (before its next load report)
+    assert t.route(None, 10, grammar_family="g").worker_id == "w0"
+    assert t.route(None, 10, grammar_family="other").worker_id == "w0"
+
+
+def test_sessions_stick_before_grammar_affinity():
+    t = table(2)
+    t.update_load("w1", {"grammar_families": ["g"]})
+    t.update_load("w0", {})
+    first = t.route("s", 10).worker_id
+    assert t.route("s", 10, grammar_family="g").worker_id == first
+
+
+def test_an_idle_worker_takes_any_budget():
+    t = table(1, max_queued_tokens=1000)
+    assert t.route(None, 10**9).worker_id == "w0"  # not a 429 on an idle cluster
+    with pytest.raises(Overloaded):
+        t.route(None, 10**9)  # now it has work queued

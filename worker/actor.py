@@ -13,6 +13,7 @@ import dataclasses
 import os
 import socket
 import time
+from collections import OrderedDict
 
 import ray
 
@@ -22,6 +23,7 @@ from worker.engine.engine import LLMEngine
 from worker.engine.sequence import GenerationRequest
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
 
 
 def served_model_name(model: str | None) -> str:
@@ -52,6 +54,9 @@ class WorkerActor:
         self.device = config.device
         self.model_name = served_model_name(config.model)
         self.started = time.time()
+        # grammar families (GrammarSpec.family) this worker compiled or fetched, most recent
+        # last: reported in load() for the scheduler's grammar-affinity routing
+        self.families: OrderedDict[str, None] = OrderedDict()
         if scheduler is not None:
             try:
                 handle = ray.get_actor(scheduler[0], namespace=scheduler[1])
@@ -79,6 +84,8 @@ class WorkerActor:
         if not isinstance(request, GenerationRequest):
             raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         tokenizer = self.engine.engine.tokenizer
+        if request.grammar is not None:
+            self._hold(request.grammar.family)
         async for out in self.engine.generate(request):
             out.worker_id = self.worker_id
             if out.logprobs:  # front ends show tokens as text; only the worker has the vocab
@@ -86,6 +93,12 @@ class WorkerActor:
                     [tokenizer.decode([tid]), [tokenizer.decode([alt]) for alt, _ in top]]
                     for tid, (_, top) in zip(out.token_ids, out.logprobs)]
             yield out
+
+    def _hold(self, family: str) -> None:
+        self.families[family] = None
+        self.families.move_to_end(family)
+        while len(self.families) > MAX_REPORTED_FAMILIES:
+            self.families.popitem(last=False)
 
     def end_sessions(self, session_ids: list[str]) -> int:
         for sid in session_ids:
@@ -100,6 +113,7 @@ class WorkerActor:
         stats.update(worker_id=self.worker_id, model=self.model_name, node_id=self.node_id,
                      device=self.device, host=socket.gethostname(), pid=os.getpid(),
                      max_model_len=self.engine.engine.max_model_len,
+                     grammar_families=list(self.families),
                      uptime_s=time.time() - self.started,
                      grammar_client=(self.grammar_client.stats()
                                      if self.grammar_client is not None else {}))
