@@ -101,8 +101,10 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
                  num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
     else:
         launch.connect(config.address)
-    stages.done("ray", "Ray ready" + (" (a private instance in this process)"
-                                      if started_ray else f" (connected to {config.address})"))
+    gcs = ray.get_runtime_context().gcs_address
+    stages.done("ray", f"Ray ready at {gcs}" + (
+        " (a private instance in this process, token auth on; `rayguide status --address "
+        f"{gcs}` shows it)" if started_ray else ""))
     try:
         runtime = launch.handles()
     except ValueError:  # none yet (outside the except: its errors are not "during" this)
@@ -205,7 +207,8 @@ def heal(service: Service, progress: Callable[[str], None] | None = _stderr_prog
                  "rebuilding")
     t0 = time.monotonic()
     try:
-        service.runtime = launch.up(service.config)
+        service.runtime = _keep_live_handles(service.runtime, launch.up(service.config),
+                                             missing)
         if launch.SCHEDULER_NAME in missing:
             # the front ends hold the old scheduler's handle, which stays dead: replace
             # them (a few seconds of 503s / refused connections)
@@ -218,6 +221,25 @@ def heal(service: Service, progress: Callable[[str], None] | None = _stderr_prog
     if progress:
         progress(f"rebuilt {', '.join(missing)} in {time.monotonic() - t0:.1f} s")
     return missing
+
+
+def _keep_live_handles(old: dict | None, new: dict, missing: list[str]) -> dict:
+    """The runtime's handles after a rebuild: the original (creating) handle of every actor
+    that survived, a new one for each rebuilt actor. The handles ``up`` returns for actors
+    that already existed are looked up by name, and such handles do not keep a
+    non-detached actor alive: dropping the originals would end the survivors."""
+    if not old:
+        return new
+    out = dict(new)
+    if launch.CACHE_NAME not in missing:
+        out["cache"] = old["cache"]
+    if launch.SCHEDULER_NAME not in missing:
+        out["scheduler"] = old["scheduler"]
+    out["workers"] = [
+        o if f"{launch.WORKER_PREFIX}{i}" not in missing else n
+        for i, (o, n) in enumerate(zip(old["workers"], new["workers"]))
+    ] + new["workers"][len(old["workers"]):]
+    return out
 
 
 def stop(service: Service) -> None:
