@@ -107,6 +107,15 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
 # plans ----------------------------------------------------------------------------------
 
 @dataclass
+class Served:
+    """What the edge knows of the served model: its context length (max_tokens beyond it
+    is refused) and its sampling defaults (from its generation config), used for every
+    sampling field a request leaves unset."""
+    context: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Plan:
     """What one API request runs: ``requests[i]`` is choice i's runtime request."""
     kind: Literal["chat", "completion"]
@@ -125,9 +134,7 @@ class Plan:
     prompt_index: list[int] = field(default_factory=list)
 
 
-def plan_chat(req: ChatCompletionRequest, limits: Limits, context: int | None = None) -> Plan:
-    """``context``: the served model's context length, when known (max_tokens beyond it
-    is refused)."""
+def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None = None) -> Plan:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -135,7 +142,7 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, context: int | None = 
     if len(req.messages) > limits.max_messages:
         raise bad_request(f"{len(req.messages)} messages is over the limit of "
                           f"{limits.max_messages}", "messages")
-    params = _params(req, limits, req.max_completion_tokens or req.max_tokens, context,
+    params = _params(req, limits, req.max_completion_tokens or req.max_tokens, served,
                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     messages = _messages(req.messages)
     _check_prompt_chars(sum(len(m["content"]) for m in messages), limits)
@@ -167,7 +174,7 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, context: int | None = 
 
 
 def plan_completion(req: CompletionRequest, limits: Limits,
-                    context: int | None = None) -> Plan:
+                    served: Served | None = None) -> Plan:
     if req.echo:
         raise bad_request("echo is not supported; leave it false", "echo")
     if req.suffix:
@@ -176,7 +183,7 @@ def plan_completion(req: CompletionRequest, limits: Limits,
         raise bad_request("best_of must equal n (no server-side ranking)", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_request("logprobs must be in [0, 20]", "logprobs")
-    params = _params(req, limits, req.max_tokens, context, default=16,
+    params = _params(req, limits, req.max_tokens, served, default=16,
                      logprobs=req.logprobs)
     prompts = req.prompt
     if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
@@ -234,8 +241,10 @@ def _check_prompt_chars(n: int, limits: Limits) -> None:
                        code="prompt_too_large")
 
 
-def _params(req: _Request, limits: Limits, max_tokens: int | None, context: int | None,
+def _params(req: _Request, limits: Limits, max_tokens: int | None, served: Served | None,
             default: int | None = None, logprobs: int | None = None) -> SamplingParams:
+    served = served or Served()
+    context = served.context
     if not 1 <= req.n <= limits.max_n:
         raise bad_request(f"n must be in [1, {limits.max_n}], got {req.n}", "n")
     if req.logit_bias:
@@ -249,7 +258,7 @@ def _params(req: _Request, limits: Limits, max_tokens: int | None, context: int 
     budget = max_tokens or default or limits.default_max_tokens
     if context is not None:
         budget = min(budget, context - 1)
-    p: dict[str, Any] = {"max_new_tokens": budget}
+    p: dict[str, Any] = {"max_new_tokens": budget, **served.sampling}
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
                  "top_k", "min_p", "repetition_penalty", "ignore_eos"):
         value = getattr(req, name)

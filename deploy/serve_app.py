@@ -110,7 +110,7 @@ class OpenAIServer:
             launch.up(self.settings.cluster_config(), detached=True)
         self.runtime = RuntimeClient()
         self._models: list[str] = []
-        self._context: int | None = None
+        self._served = api.Served()
         self._metrics = Metrics()
 
     # endpoints --------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class OpenAIServer:
             body = await self._body(request)
             parsed = api.parse_request(model_cls, body)
             await self._check_model(parsed.model)
-            plan = planner(parsed, self.limits, self._context)
+            plan = planner(parsed, self.limits, self._served)
             if plan.stream:
                 response = await self._stream(plan, started)
             else:
@@ -237,7 +237,9 @@ class OpenAIServer:
             workers = stats["workers"].values()
             self._models = sorted({w.get("model") for w in workers if w.get("model")})
             contexts = [w["max_model_len"] for w in workers if w.get("max_model_len")]
-            self._context = min(contexts) if contexts else None
+            sampling = next((w["generation_defaults"] for w in workers
+                             if w.get("generation_defaults")), {})
+            self._served = api.Served(min(contexts) if contexts else None, dict(sampling))
         return self._models
 
     async def _check_model(self, model: str | None) -> None:

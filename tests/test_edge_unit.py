@@ -15,9 +15,10 @@ pytestmark = pytest.mark.unit
 LIMITS = Limits()
 
 
-def chat(limits=LIMITS, context=None, **body):
+def chat(limits=LIMITS, context=None, sampling=None, **body):
     body.setdefault("messages", [{"role": "user", "content": "hi"}])
-    return api.plan_chat(api.parse_request(api.ChatCompletionRequest, body), limits, context)
+    return api.plan_chat(api.parse_request(api.ChatCompletionRequest, body), limits,
+                         api.Served(context, sampling or {}))
 
 
 def test_every_kind_has_one_status():
@@ -68,6 +69,23 @@ def test_prompt_characters_checked_before_tokenization():
         chat(limits=Limits(max_prompt_chars=100),
              messages=[{"role": "user", "content": "x" * 101}])
     assert err.value.status == 413
+
+
+def test_model_sampling_defaults_fill_what_the_request_leaves_unset():
+    p = chat(sampling={"temperature": 0.2, "top_p": 0.9}).requests[0].params
+    assert (p.temperature, p.top_p) == (0.2, 0.9)
+    p = chat(sampling={"temperature": 0.2, "top_p": 0.9}, temperature=1.0).requests[0].params
+    assert (p.temperature, p.top_p) == (1.0, 0.9)
+
+
+def test_generation_defaults_from_the_model_dir(tmp_path):
+    from worker.models.loader import DEFAULT_MODEL_SAMPLING, generation_defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "eos_token_id": 2}))
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert generation_defaults(tmp_path) == {}
+    assert generation_defaults(tmp_path, is_default_model=True) == DEFAULT_MODEL_SAMPLING
 
 
 def test_default_budget_stays_within_the_context():

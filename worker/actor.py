@@ -21,6 +21,7 @@ from worker.engine.async_engine import AsyncEngine
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
 from worker.engine.sequence import GenerationRequest
+from worker.models import loader
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
@@ -53,6 +54,9 @@ class WorkerActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.device = config.device
         self.model_name = served_model_name(config.model)
+        engine = self.engine.engine
+        self.generation_defaults = (loader.generation_defaults(
+            engine.model_dir, is_default_model=config.model is None) if engine.model_dir else {})
         self.started = time.time()
         # grammar families (GrammarSpec.family) this worker compiled or fetched, most recent
         # last: reported in load() for the scheduler's grammar-affinity routing
@@ -61,8 +65,9 @@ class WorkerActor:
             try:
                 handle = ray.get_actor(scheduler[0], namespace=scheduler[1])
                 me = ray.get_runtime_context().current_actor
-                handle.register.remote(self.worker_id, me, self.node_id,
-                                       {"model": self.model_name})
+                handle.register.remote(self.worker_id, me, self.node_id, {
+                    "model": self.model_name, "max_model_len": engine.max_model_len,
+                    "generation_defaults": self.generation_defaults})
             except ValueError:
                 pass  # no scheduler yet: it finds workers by name when it starts
 
@@ -114,6 +119,7 @@ class WorkerActor:
                      device=self.device, host=socket.gethostname(), pid=os.getpid(),
                      max_model_len=self.engine.engine.max_model_len,
                      grammar_families=list(self.families),
+                     generation_defaults=self.generation_defaults,
                      uptime_s=time.time() - self.started,
                      grammar_client=(self.grammar_client.stats()
                                      if self.grammar_client is not None else {}))
