@@ -55,8 +55,10 @@ TOPICS = ["a sailor", "a chemist", "a painter", "a pilot", "a baker", "a poet", 
 
 
 def pct(values, p):
-    v = sorted(values)
-    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+    """The p-th percentile (linear interpolation between samples)."""
+    if len(values) == 1 or p >= 100:
+        return max(values) if p >= 100 else values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
 
 
 # 1. overhead ----------------------------------------------------------------------------

@@ -294,15 +294,15 @@ def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
 
 
 @dataclass
-class Plan:
+class WorkPlan:
     todo: list[int] = field(default_factory=list)  # line numbers to run, in order
     duplicates: dict[int, str] = field(default_factory=dict)  # line -> error
     skipped: int = 0
 
 
-def plan(input_path: str, skip: set[str]) -> Plan:
+def plan(input_path: str, skip: set[str]) -> WorkPlan:
     """First pass over the input: which lines to run (ids not yet in the output)."""
-    p, first_line = Plan(), {}
+    p, first_line = WorkPlan(), {}
     for line, text in input_lines(input_path):
         if text is not None and not text.strip():
             continue
@@ -331,7 +331,7 @@ def input_lines(path: str):
                 yield line, None
 
 
-def items(input_path: str, p: Plan, **parse_kwargs):
+def items(input_path: str, p: WorkPlan, **parse_kwargs):
     """Second pass: the Items of the planned lines, in order."""
     wanted = iter(p.todo)
     next_line = next(wanted, None)

@@ -23,6 +23,7 @@ import asyncio
 import json
 import random
 import re
+import statistics
 import sys
 import time
 import uuid
@@ -358,10 +359,13 @@ async def read_worker_gauges(url: str) -> dict:
 
 
 def _pct(values: list[float], p: float) -> float | None:
+    """The p-th percentile (linear interpolation between samples), None without samples."""
     if not values:
         return None
-    v = sorted(values)
-    return round(v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))], 4)
+    if len(values) == 1:
+        return round(values[0], 4)
+    return round(statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
+                 if p < 100 else max(values), 4)
 
 
 def format_report(r: dict) -> str:
