@@ -140,7 +140,15 @@ def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
     """
     token_file = ensure_token()
     temp_dir = run_dir() / "ray"
+    if len(str(temp_dir)) > 40:
+        # Ray's sockets live under <temp>/session_<date>_<pid>/sockets/ and a unix socket
+        # path may not exceed 107 bytes: a long run dir gets a short sibling in /tmp
+        import hashlib
+
+        digest = hashlib.sha1(str(run_dir()).encode()).hexdigest()[:10]
+        temp_dir = Path("/tmp") / f"rayguide-{os.getuid()}-{digest}"
     temp_dir.mkdir(parents=True, exist_ok=True)
+    run_dir().mkdir(parents=True, exist_ok=True)
     gcs_port = _free_port(port or 6379)
     if port and gcs_port != port:
         raise ConnectionError(f"port {port} is in use; pick another with --port")
