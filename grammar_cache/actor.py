@@ -10,6 +10,14 @@ lifetime. When xgrammar's serialization of a grammar loads slower than the gramm
 compiles (large token-mask tables), the cache keeps a small "compile locally" verdict
 instead: the grammar is proven safe, and workers compile it in-process. Stats are exported
 as Ray metrics.
+
+Readiness is explicit: the actor answers ``ping`` as soon as its process is up, and
+``ready()`` once its compile processes have finished their imports (seconds, more on a
+loaded machine). Callers that need the cache wait on ``wait_ready(actor)``; a ``get`` that
+arrives earlier simply waits for the first free compile process.
+
+Transient failures (a compile process that died) are passed on to the asker and never
+cached: the next ask compiles again.
 """
 
 from __future__ import annotations
@@ -18,32 +26,24 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass
+import threading
 
 import ray
 from ray.util import metrics
 
 from grammar_cache import envelope
-from grammar_cache.compile_pool import CompileLimits, CompilePool
+from grammar_cache.compile_pool import CompilePool, CompileResult
+from grammar_cache.config import GrammarCacheConfig
+from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
+
+__all__ = ["ACTOR_NAME", "NAMESPACE", "GrammarCache", "GrammarCacheActor", "GrammarCacheConfig",
+           "get_or_create_actor", "wait_ready"]
 
 logger = logging.getLogger(__name__)
 
 ACTOR_NAME = "rayguide_grammar_cache"
 NAMESPACE = "rayguide"
-
-
-@dataclass
-class GrammarCacheConfig:
-    max_bytes: int = 512 * 2**20  # LRU budget for compiled grammars
-    error_ttl_s: float = 60.0  # failures are remembered this long
-    max_errors: int = 4096
-    compile_timeout_s: float = 10.0
-    compile_memory_mb: int = 8192
-    compile_processes: int = 2
-    # send a "compile locally" verdict when loading the serialized grammar takes longer
-    # than this factor times compiling it (0: always; inf: never)
-    local_verdict_factor: float = 1.0
 
 
 class _ByteLRU:
@@ -83,15 +83,18 @@ class GrammarCache:
 
     def __init__(self, config: GrammarCacheConfig | None = None):
         self.config = config = config or GrammarCacheConfig()
-        self.pool = CompilePool(CompileLimits(config.compile_timeout_s, config.compile_memory_mb,
-                                              config.compile_processes))
+        self.pool = CompilePool(config)
         self.tokenizers: dict[str, str] = {}
         self.lru = _ByteLRU(config.max_bytes)
         self.errors: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
         self.inflight: dict[str, asyncio.Future] = {}
         self.compile_times: deque[float] = deque(maxlen=2048)
         self.counts = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "timeouts": 0,
-                       "joined": 0, "local_verdicts": 0}
+                       "joined": 0, "local_verdicts": 0, "unavailable": 0}
+        self._ready = threading.Event()
+        self._ready_error: str | None = None
+        threading.Thread(target=self._start_pool, name="grammar-pool-start",
+                         daemon=True).start()
         tags = ("kind",)
         self._m_requests = metrics.Counter("rayguide_grammar_cache_requests",
                                            "grammar cache lookups", tag_keys=("result",))
@@ -100,21 +103,37 @@ class GrammarCache:
             boundaries=[0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30], tag_keys=tags)
         self._m_bytes = metrics.Gauge("rayguide_grammar_cache_bytes", "bytes of cached grammars")
 
+    def _start_pool(self) -> None:
+        try:
+            self.pool.wait_ready()
+        except Exception as exc:  # noqa: BLE001 - reported by ready(), and compiles retry
+            self._ready_error = str(exc)
+            logger.exception("starting the grammar compile processes")
+        self._ready.set()
+
+    async def ready(self, timeout_s: float | None = None) -> bool:
+        """True once the compile processes are up (waits up to ``timeout_s``, default the
+        config's ready_timeout_s); raises RuntimeError if they failed to start."""
+        timeout = self.config.ready_timeout_s if timeout_s is None else timeout_s
+        if not self._ready.is_set():
+            await asyncio.to_thread(self._ready.wait, timeout)
+        if self._ready_error is not None:
+            raise RuntimeError(f"the grammar cache's compile processes did not start: "
+                               f"{self._ready_error}")
+        return self._ready.is_set()
+
     def register_tokenizer(self, fingerprint: str, tokenizer_json: str) -> None:
         self.tokenizers[fingerprint] = tokenizer_json
 
     def has_tokenizer(self, fingerprint: str) -> bool:
         return fingerprint in self.tokenizers
 
-    async def get(self, spec_dict: dict, fingerprint: str) -> bytes:
-        """Envelope bytes for the spec; ``b""`` means: register your tokenizer first."""
+    async def get(self, spec: GrammarSpec, fingerprint: str) -> bytes | None:
+        """Envelope bytes for the spec; None means: this cache does not know the tokenizer
+        (it restarted), register it and ask again."""
         if fingerprint not in self.tokenizers:
-            return b""
-        try:
-            spec = GrammarSpec.from_dict(spec_dict)
-        except (TypeError, ValueError) as exc:  # size limits and shape checks, again
-            return envelope.pack_error(f"invalid grammar spec: {exc}", fingerprint, "")
-        key = spec.key(fingerprint)
+            return None
+        key = spec.key(fingerprint)  # cached on the spec by whoever built it
         data = self.lru.get(key) or self._cached_error(key)
         if data is not None:
             self._count("hits")
@@ -131,34 +150,36 @@ class GrammarCache:
             return data
         except BaseException as exc:
             fut.set_exception(exc)
+            fut.exception()  # marked retrieved: no "never retrieved" warning without joiners
             raise
         finally:
             del self.inflight[key]
 
     async def _compile(self, spec: GrammarSpec, fingerprint: str, key: str) -> bytes:
         t = time.perf_counter()
-        data = await asyncio.to_thread(self.pool.compile, spec, fingerprint,
-                                       self.tokenizers[fingerprint], key)
+        result: CompileResult = await asyncio.to_thread(
+            self.pool.compile, spec, fingerprint, self.tokenizers[fingerprint], key)
         elapsed = time.perf_counter() - t
         self.counts["compiles"] += 1
         self.compile_times.append(elapsed)
         self._m_compile.observe(elapsed, tags={"kind": spec.kind})
-        header = envelope.read_header(data)
-        if "error" in header:
+        data = result.data
+        if result.error_kind is not None:
             self.counts["errors"] += 1
-            if header.get("error_kind") == "timeout":
+            if result.error_kind is ErrorKind.COMPILE_TIMEOUT:
                 self.counts["timeouts"] += 1
-            if header.get("error_kind") != "internal":
+            if result.cacheable:
                 self.errors[key] = (data, time.monotonic() + self.config.error_ttl_s)
-            while len(self.errors) > self.config.max_errors:
-                self.errors.popitem(last=False)
+                while len(self.errors) > self.config.max_errors:
+                    self.errors.popitem(last=False)
+            else:  # a compile process died: not the grammar's fault, ask again next time
+                self.counts["unavailable"] += 1
         else:
-            if header.get("load_s", 0.0) >= (self.config.local_verdict_factor
-                                              * header.get("compile_s", 0.0)):
+            if result.load_s >= self.config.local_verdict_factor * result.compile_s:
                 # xgrammar's serialization of this grammar loads slower than it compiles:
                 # keep (and send) a small verdict instead; workers compile it themselves,
                 # knowing it compiles within the limits
-                data = envelope.pack_local(fingerprint, key, header["compile_s"])
+                data = envelope.pack_local(fingerprint, key, result.compile_s)
                 self.counts["local_verdicts"] += 1
             self.lru.put(key, data)
             self._m_bytes.set(self.lru.bytes)
@@ -187,7 +208,8 @@ class GrammarCache:
                 "max_bytes": self.config.max_bytes, "evictions": self.lru.evictions,
                 "cached_errors": len(self.errors), "tokenizers": len(self.tokenizers),
                 "compile_p50_s": pct(0.5), "compile_p99_s": pct(0.99),
-                "config": asdict(self.config)}
+                "compile_crashes": self.pool.crashes, "ready": self._ready.is_set(),
+                "config": self.config.model_dump()}
 
     def close(self) -> None:
         self.pool.close()
@@ -195,20 +217,29 @@ class GrammarCache:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class GrammarCacheActor:
+    """The named cluster-wide cache; see the module docstring. ``config``: a
+    GrammarCacheConfig's ``model_dump()``."""
+
     def __init__(self, config: dict | None = None):
+        # does not wait for the compile processes: ping answers at once, ready() says when
+        # compiles can start (a blocking __init__ made every call, ping included, wait)
         self.cache = GrammarCache(GrammarCacheConfig(**(config or {})))
-        # not alive (pings wait) until the compile processes are: a restarted cache sends
-        # workers to their local compiles instead of holding their requests
-        self.cache.pool.wait_ready()
+
+    async def ready(self, timeout_s: float | None = None) -> bool:
+        return await self.cache.ready(timeout_s)
 
     def register_tokenizer(self, fingerprint: str, tokenizer_json: str) -> None:
         self.cache.register_tokenizer(fingerprint, tokenizer_json)
 
-    async def get(self, spec_dict: dict, fingerprint: str) -> bytes:
-        return await self.cache.get(spec_dict, fingerprint)
+    async def get(self, spec: GrammarSpec, fingerprint: str) -> bytes | None:
+        return await self.cache.get(spec, fingerprint)
 
     def stats(self) -> dict:
         return self.cache.stats()
+
+    def compile_pids(self) -> dict[int, str]:
+        """pid -> key of each compile process busy compiling (for operators and tests)."""
+        return dict(self.cache.pool.busy)
 
     def ping(self) -> bool:
         return True
@@ -218,8 +249,21 @@ def get_or_create_actor(config: GrammarCacheConfig | None = None, *, detached: b
                         name: str = ACTOR_NAME, namespace: str = NAMESPACE,
                         resources: dict | None = None):
     """The cluster's grammar cache actor, created on first use (``ray.init`` must have run).
-    ``resources``: custom Ray resources it needs (to place it on some nodes)."""
+    Returns at once; ``wait_ready(actor)`` waits for its compile processes. ``resources``:
+    custom Ray resources it needs (to place it on some nodes)."""
     return GrammarCacheActor.options(
         name=name, namespace=namespace, get_if_exists=True,
         lifetime="detached" if detached else None, resources=resources or {},
-    ).remote(asdict(config or GrammarCacheConfig()))
+    ).remote((config or GrammarCacheConfig()).model_dump())
+
+
+def wait_ready(actor, timeout_s: float = 120.0) -> None:
+    """Blocks until the cache actor can compile (its process and its compile processes are
+    up); raises TimeoutError after ``timeout_s``. Start-up code calls this before workers
+    start taking requests, so none of them falls back to compiling by itself at start."""
+    try:
+        ok = ray.get(actor.ready.remote(timeout_s), timeout=timeout_s + 5)
+    except ray.exceptions.GetTimeoutError:
+        ok = False
+    if not ok:
+        raise TimeoutError(f"the grammar cache actor was not ready within {timeout_s:g} s")

@@ -1,19 +1,36 @@
 """The worker-side client of the grammar cache actor.
 
 ``fetch(spec)`` returns a compiled grammar, blocking; the engine's GuidedDecodingManager
-calls it on its compile thread pool (never on the step loop) and keeps the deserialized
-results in its own local LRU. On a miss the client asks the actor; if the actor cannot be
-reached (not started, dead, restarting, too slow) or its envelope does not match this
-process (versions, tokenizer), it compiles locally in its own CompilePool with the same
-limits, logs that once, and tries the actor again on a miss after ``retry_after_s`` (5 s;
-in between, misses compile locally at once instead of waiting on a dead or restarting
-actor), so a request never fails because the cache is down. A "compile locally" verdict (see actor.py) is compiled
-in-process: the actor has proven it safe, and it loads slower than it compiles.
+calls it on its compile threads (never on the step loop) and keeps the results in its own
+local LRU. It raises ``GrammarError`` (with its ErrorKind) for a grammar the client must
+change, ``GrammarUnavailable`` for a transient failure (never to be cached).
+
+Paths, each bounded by the limits of the one ``GrammarCacheConfig``:
+
+- **actor**: the first contact with an actor waits for its readiness (``ready()``, up to
+  ``ready_timeout_s``: a fresh actor is still starting its compile processes), later ones
+  ping it (2 s, so a restarting actor does not hold a request for the long RPC timeout).
+  The tokenizer is registered once per actor life, retried with backoff; an actor that
+  answers None (it restarted and forgot the tokenizer) gets it again.
+- **compile-locally verdict**: the actor proved the grammar compiles within the limits and
+  that loading xgrammar's serialization of it costs more than compiling it. It is compiled
+  in this process, since a child process would have to hand it back serialized, which is
+  exactly the cost the verdict avoids. Bounded by a watchdog: one such compile at a time
+  (so this process's memory holds at most one compile, which the actor's child already ran
+  under ``compile_memory_mb``), and a caller waits at most ``compile_timeout_s``: past it,
+  the request fails with GrammarUnavailable and a log line (the grammar is known to be
+  fine; this worker is too loaded), while the compile thread, which xgrammar cannot
+  interrupt, runs to its end. While that slot is taken, verdicts compile in the fallback
+  child process instead (killable, slower to hand back).
+- **local fallback**: actor not found, dead, not ready in time, or its envelope does not
+  match this process: compile in this client's own child process (started warm at
+  construction, same limits), log once per outage, skip the actor for ``retry_after_s``.
+
+Everything is counted in ``stats()``; a fallback is never silent.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -23,99 +40,213 @@ import xgrammar as xgr
 
 from grammar_cache import envelope
 from grammar_cache.actor import ACTOR_NAME, NAMESPACE
-from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
-from grammar_cache.compile_pool import CompileLimits, CompilePool
+from grammar_cache.compile import compile_spec, tokenizer_fingerprint
+from grammar_cache.compile_pool import CompilePool
+from grammar_cache.config import GrammarCacheConfig
+from grammar_cache.errors import GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
+REGISTER_ATTEMPTS = 4  # backoff 0.1, 0.2, 0.4 s between them
+
 
 class GrammarCacheClient:
-    def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, name: str = ACTOR_NAME,
-                 namespace: str = NAMESPACE, limits: CompileLimits | None = None,
-                 rpc_timeout_s: float | None = None, ping_timeout_s: float = 2.0):
+    def __init__(self, tokenizer_info: "xgr.TokenizerInfo",
+                 config: GrammarCacheConfig | dict | None = None, *, name: str = ACTOR_NAME,
+                 namespace: str = NAMESPACE, rpc_timeout_s: float | None = None,
+                 ping_timeout_s: float = 2.0, retry_after_s: float = 5.0):
+        """``config``: the cluster's grammar cache settings (or their ``model_dump()``);
+        its limits bound every compile this client makes."""
+        if not isinstance(config, GrammarCacheConfig):
+            config = GrammarCacheConfig(**(config or {}))
+        self.config = config
         self.info = tokenizer_info
         self.fingerprint = tokenizer_fingerprint(tokenizer_info)
         self._tokenizer_json = tokenizer_info.serialize_json()
         self.name, self.namespace = name, namespace
-        self.limits = limits or CompileLimits()
-        # an actor compile can take up to its own limit; allow for transfer on top, and
-        # keep room for a local compile within the engine's wait limit if the actor is slow
-        self.rpc_timeout_s = rpc_timeout_s or self.limits.timeout_s + 15.0
+        # an actor compile can take up to its own limit; allow for transfer on top
+        self.rpc_timeout_s = rpc_timeout_s or config.compile_timeout_s + 15.0
         self.ping_timeout_s = ping_timeout_s
+        self.retry_after_s = retry_after_s
         self._actor = None
+        self._actor_ready = False  # this handle answered ready() once
         self._registered = False
         self._local: CompilePool | None = None
         self._lock = threading.Lock()
         self._warned = False
         self._down_until = 0.0  # after a failure, skip the actor until then
-        self.retry_after_s = 5.0
         self._in_process = None
-        self.counts = {"actor": 0, "verdict": 0, "local": 0}
+        self._verdict_slot = threading.Semaphore(1)  # one in-process compile at a time
+        self._counts = {"fetches": 0, "actor_hits": 0, "verdicts": 0, "verdicts_in_child": 0,
+                        "verdict_timeouts": 0, "local_fallbacks": 0, "actor_failures": 0,
+                        "registrations": 0, "registration_retries": 0, "unavailable": 0,
+                        "fetch_wait_s": 0.0, "fetch_wait_max_s": 0.0}
         # the fallback's compile process starts now, in the background: started only when
         # the actor fails, it would make every request wait for its imports (seconds,
         # tens of seconds on a loaded machine) exactly when the cache is down
         threading.Thread(target=self._warm_local, name="grammar-fallback-warmup",
                          daemon=True).start()
 
+    # the one entry point ------------------------------------------------------------
+
     def fetch(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
-        """The compiled grammar for ``spec``; raises GrammarError for a bad grammar."""
+        """The compiled grammar for ``spec``. Raises GrammarError (the client's to fix, with
+        its ``kind``) or GrammarUnavailable (transient: retry; never cache it)."""
+        t = time.monotonic()
+        try:
+            return self._fetch(spec)
+        except GrammarUnavailable:
+            self._count("unavailable")
+            raise
+        finally:
+            wait = time.monotonic() - t
+            with self._lock:
+                self._counts["fetches"] += 1
+                self._counts["fetch_wait_s"] += wait
+                self._counts["fetch_wait_max_s"] = max(self._counts["fetch_wait_max_s"], wait)
+
+    def stats(self) -> dict:
+        """Counters for the worker's ``load()`` / metrics: fetches, actor_hits, verdicts
+        (compiled in-process on the actor's word), verdicts_in_child, verdict_timeouts,
+        local_fallbacks (compiled without the actor), actor_failures, registrations,
+        registration_retries, unavailable (transient failures returned), fetch_wait_s (total)
+        and fetch_wait_max_s; actor_skipped: the actor is being skipped after a failure."""
+        with self._lock:
+            out = dict(self._counts)
+        out["actor_skipped"] = time.monotonic() < self._down_until
+        return out
+
+    def _fetch(self, spec: GrammarSpec):
         key = spec.key(self.fingerprint)
         data = self._from_actor(spec)
         if data is not None:
             try:
                 compiled = envelope.unpack(data, self.info, self.fingerprint, key)
-                self.counts["actor"] += 1
+                self._count("actor_hits")
                 return compiled
             except envelope.CompileLocally:
-                # proven to compile within the limits, and cheaper to compile than to load
-                self.counts["verdict"] += 1
-                return compile_spec(self._compiler(), spec)
+                self._count("verdicts")
+                return self._compile_verdict(spec)
             except envelope.EnvelopeMismatch as exc:
-                self._warn(f"grammar cache envelope does not match this worker ({exc})")
-        self.counts["local"] += 1
-        data = self._local_pool().compile(spec, self.fingerprint, self._tokenizer_json, key)
-        return envelope.unpack(data, self.info, self.fingerprint, key)
+                self._fallback(f"its envelope does not match this worker ({exc})")
+        self._count("local_fallbacks")
+        return self._compile_in_child(spec, key)
+
+    # the actor ----------------------------------------------------------------------
 
     def _from_actor(self, spec: GrammarSpec) -> bytes | None:
+        """Envelope bytes from the actor, or None (after logging) to compile locally. Never
+        returns an empty reply."""
         if time.monotonic() < self._down_until:
             return None  # it failed a moment ago: compile locally without waiting on it
         try:
             actor = self._handle()
-            # a dead or restarting actor must not hold this compile for the long timeout
-            ray.get(actor.ping.remote(), timeout=self.ping_timeout_s)
+            if not self._actor_ready:
+                # a new actor answers once its compile processes are up: wait for that
+                # (not the short ping), or a fresh cluster compiles everything locally
+                t = self.config.ready_timeout_s
+                if not ray.get(actor.ready.remote(t), timeout=t + 5):
+                    raise TimeoutError(f"not ready within {t:g} s")
+                self._actor_ready = True
+            else:
+                # a dead or restarting actor must not hold this compile for the long timeout
+                ray.get(actor.ping.remote(), timeout=self.ping_timeout_s)
             for _ in range(2):
                 if not self._registered:
-                    ray.get(actor.register_tokenizer.remote(self.fingerprint,
-                                                            self._tokenizer_json),
-                            timeout=self.rpc_timeout_s)
-                    self._registered = True
-                data = ray.get(actor.get.remote(spec.to_dict(), self.fingerprint),
+                    self._register(actor)
+                data = ray.get(actor.get.remote(spec, self.fingerprint),
                                timeout=self.rpc_timeout_s)
                 if data:
+                    self._reachable()
                     return data
                 self._registered = False  # a restarted actor forgot our tokenizer
-            return None
-        except GrammarError:
-            raise
-        except Exception as exc:  # not found, dead, restarting, timed out
+            raise RuntimeError("the actor does not keep this worker's tokenizer")
+        except Exception as exc:  # noqa: BLE001 - not found, dead, restarting, timed out
             self._actor = None
-            self._registered = False
+            self._actor_ready = self._registered = False
             self._down_until = time.monotonic() + self.retry_after_s
-            self._warn(f"grammar cache actor unavailable ({type(exc).__name__}: {exc}); "
-                       "compiling locally")
+            self._count("actor_failures")
+            self._fallback(f"unavailable ({type(exc).__name__}: {exc})")
             return None
+
+    def _register(self, actor) -> None:
+        """Registers the tokenizer, retrying with backoff (0.1, 0.2, 0.4 s)."""
+        delay = 0.1
+        for attempt in range(REGISTER_ATTEMPTS):
+            try:
+                ray.get(actor.register_tokenizer.remote(self.fingerprint, self._tokenizer_json),
+                        timeout=self.rpc_timeout_s)
+                self._registered = True
+                self._count("registrations")
+                return
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError,
+                    ray.exceptions.ActorUnavailableError):
+                if attempt == REGISTER_ATTEMPTS - 1:
+                    raise
+                self._count("registration_retries")
+                time.sleep(delay)
+                delay *= 2
 
     def _handle(self):
         if self._actor is None:
             if not ray.is_initialized():
                 raise RuntimeError("Ray is not initialized")
             self._actor = ray.get_actor(self.name, namespace=self.namespace)
-            self._registered = False
-            if self._warned:
-                logger.info("grammar cache actor reachable again")
-                self._warned = False
+            self._actor_ready = self._registered = False
         return self._actor
+
+    def _fallback(self, why: str) -> None:
+        """One log line per outage: from here on this worker compiles by itself."""
+        if not self._warned:
+            logger.warning("grammar cache actor %r %s; compiling grammars in this worker "
+                           "(counted in stats()['local_fallbacks'])", self.name, why)
+            self._warned = True
+
+    def _reachable(self) -> None:
+        if self._warned:
+            logger.info("grammar cache actor %r reachable again", self.name)
+            self._warned = False
+
+    # compiling here -----------------------------------------------------------------
+
+    def _compile_verdict(self, spec: GrammarSpec):
+        """In-process compile of a grammar the actor proved safe; see the module docstring
+        for the bounds."""
+        if not self._verdict_slot.acquire(blocking=False):
+            # another in-process compile (maybe one past its limit) holds the slot
+            self._count("verdicts_in_child")
+            return self._compile_in_child(spec, spec.key(self.fingerprint))
+        done = threading.Event()
+        box: dict = {}
+
+        def run():
+            try:
+                box["grammar"] = compile_spec(self._compiler(), spec)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                box["error"] = exc
+            finally:
+                self._verdict_slot.release()
+                done.set()
+
+        threading.Thread(target=run, name="grammar-verdict-compile", daemon=True).start()
+        limit = self.config.compile_timeout_s
+        if not done.wait(limit):
+            self._count("verdict_timeouts")
+            logger.warning("in-process compile of %s (proven to compile within the limit by "
+                           "the grammar cache) passed %g s in this worker; failing the "
+                           "request as unavailable, the compile runs on", spec.describe(),
+                           limit)
+            raise GrammarUnavailable(
+                f"this {spec.kind} grammar did not compile within {limit:g} s on a busy "
+                "worker (it is valid and compiles within the limit elsewhere); retry")
+        if "error" in box:
+            raise box["error"]
+        return box["grammar"]
+
+    def _compile_in_child(self, spec: GrammarSpec, key: str):
+        result = self._local_pool().compile(spec, self.fingerprint, self._tokenizer_json, key)
+        return envelope.unpack(result.data, self.info, self.fingerprint, key)
 
     def _compiler(self):
         with self._lock:
@@ -127,20 +258,20 @@ class GrammarCacheClient:
     def _local_pool(self) -> CompilePool:
         with self._lock:
             if self._local is None:  # one process: it only serves while the actor is down
-                self._local = CompilePool(dataclasses.replace(self.limits, processes=1))
+                self._local = CompilePool(self.config, processes=1)
             return self._local
 
     def _warm_local(self) -> None:
         try:
             self._local_pool().wait_ready()
-        except Exception:  # it will be started again on first use
+        except Exception:  # noqa: BLE001 - it will be started again on first use
             logger.exception("starting the fallback compile process")
 
-    def _warn(self, message: str) -> None:
-        if not self._warned:
-            logger.warning(message)
-            self._warned = True
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
 
     def close(self) -> None:
+        """Stops the fallback compile process."""
         if self._local is not None:
             self._local.close()

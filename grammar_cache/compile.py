@@ -13,20 +13,97 @@ import xgrammar as xgr
 from grammar_cache.errors import GrammarError
 from grammar_cache.spec import GrammarSpec
 
-__all__ = ["GrammarError", "compile_spec", "tokenizer_fingerprint"]
+__all__ = ["GrammarError", "compile_spec", "explain_compile_error", "tokenizer_fingerprint"]
 
-_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[12:00:00] /path/file.cc:83: "
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:?\s*")  # xgrammar's CHECK()
+# xgrammar parsing the EBNF it generated itself (from a regex or a JSON schema): the line
+# and column point into text the user never wrote
+_EBNF_POSITION = re.compile(r"^EBNF (?:lexer|parser) error at line \d+, column \d+:\s*")
+_REGEX_ERROR = re.compile(r"^Regex parsing error at position (\d+):\s*(.*)$")
 
 
 def compile_spec(compiler: "xgr.GrammarCompiler", spec: GrammarSpec) -> "xgr.CompiledGrammar":
+    """Compiles ``spec``; raises GrammarError (kind INVALID_GRAMMAR) with a message that names
+    the grammar kind and the problem in the user's own terms (see ``explain_compile_error``)."""
     try:
         return _compile(compiler, spec)
     except GrammarError:
         raise
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own types
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        message = _SOURCE_PREFIX.sub("", message)  # "[12:00:00] /path/file.cc:83: "
-        raise GrammarError(f"invalid {spec.kind} grammar: {message}") from None
+        raise GrammarError(explain_compile_error(spec, exc)) from None
+
+
+def explain_compile_error(spec: GrammarSpec, exc: BaseException) -> str:
+    """xgrammar's error for ``spec`` rewritten for the user: no source-file prefix, no
+    internal check expression, no position in EBNF we generated (for regexes, JSON schemas
+    and structural tags); for a schema, the pattern at fault and where it is, when one of
+    the schema's patterns is what xgrammar refused."""
+    text = str(exc).strip()
+    detail = _SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else ""
+    internal = bool(_CHECK_FAILED.match(detail))
+    detail = _CHECK_FAILED.sub("", detail)
+    generated = spec.kind != "ebnf" and bool(_EBNF_POSITION.match(detail))
+    if generated:
+        detail = _EBNF_POSITION.sub("", detail)
+    if spec.kind in ("json_schema", "structural_tag") and (
+            generated or _REGEX_ERROR.match(detail)):
+        culprit = _bad_pattern(spec.source)
+        if culprit is not None:
+            return f"invalid {spec.kind} grammar: {culprit}"
+    if spec.kind == "regex":
+        m = _REGEX_ERROR.match(detail)
+        if m:
+            detail = f"{_sentence(m.group(2))} (at position {m.group(1)} of the regex)"
+    detail = detail.replace("Invalid structural tag error: ", "")
+    if not detail:
+        detail = (f"xgrammar refused it without saying why ({type(exc).__name__}"
+                  f"{'; an internal check failed' if internal else ''}); simplify it")
+    return f"invalid {spec.kind} grammar: {_sentence(detail)}"
+
+
+def _sentence(text: str) -> str:
+    text = text.strip().rstrip(".")
+    return text[:1].lower() + text[1:] if text[:2] != text[:2].upper() else text
+
+
+def _bad_pattern(source: str) -> str | None:
+    """The first regex of a schema (or structural tag) that xgrammar refuses on its own:
+    "the pattern at /properties/code/pattern ('[z-a]'): <why>"; None if all compile."""
+    try:
+        doc = json.loads(source)
+    except ValueError:
+        return None
+    for where, pattern in _patterns(doc, ""):
+        try:
+            xgr.Grammar.from_regex(pattern)
+        except Exception as exc:  # noqa: BLE001 - xgrammar's errors have no common type
+            reason = _SOURCE_PREFIX.sub("", str(exc).strip().splitlines()[0] if str(exc).strip()
+                                        else type(exc).__name__)
+            reason = _EBNF_POSITION.sub("", reason)
+            m = _REGEX_ERROR.match(reason)
+            if m:
+                reason = f"{_sentence(m.group(2))} (at position {m.group(1)} of the pattern)"
+            return (f"the pattern at {where or '/'} ({pattern!r}) is not a regex xgrammar "
+                    f"supports: {_sentence(reason)}")
+    return None
+
+
+def _patterns(node, where: str):
+    """(JSON pointer, regex) for every "pattern" string and "patternProperties" key."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _patterns(item, f"{where}/{i}")
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            path = f"{where}/{str(k).replace('~', '~0').replace('/', '~1')}"
+            if k == "pattern" and isinstance(v, str):
+                yield path, v
+            elif k == "patternProperties" and isinstance(v, dict):
+                for regex in v:
+                    yield f"{path}/{regex.replace('~', '~0').replace('/', '~1')}", regex
+            if isinstance(v, (dict, list)):
+                yield from _patterns(v, path)
 
 
 def _compile(compiler, spec: GrammarSpec):

@@ -3,9 +3,22 @@
 A compile runs inside xgrammar's C++ code and cannot be interrupted from a thread, and some
 real-world schemas take tens of seconds or a lot of memory. So compiles run in a small
 pool of child processes (``python -m grammar_cache.compile_worker``, fresh interpreters that
-share nothing with the parent), each with an address-space limit; a compile past its time limit gets its process killed and
-replaced, and the caller gets a "timeout" error envelope. Other compiles go on in the
-other processes meanwhile. Results come back as envelopes (grammar_cache/envelope.py).
+share nothing with the parent), each with an address-space limit. The limits come from
+``GrammarCacheConfig`` (compile_timeout_s, compile_memory_mb, compile_processes) and
+nowhere else.
+
+What a caller gets back is a ``CompileResult``: the envelope bytes plus the header fields
+the cache decides on (error and its ErrorKind, compile and load times), so nobody unpacks a
+large envelope only to read them. Outcomes:
+
+- compiled, or the grammar is invalid / needs more memory than the limit (the child says
+  so): what the child sent;
+- past the time limit: the child is killed and replaced; COMPILE_TIMEOUT, with a message
+  that gives the limit and the config key that raises it (the grammar is not invalid);
+- the child died without an answer (killed from outside, the kernel's OOM killer, a crash):
+  GRAMMAR_UNAVAILABLE, transient, never cached: the next ask compiles again in a fresh child.
+
+Other compiles go on in the other processes meanwhile.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ import queue
 import select
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,21 +37,30 @@ from pathlib import Path
 import msgpack
 
 from grammar_cache import envelope
-from grammar_cache.compile_worker import read_frame, write_frame
+from grammar_cache.compile_worker import _LEN, COMPILED, timeout_message
+from grammar_cache.config import GrammarCacheConfig
+from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
+SETUP_TIMEOUT_S = 120.0  # starting a child and loading a tokenizer into it
+
 
 @dataclass
-class CompileLimits:
-    timeout_s: float = 10.0  # wall time of one compile
-    memory_mb: int = 8192  # address space of a compile process (a large schema's
-    # serialization alone can take hundreds of MB)
-    processes: int = 2
+class CompileResult:
+    """One compile's outcome: ``data`` is the envelope; the rest is its header."""
 
+    data: bytes
+    error: str | None = None
+    error_kind: ErrorKind | None = None
+    compile_s: float = 0.0
+    load_s: float = 0.0
 
-SETUP_TIMEOUT_S = 120.0  # starting a child and loading a tokenizer into it
+    @property
+    def cacheable(self) -> bool:
+        """A compiled grammar or the client's fault; never a transient failure."""
+        return self.error_kind is None or self.error_kind.client_fault
 
 
 @dataclass
@@ -50,39 +73,61 @@ class _Worker:
         return self.process.poll() is None
 
     def wait_frame(self, timeout: float) -> bytes | None:
-        """The next reply, or None if none came in time or the process died."""
+        """The next reply, or None if none came in time or the process died. The pipe is
+        unbuffered on this side: a buffered reader could swallow the next frame into its
+        buffer, where select() cannot see it, and the wait for it would run out."""
         out = self.process.stdout
         deadline = time.monotonic() + timeout
         while not select.select([out], [], [], 0.05)[0]:
             if not self.alive() or time.monotonic() > deadline:
                 return None
-        return read_frame(out)
+        head = _read_exact(out, _LEN.size)
+        if head is None:
+            return None
+        return _read_exact(out, _LEN.unpack(head)[0])
 
     def request(self, msg: list, timeout: float) -> bytes | None:
-        write_frame(self.process.stdin, msgpack.packb(msg))
+        body = msgpack.packb(msg)
+        view = memoryview(_LEN.pack(len(body)) + body)
+        while view:  # the pipe is unbuffered: a write may take only part
+            view = view[self.process.stdin.write(view):]
         return self.wait_frame(timeout)
 
 
 class CompilePool:
-    def __init__(self, limits: CompileLimits | None = None):
-        self.limits = limits or CompileLimits()
+    """``processes`` child processes (default: ``config.compile_processes``) compiling under
+    ``config``'s time and memory limits."""
+
+    def __init__(self, config: GrammarCacheConfig | None = None, processes: int | None = None):
+        self.config = config or GrammarCacheConfig()
+        self.processes = processes or self.config.compile_processes
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._closed = False
+        self._lock = threading.Lock()
+        self.busy: dict[int, str] = {}  # pid -> key being compiled (for operators and tests)
         self.timeouts = 0
-        for _ in range(self.limits.processes):
+        self.crashes = 0
+        for _ in range(self.processes):
             self._idle.put(self._spawn())
 
     def wait_ready(self, timeout_s: float = SETUP_TIMEOUT_S) -> None:
         """Blocks until every child has finished its imports (so a first compile does not
-        wait for them)."""
-        workers = [self._idle.get() for _ in range(self.limits.processes)]
+        wait for them); raises RuntimeError if one did not start."""
+        workers = [self._idle.get() for _ in range(self.processes)]
+        failed = []
         try:
-            for w in workers:
+            for i, w in enumerate(workers):
                 if not w.ready:
                     w.ready = w.wait_frame(timeout_s) == b"ready"
+                    if not w.ready:
+                        failed.append(w.process.pid)
+                        workers[i] = self._replace(w)
         finally:
             for w in workers:
                 self._idle.put(w)
+        if failed:
+            raise RuntimeError(f"grammar compile process(es) {failed} did not start within "
+                               f"{timeout_s:g} s")
 
     def _spawn(self) -> _Worker:
         root = str(Path(__file__).resolve().parent.parent)
@@ -90,17 +135,19 @@ class CompilePool:
             p for p in (root, os.environ.get("PYTHONPATH")) if p))
         proc = subprocess.Popen(
             [sys.executable, "-m", "grammar_cache.compile_worker",
-             "--memory-mb", str(self.limits.memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+             "--memory-mb", str(self.config.compile_memory_mb)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
         return _Worker(proc)
 
     def compile(self, spec: GrammarSpec, fingerprint: str, tokenizer_json: str,
-                key: str, timeout_s: float | None = None) -> bytes:
-        """Blocks until the envelope for ``spec`` is ready (an error envelope for an invalid
-        grammar, a timeout or a memory overrun). Thread-safe; at most ``processes``
-        compiles run at once."""
-        timeout = self.limits.timeout_s if timeout_s is None else timeout_s
+                key: str | None = None, timeout_s: float | None = None) -> CompileResult:
+        """Blocks until ``spec`` is compiled or has failed (see the module docstring for the
+        outcomes). Thread-safe; at most ``processes`` compiles run at once."""
+        key = spec.key(fingerprint) if key is None else key
+        timeout = self.config.compile_timeout_s if timeout_s is None else timeout_s
         worker = self._idle.get()
+        t = time.monotonic()
+        busy_pid = None
         try:
             if not worker.ready:
                 worker.ready = worker.wait_frame(SETUP_TIMEOUT_S) == b"ready"
@@ -109,44 +156,86 @@ class CompilePool:
                                   SETUP_TIMEOUT_S) != b"ok":
                     raise OSError("could not load the tokenizer into the compile process")
                 worker.fingerprints.add(fingerprint)
+            busy_pid = worker.process.pid
+            with self._lock:
+                self.busy[busy_pid] = key
             t = time.monotonic()
-            reply = worker.request(["compile", fingerprint, spec.to_dict(), key], timeout)
-            if reply is not None:
-                return reply
-            timed_out = worker.alive()
+            head = worker.request(["compile", fingerprint, spec.to_dict(), key], timeout)
+            compiled = head == COMPILED
+            if compiled:  # the limit was kept; serializing it may take a while
+                head = worker.wait_frame(SETUP_TIMEOUT_S)
+            # the envelope follows its header at once
+            data = worker.wait_frame(SETUP_TIMEOUT_S) if head is not None else None
+            if data is not None:
+                h = msgpack.unpackb(head)
+                kind = h.get("error_kind")
+                return CompileResult(data, h.get("error"),
+                                     ErrorKind.parse(kind) if kind else None,
+                                     h.get("compile_s", 0.0), h.get("load_s", 0.0))
+            timed_out = worker.alive() and not compiled
+            pid, code = worker.process.pid, worker.process.poll()
             worker = self._replace(worker)
             if timed_out:
                 self.timeouts += 1
-                return envelope.pack_error(
-                    f"compiling the {spec.kind} grammar took longer than {timeout:g} s; "
-                    "simplify the grammar", fingerprint, key, kind="timeout")
-            return envelope.pack_error(
-                f"compiling the {spec.kind} grammar crashed its process after "
-                f"{time.monotonic() - t:.1f} s (memory limit {self.limits.memory_mb} MB?)",
-                fingerprint, key, kind="memory")
+                return self._error(timeout_message(spec.kind, timeout), ErrorKind.COMPILE_TIMEOUT,
+                                   fingerprint, key)
+            self.crashes += 1
+            logger.warning("grammar compile process %s died (exit status %s) after %.1f s "
+                           "compiling %s", pid, code, time.monotonic() - t, spec.describe())
+            return self._error(
+                f"the grammar compile process died (exit status {code}) while compiling this "
+                f"{spec.kind} grammar; this is not known to be a problem with the grammar: retry",
+                ErrorKind.GRAMMAR_UNAVAILABLE, fingerprint, key)
         except (BrokenPipeError, OSError) as exc:
+            self.crashes += 1
             worker = self._replace(worker)
-            return envelope.pack_error(f"grammar compile process failed: {exc}",
-                                       fingerprint, key, kind="internal")
+            return self._error(f"the grammar compile process failed ({exc}); retry",
+                               ErrorKind.GRAMMAR_UNAVAILABLE, fingerprint, key)
         finally:
+            with self._lock:
+                self.busy.pop(busy_pid, None)
             if not self._closed:
                 self._idle.put(worker)
+            else:
+                _stop(worker)
+
+    @staticmethod
+    def _error(message: str, kind: ErrorKind, fingerprint: str, key: str) -> CompileResult:
+        return CompileResult(envelope.pack_error(message, fingerprint, key, kind), message, kind)
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.process.kill()
         worker.process.wait(timeout=10)
-        logger.warning("grammar compile process %s killed; starting a new one", worker.process.pid)
+        logger.warning("grammar compile process %s stopped; starting a new one",
+                       worker.process.pid)
         return self._spawn()
 
     def close(self) -> None:
+        """Stops the idle children; a child still compiling stops when its compile ends."""
         self._closed = True
         while True:
             try:
                 w = self._idle.get_nowait()
             except queue.Empty:
                 break
-            try:
-                w.process.stdin.close()  # EOF: the child's loop ends
-                w.process.wait(timeout=2)
-            except (OSError, subprocess.TimeoutExpired):
-                w.process.kill()
+            _stop(w)
+
+
+def _read_exact(raw, n: int) -> bytes | None:
+    """n bytes from an unbuffered pipe (blocking), or None at end of file."""
+    buf = bytearray(n)
+    view, pos = memoryview(buf), 0
+    while pos < n:
+        got = raw.readinto(view[pos:])
+        if not got:
+            return None
+        pos += got
+    return bytes(buf)
+
+
+def _stop(w: _Worker) -> None:
+    try:
+        w.process.stdin.close()  # EOF: the child's loop ends
+        w.process.wait(timeout=2)
+    except (OSError, subprocess.TimeoutExpired):
+        w.process.kill()

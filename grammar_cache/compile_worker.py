@@ -1,10 +1,12 @@
 """A grammar-compile child process: ``python -m grammar_cache.compile_worker --memory-mb N``.
 
-Reads frames from stdin and writes one frame per request to stdout; a frame is a 4-byte
-big-endian length and a body. It writes b"ready" once its imports are done. Requests
-(msgpack): ["tokenizer", fingerprint, tokenizer_json] -> b"ok"; ["compile", fingerprint,
-spec dict, key] -> envelope bytes (grammar_cache/envelope.py). Started by CompilePool,
-which kills it when a compile runs past its time limit (setup time is not counted).
+Reads frames from stdin and writes frames to stdout; a frame is a 4-byte big-endian length
+and a body. It writes b"ready" once its imports are done. Requests (msgpack):
+["tokenizer", fingerprint, tokenizer_json] -> b"ok"; ["compile", fingerprint, spec dict,
+key] -> b"compiled" once compiled (not for an error), then two frames: a small msgpack header ({"error", "error_kind", "compile_s", "load_s"},
+what the cache decides on, so nobody unpacks a large envelope just to read it), then the
+envelope bytes (grammar_cache/envelope.py). Started by CompilePool, which kills it when a
+compile runs past its time limit (setup time is not counted).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import msgpack
 
 _LEN = struct.Struct(">I")
+COMPILED = b"compiled"  # sent when the compile itself is done
 
 
 def read_frame(stream) -> bytes | None:
@@ -44,7 +47,8 @@ def main() -> None:
     import xgrammar as xgr
 
     from grammar_cache import envelope
-    from grammar_cache.compile import GrammarError, compile_spec
+    from grammar_cache.compile import compile_spec
+    from grammar_cache.errors import ErrorKind, GrammarError
     from grammar_cache.spec import GrammarSpec
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
@@ -59,23 +63,58 @@ def main() -> None:
             write_frame(stdout, b"ok")
             continue
         key = rest[0]
+        header: dict = {}
         try:
             spec = GrammarSpec.from_dict(payload)
             t = time.perf_counter()
             compiled = compile_spec(compilers[fingerprint], spec)
             compile_s = time.perf_counter() - t
+            # the time limit is on compiling; serializing and test-loading the result (seconds
+            # for hundreds of MB) come after this frame, under the pool's setup allowance
+            write_frame(stdout, COMPILED)
             serialized = compiled.serialize_json()
             t = time.perf_counter()  # what loading it costs a worker (the cache's policy)
             xgr.CompiledGrammar.deserialize_json(serialized, compiled.tokenizer_info)
             load_s = time.perf_counter() - t
+            header = {"compile_s": compile_s, "load_s": load_s}
             out = envelope.pack_serialized(serialized, fingerprint, key, compile_s=compile_s,
                                            load_s=load_s)
-        except (GrammarError, ValueError) as exc:
-            out = envelope.pack_error(str(exc), fingerprint, key)
+            del serialized
+        except GrammarError as exc:
+            header = {"error": str(exc), "error_kind": exc.kind.value}
         except MemoryError:
-            out = envelope.pack_error(f"compiling the grammar needed more than "
-                                      f"{args.memory_mb} MB", fingerprint, key, kind="memory")
+            header = {"error": memory_message(payload.get("kind", "grammar"), args.memory_mb),
+                      "error_kind": ErrorKind.COMPILE_MEMORY.value}
+        except (TypeError, ValueError) as exc:  # a spec dict that does not make a GrammarSpec
+            header = {"error": f"invalid grammar spec: {exc}",
+                      "error_kind": ErrorKind.INVALID_GRAMMAR.value}
+        except Exception as exc:  # noqa: BLE001 - xgrammar outside compile (serialize, load)
+            if "bad_alloc" in str(exc):  # C++ allocation failure under the memory limit
+                header = {"error": memory_message(payload.get("kind", "grammar"),
+                                                  args.memory_mb),
+                          "error_kind": ErrorKind.COMPILE_MEMORY.value}
+            else:  # not known to be the grammar's fault: transient, not cached
+                header = {"error": f"the grammar compile process failed: {exc}; retry",
+                          "error_kind": ErrorKind.GRAMMAR_UNAVAILABLE.value}
+        if "error" in header:
+            out = envelope.pack_error(header["error"], fingerprint, key, header["error_kind"])
+        write_frame(stdout, msgpack.packb(header))
         write_frame(stdout, out)
+
+
+def memory_message(kind: str, memory_mb: int) -> str:
+    """What a user reads when compiling their grammar needs more memory than the limit."""
+    return (f"compiling this {kind} grammar needs more than the compile memory limit of "
+            f"{memory_mb} MB; simplify it (fewer or smaller length bounds, fewer alternatives), "
+            "or raise the limit in the cluster config: grammar_cache: {compile_memory_mb: N}")
+
+
+def timeout_message(kind: str, timeout_s: float) -> str:
+    """What a user reads when their (valid) grammar compiles slower than the limit."""
+    return (f"compiling this {kind} grammar took longer than the compile time limit of "
+            f"{timeout_s:g} s; the grammar is not known to be invalid, only slow to compile: "
+            "simplify it (fewer or smaller length bounds, fewer alternatives), or raise the "
+            "limit in the cluster config: grammar_cache: {compile_timeout_s: N}")
 
 
 if __name__ == "__main__":

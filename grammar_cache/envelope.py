@@ -4,11 +4,14 @@ own serialization (``CompiledGrammar.serialize_json``).
     {"v": ENVELOPE_VERSION, "xgr": xgrammar version, "ser": xgrammar serialization version,
      "fp": tokenizer fingerprint, "key": spec key, "grammar": <xgrammar JSON>,
      "compile_s": seconds the compile took, "load_s": seconds deserializing it took}
-    or, for a spec that cannot be compiled, the same header with "error" and "error_kind";
+    or, for a spec that cannot be compiled, the same header with "error" and "error_kind"
+    (an ``ErrorKind`` value: the client's fault, or GRAMMAR_UNAVAILABLE for a compile process
+    that failed, which is never cached);
     or a "local" verdict: the grammar is known to compile within the limits, and compiling
     it costs less than loading xgrammar's serialization of it, so compile it yourself.
 
-``unpack`` refuses an envelope made by another envelope version, another xgrammar (or
+``unpack`` raises ``GrammarError`` (with its kind) for a client-fault error,
+``GrammarUnavailable`` for a transient one, and refuses an envelope made by another envelope version, another xgrammar (or
 serialization) version or for another tokenizer: ``EnvelopeMismatch``, which callers treat
 as a miss and recompile, so a stale grammar is never used.
 """
@@ -20,9 +23,9 @@ from importlib.metadata import version
 import msgpack
 import xgrammar as xgr
 
-from grammar_cache.compile import GrammarError
+from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2  # 2: error_kind holds ErrorKind values
 XGRAMMAR_VERSION = version("xgrammar")
 
 
@@ -60,23 +63,42 @@ def pack_local(fingerprint: str, key: str, compile_s: float) -> bytes:
     return msgpack.packb({**_header(fingerprint, key), "local": True, "compile_s": compile_s})
 
 
-def pack_error(message: str, fingerprint: str, key: str, kind: str = "invalid") -> bytes:
-    """kind: "invalid" (the grammar is wrong), "timeout" or "memory" (over a limit), or
-    "internal" (the compile process failed; not the grammar's fault, not cached)."""
-    return msgpack.packb({**_header(fingerprint, key), "error": message, "error_kind": kind})
+def pack_error(message: str, fingerprint: str, key: str,
+               kind: ErrorKind = ErrorKind.INVALID_GRAMMAR) -> bytes:
+    """An error envelope. ``kind``: a client-fault kind (INVALID_GRAMMAR, GRAMMAR_TOO_LARGE,
+    COMPILE_TIMEOUT, COMPILE_MEMORY), or GRAMMAR_UNAVAILABLE for a compile process that
+    failed (not the grammar's fault: callers never cache it)."""
+    return msgpack.packb({**_header(fingerprint, key), "error": message,
+                          "error_kind": ErrorKind(kind).value})
 
 
 def read_header(data: bytes) -> dict:
-    env = msgpack.unpackb(data)
+    """The decoded envelope (header fields and payload). Anything that is not an envelope,
+    empty bytes included, is ``EnvelopeMismatch``, never a msgpack error."""
+    if not data:
+        raise EnvelopeMismatch("empty reply instead of a grammar envelope")
+    try:
+        env = msgpack.unpackb(data)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise EnvelopeMismatch(f"not a grammar envelope ({exc})") from None
     if not isinstance(env, dict) or "v" not in env:
         raise EnvelopeMismatch("not a rayguide grammar envelope")
     return env
 
 
+def raise_error(message: str, kind) -> None:
+    """Raises what an error envelope of ``kind`` means to a caller: GrammarError for a kind
+    that is the client's fault, GrammarUnavailable (transient, retry) for any other."""
+    kind = ErrorKind.parse(kind)
+    if kind.client_fault:
+        raise GrammarError(message, kind)
+    raise GrammarUnavailable(message)
+
+
 def unpack(data: bytes, tokenizer_info: "xgr.TokenizerInfo", fingerprint: str,
            key: str | None = None) -> "xgr.CompiledGrammar":
-    """Returns the compiled grammar, raises GrammarError for an error envelope,
-    CompileLocally for a local verdict, and EnvelopeMismatch when the envelope does not
+    """Returns the compiled grammar; raises GrammarError / GrammarUnavailable for an error
+    envelope (see ``raise_error``), CompileLocally for a local verdict, and EnvelopeMismatch when the envelope does not
     belong to this process's versions or to this tokenizer (or to ``key``, when given)."""
     env = read_header(data)
     expected = _header(fingerprint, key if key is not None else env.get("key"))
@@ -84,7 +106,7 @@ def unpack(data: bytes, tokenizer_info: "xgr.TokenizerInfo", fingerprint: str,
         if env.get(field) != want:
             raise EnvelopeMismatch(f"envelope {field}={env.get(field)!r}, expected {want!r}")
     if "error" in env:
-        raise GrammarError(env["error"])
+        raise_error(env["error"], env.get("error_kind"))
     if env.get("local"):
         raise CompileLocally(env.get("compile_s", 0.0))
     return xgr.CompiledGrammar.deserialize_json(env["grammar"], tokenizer_info)

@@ -1,8 +1,12 @@
 """The shared grammar cache: one compile per key cluster-wide, hard time limit, fallback when
-the actor is down and reuse when it is back, envelope checks, byte-bounded LRU.
+the actor is down and reuse when it is back, envelope checks, byte-bounded LRU, one error
+vocabulary (kinds, messages), transient failures never cached, one config.
 Real Ray (a local instance), real child-process compiles."""
 
 import asyncio
+import os
+import signal
+import threading
 import time
 import uuid
 
@@ -12,10 +16,10 @@ import ray
 import xgrammar as xgr
 
 from grammar_cache import envelope
-from grammar_cache.actor import GrammarCache, GrammarCacheConfig, get_or_create_actor
+from grammar_cache.actor import GrammarCache, GrammarCacheConfig, get_or_create_actor, wait_ready
 from grammar_cache.client import GrammarCacheClient
-from grammar_cache.compile import GrammarError, tokenizer_fingerprint
-from grammar_cache.compile_pool import CompileLimits
+from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
+from grammar_cache.errors import ErrorKind, GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
@@ -53,16 +57,23 @@ def actor_name(ray_local):
 
 def new_actor(name, **config):
     actor = get_or_create_actor(GrammarCacheConfig(**config), name=name)
-    ray.get(actor.ping.remote())
+    wait_ready(actor)
     return actor
 
 
+def default_info(tokenizer):
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[2])
+
+
 @ray.remote(num_cpus=0.5)
-def fetch_in_task(name, spec_dict):
+def fetch_in_task(name, spec):
     client = GrammarCacheClient(tiny_info(), name=name)
-    compiled = client.fetch(GrammarSpec.from_dict(spec_dict))
-    m = xgr.GrammarMatcher(compiled)
-    return m.accept_string('{"p0": 7}') and m.accept_token(0), client.counts
+    try:
+        compiled = client.fetch(spec)  # a GrammarSpec, pickled with its cached key
+        m = xgr.GrammarMatcher(compiled)
+        return m.accept_string('{"p0": 7}') and m.accept_token(0), client.stats()
+    finally:
+        client.close()
 
 
 def test_four_processes_one_compile(actor_name):
@@ -70,10 +81,10 @@ def test_four_processes_one_compile(actor_name):
     slowish = GrammarSpec.json_schema({"type": "object", "properties": {
         "p0": {"type": "integer"}, "pad": {"type": "string", "maxLength": 3000}},
         "required": ["p0"]})
-    results = ray.get([fetch_in_task.remote(actor_name, slowish.to_dict()) for _ in range(4)])
+    results = ray.get([fetch_in_task.remote(actor_name, slowish) for _ in range(4)])
     assert all(ok for ok, _ in results)
-    assert all(counts["actor"] + counts["verdict"] == 1 and counts["local"] == 0
-               for _, counts in results)
+    assert all(st["actor_hits"] + st["verdicts"] == 1 and st["local_fallbacks"] == 0
+               for _, st in results)
     stats = ray.get(actor.stats.remote())
     assert stats["compiles"] == 1
     assert stats["misses"] == 1 and stats["hits"] + stats["joined"] == 3
@@ -86,7 +97,7 @@ def test_concurrent_asks_share_one_compile():
     cache.register_tokenizer(fp, info.serialize_json())
 
     async def main():
-        return await asyncio.gather(*(cache.get(spec(1).to_dict(), fp) for _ in range(4)))
+        return await asyncio.gather(*(cache.get(spec(1), fp) for _ in range(4)))
 
     try:
         datas = asyncio.run(main())
@@ -98,28 +109,69 @@ def test_concurrent_asks_share_one_compile():
 
 def test_slow_compile_stopped_at_limit_while_others_finish(actor_name, default_tokenizer):
     actor = new_actor(actor_name, compile_timeout_s=1.0, compile_processes=2)
-    info = xgr.TokenizerInfo.from_huggingface(default_tokenizer, vocab_size=49152,
-                                              stop_token_ids=[2])
-    client = GrammarCacheClient(info, name=actor_name)
+    client = GrammarCacheClient(default_info(default_tokenizer),
+                                GrammarCacheConfig(compile_timeout_s=1.0), name=actor_name)
     client.fetch(spec(0))  # registers the tokenizer, warms a compile process
     fp = client.fingerprint
-    t = time.monotonic()
-    slow_ref = actor.get.remote(SLOW.to_dict(), fp)
-    fast_refs = [actor.get.remote(spec(i).to_dict(), fp) for i in range(1, 4)]
+    slow_ref = actor.get.remote(SLOW, fp)
+    fast_refs = [actor.get.remote(spec(i), fp) for i in range(1, 4)]
     fast = ray.get(fast_refs)
-    fast_done = time.monotonic() - t
     slow = ray.get(slow_ref)
-    slow_done = time.monotonic() - t
     assert all("error" not in envelope.read_header(d) for d in fast)
     header = envelope.read_header(slow)
-    assert header["error_kind"] == "timeout" and "longer than 1 s" in header["error"]
-    assert fast_done < slow_done and slow_done < 15
-    with pytest.raises(GrammarError, match="longer than 1 s"):
+    # a valid grammar over the limit: its own kind, the limit and how to raise it
+    assert header["error_kind"] == ErrorKind.COMPILE_TIMEOUT.value
+    assert "limit of 1 s" in header["error"] and "compile_timeout_s" in header["error"]
+    assert "invalid" not in header["error"]
+    with pytest.raises(GrammarError, match="compile_timeout_s") as err:
         client.fetch(SLOW)  # the failure is cached: answered at once
+    assert err.value.kind is ErrorKind.COMPILE_TIMEOUT and err.value.kind.client_fault
     stats = ray.get(actor.stats.remote())
-    assert stats["timeouts"] == 1 and stats["compiles"] == 5
+    assert stats["timeouts"] == 1 and stats["compiles"] == 5 and stats["cached_errors"] == 1
     # the actor and its pool survive: a new compile still works
-    assert "error" not in envelope.read_header(ray.get(actor.get.remote(spec(9).to_dict(), fp)))
+    assert "error" not in envelope.read_header(ray.get(actor.get.remote(spec(9), fp)))
+    client.close()
+
+
+def test_killed_compile_process_is_transient_and_not_cached(actor_name, default_tokenizer):
+    actor = new_actor(actor_name, compile_timeout_s=120, compile_processes=1)
+    client = GrammarCacheClient(default_info(default_tokenizer),
+                                GrammarCacheConfig(compile_timeout_s=120), name=actor_name)
+    try:
+        client.fetch(spec(0))  # registered, the compile process warm
+        outcome = {}
+
+        def ask():
+            try:
+                outcome["grammar"] = client.fetch(SLOW)
+            except Exception as exc:  # noqa: BLE001 - the test looks at what came back
+                outcome["error"] = exc
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        key = SLOW.key(client.fingerprint)
+        deadline = time.monotonic() + 60
+        pids = {}
+        while not pids and time.monotonic() < deadline:  # wait until the compile is running
+            pids = {p: k for p, k in ray.get(actor.compile_pids.remote()).items() if k == key}
+            time.sleep(0.05)
+        assert pids, "the slow compile never started"
+        os.kill(next(iter(pids)), signal.SIGKILL)  # the compile process dies mid-compile
+        asker.join()
+        assert "grammar" not in outcome
+        assert isinstance(outcome["error"], GrammarUnavailable)  # transient: a 503, retry
+        assert not isinstance(outcome["error"], GrammarError)
+        assert outcome["error"].kind is ErrorKind.GRAMMAR_UNAVAILABLE
+        stats = ray.get(actor.stats.remote())
+        assert stats["unavailable"] == 1 and stats["cached_errors"] == 0
+        assert stats["compile_crashes"] == 1 and client.stats()["unavailable"] == 1
+        # nothing was cached: the next ask compiles (in a fresh process) and succeeds
+        compiled = client.fetch(SLOW)
+        assert xgr.GrammarMatcher(compiled).accept_string('{"p0": "')
+        stats = ray.get(actor.stats.remote())
+        assert stats["misses"] == 3 and stats["compiles"] == 3 and stats["errors"] == 1
+    finally:
+        client.close()
 
 
 def test_bad_grammar_error_is_cached(actor_name):
@@ -127,27 +179,32 @@ def test_bad_grammar_error_is_cached(actor_name):
     client = GrammarCacheClient(tiny_info(), name=actor_name)
     bad = GrammarSpec.regex("(unclosed")
     for _ in range(2):
-        with pytest.raises(GrammarError, match="invalid regex grammar"):
+        with pytest.raises(GrammarError, match="invalid regex grammar") as err:
             client.fetch(bad)
+        assert err.value.kind is ErrorKind.INVALID_GRAMMAR
     stats = ray.get(actor.stats.remote())
     assert stats["compiles"] == 1 and stats["errors"] == 1 and stats["hits"] == 1
 
 
 def test_actor_down_falls_back_then_back_in_use(actor_name):
     actor = new_actor(actor_name)
-    client = GrammarCacheClient(tiny_info(), name=actor_name,
-                                limits=CompileLimits(timeout_s=10, processes=1))
+    client = GrammarCacheClient(tiny_info(), GrammarCacheConfig(compile_timeout_s=10),
+                                name=actor_name)
     try:
         client.fetch(spec(0))
-        assert client.counts["local"] == 0
+        assert client.stats()["local_fallbacks"] == 0
         ray.kill(actor, no_restart=True)
         compiled = client.fetch(spec(1))  # still served: compiled locally
         assert xgr.GrammarMatcher(compiled).accept_string('{"p1":1}')
-        assert client.counts["local"] == 1
+        stats = client.stats()
+        assert stats["local_fallbacks"] == 1 and stats["actor_failures"] == 1
+        assert stats["actor_skipped"]
+        client._down_until = 0.0  # don't wait out the 5 s skip
         actor = new_actor(actor_name)  # the cache is back under its name
         client.fetch(spec(2))
-        assert client.counts["actor"] + client.counts["verdict"] == 2
-        assert client.counts["local"] == 1
+        stats = client.stats()
+        assert stats["actor_hits"] + stats["verdicts"] == 2
+        assert stats["local_fallbacks"] == 1
         assert ray.get(actor.stats.remote())["tokenizers"] == 1  # registered again
     finally:
         client.close()
@@ -166,10 +223,12 @@ def test_restarted_actor_is_used_again(actor_name):
         except Exception:
             pass
         time.sleep(0.5)
+    client._down_until = 0.0  # a ping that timed out during the restart: don't wait 5 s
     client.fetch(spec(1))
     stats = ray.get(actor.stats.remote())
     assert stats["compiles"] == 1 and stats["tokenizers"] == 1  # a fresh actor, used
-    assert client.counts["actor"] + client.counts["verdict"] == 2
+    assert client.stats()["actor_hits"] + client.stats()["verdicts"] == 2
+    client.close()
 
 
 def test_local_verdict_compiles_in_process(actor_name):
@@ -177,11 +236,51 @@ def test_local_verdict_compiles_in_process(actor_name):
     client = GrammarCacheClient(tiny_info(), name=actor_name)
     compiled = client.fetch(spec(3))
     assert xgr.GrammarMatcher(compiled).accept_string('{"p3":12}')
-    assert client.counts == {"actor": 0, "verdict": 1, "local": 0}
+    st = client.stats()
+    assert (st["actor_hits"], st["verdicts"], st["local_fallbacks"]) == (0, 1, 0)
     stats = ray.get(actor.stats.remote())
     assert stats["local_verdicts"] == 1 and stats["compiles"] == 1
-    header = envelope.read_header(ray.get(actor.get.remote(spec(3).to_dict(), client.fingerprint)))
+    header = envelope.read_header(ray.get(actor.get.remote(spec(3), client.fingerprint)))
     assert header["local"] and "grammar" not in header  # small: no serialized grammar
+    client.close()
+
+
+def test_verdict_compile_in_process_is_bounded(actor_name, default_tokenizer):
+    # the actor compiles SLOW within its (large) limit and sends a verdict; this worker's
+    # limit is far below SLOW's compile time, so its watchdog fails the request as
+    # transient (the grammar is fine) instead of letting it wait unbounded
+    new_actor(actor_name, compile_timeout_s=120, local_verdict_factor=0.0)
+    client = GrammarCacheClient(default_info(default_tokenizer),
+                                GrammarCacheConfig(compile_timeout_s=0.2), name=actor_name,
+                                rpc_timeout_s=150)
+    try:
+        with pytest.raises(GrammarUnavailable, match="did not compile within 0.2 s"):
+            client.fetch(SLOW)
+        st = client.stats()
+        assert st["verdicts"] == 1 and st["verdict_timeouts"] == 1
+        # while that compile still runs (xgrammar cannot stop it), another verdict does
+        # not queue behind it in this process: it goes to the killable child process
+        compiled = client.fetch(spec(4))
+        assert xgr.GrammarMatcher(compiled).accept_string('{"p4":1}')
+        assert client.stats()["verdicts_in_child"] == 1
+    finally:
+        client.close()
+
+
+def test_fresh_actor_is_waited_for_not_skipped(actor_name):
+    # issue 14: a client asking a just-created actor (still starting its compile processes)
+    # waits for its readiness instead of timing out a ping and compiling by itself
+    actor = get_or_create_actor(GrammarCacheConfig(compile_processes=2), name=actor_name)
+    client = GrammarCacheClient(tiny_info(), name=actor_name)
+    try:
+        client.fetch(spec(5))
+        st = client.stats()
+        assert st["local_fallbacks"] == 0 and st["actor_failures"] == 0
+        assert st["actor_hits"] + st["verdicts"] == 1 and st["registrations"] == 1
+        assert st["fetches"] == 1 and st["fetch_wait_s"] > 0
+        assert ray.get(actor.stats.remote())["ready"]
+    finally:
+        client.close()
 
 
 def test_envelope_mismatch_is_caught():
@@ -201,6 +300,9 @@ def test_envelope_mismatch_is_caught():
             envelope.unpack(msgpack.packb(env), info, fp, "k")
     with pytest.raises(envelope.EnvelopeMismatch):
         envelope.unpack(msgpack.packb([1, 2]), info, fp)
+    for junk in (b"", b"\xc1", msgpack.packb({"v": 1})[:-1]):  # never a msgpack error
+        with pytest.raises(envelope.EnvelopeMismatch):
+            envelope.unpack(junk, info, fp)
     other = xgr.TokenizerInfo(VOCAB[:-1], stop_token_ids=[0])
     assert tokenizer_fingerprint(other) != fp
 
@@ -214,7 +316,7 @@ def test_byte_limit_evicts_least_recently_used():
     cache.register_tokenizer(fp, info.serialize_json())
 
     async def get(i):
-        return await cache.get(spec(i).to_dict(), fp)
+        return await cache.get(spec(i), fp)
 
     async def main():
         size = len(await get(0))
@@ -233,17 +335,112 @@ def test_byte_limit_evicts_least_recently_used():
         cache.close()
 
 
-def test_engines_compile_through_the_shared_cache(actor_name, make_engine):
+def test_envelope_error_kinds():
+    info = tiny_info()
+    fp = tokenizer_fingerprint(info)
+    for kind in (ErrorKind.INVALID_GRAMMAR, ErrorKind.GRAMMAR_TOO_LARGE,
+                 ErrorKind.COMPILE_TIMEOUT, ErrorKind.COMPILE_MEMORY):
+        with pytest.raises(GrammarError) as err:
+            envelope.unpack(envelope.pack_error("m", fp, "k", kind), info, fp, "k")
+        assert err.value.kind is kind
+    with pytest.raises(GrammarUnavailable):  # a compile process that failed: transient
+        envelope.unpack(envelope.pack_error("m", fp, "k", ErrorKind.GRAMMAR_UNAVAILABLE),
+                        info, fp, "k")
+
+
+@pytest.mark.parametrize("grammar, expected", [
+    # a pattern in a schema: the pattern and where it is, not our generated EBNF's position
+    (GrammarSpec.json_schema({"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "[z-a]"}}}),
+     "the pattern at /properties/code/pattern ('[z-a]')"),
+    (GrammarSpec.json_schema({"type": "object", "patternProperties": {
+        "a|*": {"type": "string"}}}), "the pattern at /patternProperties/a|* ('a|*')"),
+    (GrammarSpec.json_schema({"type": "object", "properties": {
+        "id": {"type": "string", "pattern": "(x"}}}),
+     "pattern at /properties/id/pattern ('(x') is not a regex xgrammar supports: the "
+     "parenthesis is not closed"),
+    (GrammarSpec.json_schema({"type": "array", "prefixItems": [{"type": "integer"}],
+                              "minItems": 3, "items": False}),
+     "minItems is greater than the number of prefixItems"),
+    (GrammarSpec.regex("a{3,1}"), "invalid regex grammar: lower bound is larger than upper"),
+    (GrammarSpec.regex("(x"), "invalid regex grammar: the parenthesis is not closed (at position"),
+    (GrammarSpec.structural_tag({"type": "structural_tag", "format": {"type": "bogus"}}),
+     "invalid structural_tag grammar: format type not recognized: bogus"),
+    (GrammarSpec.structural_tag({"type": "structural_tag", "format": {
+        "type": "json_schema", "json_schema": {"type": "string", "pattern": "x{2,1}"}}}),
+     "the pattern at /format/json_schema/pattern ('x{2,1}')"),
+    # EBNF the user wrote keeps its position
+    (GrammarSpec.ebnf('root ::= "a'), "EBNF lexer error at line 1, column 12"),
+])
+def test_compile_errors_speak_of_what_the_user_wrote(grammar, expected):
+    compiler = xgr.GrammarCompiler(tiny_info(), max_threads=1, cache_enabled=False)
+    with pytest.raises(GrammarError) as err:
+        compile_spec(compiler, grammar)
+    message = str(err.value)
+    assert expected in message
+    assert err.value.kind is ErrorKind.INVALID_GRAMMAR
+    assert "Check failed" not in message and ".cc:" not in message
+    if grammar.kind != "ebnf":
+        assert "EBNF" not in message and "line 1, column" not in message
+
+
+def test_config_is_one_validated_model():
+    config = GrammarCacheConfig(compile_timeout_s=3, compile_processes=1)
+    assert GrammarCacheConfig(**config.model_dump()) == config  # how it crosses Ray
+    with pytest.raises(ValueError, match=r"grammar_cache\.compile_timeout_s"):
+        GrammarCacheConfig(compile_timeout_s=-1)
+    with pytest.raises(ValueError, match=r"grammar_cache\.compile_timeout_s.*finite"):
+        GrammarCacheConfig(compile_timeout_s=float("inf"))
+    with pytest.raises(ValueError, match=r"grammar_cache\.timeout: unknown key.*compile_timeout_s"):
+        GrammarCacheConfig(timeout=3)
+    with pytest.raises(ValueError, match=r"grammar_cache\.compile_processes"):
+        GrammarCacheConfig(compile_processes="many")
+
+
+def test_fallback_pool_honours_configured_limits(ray_local):
+    # no actor under this name: every compile is a local fallback, under the client's config
+    client = GrammarCacheClient(tiny_info(), GrammarCacheConfig(compile_memory_mb=1024,
+                                                                compile_timeout_s=7),
+                                name=f"absent-{uuid.uuid4().hex[:6]}")
+    try:
+        compiled = client.fetch(spec(6))
+        assert xgr.GrammarMatcher(compiled).accept_string('{"p6":1}')
+        assert client.stats()["local_fallbacks"] == 1
+        pool = client._local_pool()
+        assert pool.config.compile_memory_mb == 1024 and pool.config.compile_timeout_s == 7
+        assert pool.processes == 1
+    finally:
+        client.close()
+
+
+def test_engines_compile_through_the_shared_cache(actor_name, default_model,
+                                                  default_tokenizer, default_model_dir):
+    # needs the engine's grammar_fetch factory (worker/engine, another change in flight)
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
     from worker.engine.sampling import SamplingParams
     from worker.engine.sequence import GenerationRequest
 
     actor = new_actor(actor_name)
-    engines = [make_engine(grammar_cache_actor=actor_name) for _ in range(2)]
+    clients = []
+
+    def grammar_fetch(info):
+        clients.append(GrammarCacheClient(info, name=actor_name))
+        return clients[-1].fetch
+
+    engines = [LLMEngine(EngineConfig(progress=False, num_kv_blocks=256), model=default_model,
+                         tokenizer=default_tokenizer, model_dir=default_model_dir,
+                         grammar_fetch=grammar_fetch) for _ in range(2)]
     choice = GrammarSpec.choice(["red", "green", "blue"])
-    for engine in engines:
-        req = GenerationRequest([{"role": "user", "content": "Pick a color."}],
-                                SamplingParams(max_new_tokens=8, temperature=0), grammar=choice)
-        out = engine.generate([req])[req.request_id]
-        assert out.text in ("red", "green", "blue")
-    stats = ray.get(actor.stats.remote())
-    assert stats["compiles"] == 1 and stats["hits"] == 1  # the second engine got a hit
+    try:
+        for engine in engines:
+            req = GenerationRequest([{"role": "user", "content": "Pick a color."}],
+                                    SamplingParams(max_new_tokens=8, temperature=0),
+                                    grammar=choice)
+            out = engine.generate([req])[req.request_id]
+            assert out.text in ("red", "green", "blue")
+        stats = ray.get(actor.stats.remote())
+        assert stats["compiles"] == 1 and stats["hits"] == 1  # the second engine got a hit
+    finally:
+        for c in clients:
+            c.close()
