@@ -295,7 +295,7 @@ class LoadTest:
         """Waits until every worker is back to zero; returns the last readings."""
         deadline = time.monotonic() + self.cfg.leak_timeout_s
         while True:
-            totals = await read_worker_gauges(self.cfg.url)
+            totals = await read_worker_gauges(self.cfg.url, self.cfg.api_key)
             if totals.get("workers", 0) and all(
                     totals[k] == 0 for k in ("live_processors", "live_sessions", "running",
                                              "waiting", "used_blocks")):
@@ -338,11 +338,12 @@ class LoadTest:
         }
 
 
-async def read_worker_gauges(url: str) -> dict:
-    """Sums the per-worker gauges of GET /metrics."""
+async def read_worker_gauges(url: str, api_key: str | None = None) -> dict:
+    """Sums the per-worker gauges of GET /metrics (which follows the API key)."""
     import httpx2 as httpx
     from prometheus_client.parser import text_string_to_metric_families
-    async with httpx.AsyncClient(timeout=10) as http:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=10, headers=headers) as http:
         text = (await http.get(url.rstrip("/") + "/metrics")).text
     per: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):

@@ -3,6 +3,7 @@ one worker with the real default model, the shared grammar cache), driven by the
 ``openai`` client and by plain HTTP for what the client cannot send."""
 
 import json
+from pathlib import Path
 import re
 import socket
 import time
@@ -84,8 +85,14 @@ def ask(text):
 def test_health_models_metrics(svc, client):
     assert http(svc, "GET", "/health", key=None).json()["status"] == "ok"
     assert [m.id for m in client.models.list().data] == [MODEL]
-    text = http(svc, "GET", "/metrics", key=None).text
+    text = http(svc, "GET", "/metrics").text
     assert "rayguide_up 1.0" in text and "rayguide_worker_total_blocks" in text
+    assert "rayguide_worker_grammar_client_" in text  # the cache client's counters
+    # with an API key set, metrics and the API docs follow it; /health tells only ok / not
+    for path in ("/metrics", "/openapi.json", "/docs"):
+        assert http(svc, "GET", path, key=None).status_code == 401, path
+    assert http(svc, "GET", "/openapi.json").json()["paths"]["/v1/chat/completions"]
+    assert set(http(svc, "GET", "/health", key=None).json()) == {"status", "workers"}
 
 
 def test_plain_chat(client):
@@ -343,3 +350,51 @@ def test_load_tool_default_model(svc):
     assert r["failed"] == 0, r["error_examples"]
     assert r["guided_checked"] > 5 and r["valid_share"] == 1.0, r["invalid_examples"]
     assert r["leaks"]["leak_free"], r["leaks"]
+
+
+def readme_curl_bodies() -> list[dict]:
+    """The JSON bodies of the README's curl examples (so the README and this test cannot
+    drift apart)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    bodies = []
+    for m in re.finditer(r"curl (?:-N )?\$U -H \"\$H\" -d '(.*?)'", text, re.DOTALL):
+        bodies.append(json.loads(m.group(1)))  # single quotes: the shell passes it as is
+    return bodies
+
+
+def test_readme_examples_give_valid_answers_at_defaults(svc):
+    """Every curl in the README, sent as written (server defaults for everything it leaves
+    out), answers with output that conforms to what it asked for."""
+    bodies = readme_curl_bodies()
+    assert len(bodies) >= 8
+    for body in bodies:
+        r = http(svc, "POST", "/v1/chat/completions", json=body)
+        assert r.status_code == 200, (body, r.text)
+        if body.get("stream"):
+            assert "data: [DONE]" in r.text
+            continue
+        choice = r.json()["choices"][0]
+        assert r.json()["model"] == MODEL
+        content = choice["message"]["content"]
+        rf = body.get("response_format") or {}
+        if rf.get("type") == "json_schema":
+            assert choice["finish_reason"] == "stop", (body, choice)
+            jsonschema.validate(json.loads(content), rf["json_schema"]["schema"])
+            assert choice["guided"]["validation"] == "valid"
+        elif rf.get("type") == "json_object":
+            assert isinstance(json.loads(content), dict)
+        elif rf.get("type") == "regex_schema":
+            assert re.fullmatch(rf["regex_schema"], content), content
+        elif "guided_regex" in body:
+            assert re.fullmatch(body["guided_regex"], content), content
+        elif "guided_choice" in body:
+            assert content in body["guided_choice"]
+        elif "tools" in body:
+            calls = choice["message"]["tool_calls"]
+            assert choice["finish_reason"] == "tool_calls" and len(calls) >= 1
+            names = [c["function"]["name"] for c in calls]
+            assert len(set(json.dumps(c["function"], sort_keys=True) for c in calls)) == len(calls)
+            for c in calls:
+                assert c["function"]["name"] == "get_weather"
+                assert isinstance(json.loads(c["function"]["arguments"])["city"], str), names
+    wait_idle()
