@@ -139,13 +139,14 @@ def test_unguided_output_unchanged_by_guided_neighbours(make_engine):
         assert a.token_ids == m.token_ids
 
 
-def test_length_returns_partial_output(make_engine):
+def test_budget_cut_output_is_closed_and_valid(make_engine):
     engine = make_engine()
-    spec = GrammarSpec.json_schema({"type": "object", "properties": {"text": {"type": "string"}},
-                                    "required": ["text"]})
-    [out] = run(engine, [GenerationRequest(chat("Write a long story as JSON."), greedy(6), grammar=spec)])
-    assert out.finish_reason == "length" and out.completion_tokens == 6
-    assert out.text.startswith("{")
+    schema = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+    [out] = run(engine, [GenerationRequest(chat("Write a long story as JSON."), greedy(12),
+                                           grammar=GrammarSpec.json_schema(schema))])
+    assert out.finish_reason == "length" and out.closed_early and out.completion_tokens <= 12
+    jsonschema.validate(json.loads(out.text), schema)
+    assert out.validation == "valid" and out.approximated == []
 
 
 def test_terminated_matcher_stops_even_with_ignore_eos(make_engine):

@@ -1,5 +1,7 @@
 """Guided decoding without a model: a tiny hand-made vocabulary, every grammar kind, the
-batch mask against a reference, processor cleanup, the CPU mask kernel, bad grammars."""
+batch mask against a reference, one matcher per request, a missing matcher failing its
+row only, stop ids where the grammar may end, the NaN guard, the byte-bounded grammar LRU,
+shortest completions, the CPU mask kernel, bad grammars."""
 
 import json
 
@@ -8,11 +10,12 @@ import torch
 import xgrammar as xgr
 
 from grammar_cache.compile import GrammarError, choice_ebnf
+from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace, reference_apply
 from worker.engine.guided_process import GuidedDecodingManager
 from worker.engine.logits_process import FusedLogitsProcessor
-from worker.engine.sampling import ARSamplingStrategy, SamplingInputs
+from worker.engine.sampling import SamplingInputs
 
 pytestmark = pytest.mark.unit
 
@@ -105,55 +108,148 @@ def test_padded_vocab_rows_are_never_allowed(manager):
 def test_batch_mask_equals_reference_and_leaves_unguided_rows(manager):
     specs = {0: GrammarSpec.regex("(yes|no)"), 2: GrammarSpec.json_object(), 3: GrammarSpec.regex("ab?")}
     for row, spec in specs.items():
-        manager.add_processor((f"s{row}", 0), compile(manager, spec))
-    manager.processors[("s2", 0)].accept_string('{"a')
+        manager.add_matcher((f"s{row}", 0), compile(manager, spec))
+    manager.matchers[("s2", 0)].accept_string('{"a')
     ctx = [("s0", 0), None, ("s2", 0), ("s3", 0), None]
-    inputs = SamplingInputs(rows=[_row() for _ in ctx], session_ctx=ctx, session_to_cleanup=[])
+    inputs = SamplingInputs(rows=[_row() for _ in ctx], matcher_keys=ctx)
     logits = torch.randn(5, 40)
     expected = logits.clone()
     for row, key in enumerate(ctx):
         if key is not None:
             mask = xgr.allocate_token_bitmask(1, 40)
-            manager.processors[key].fill_next_token_bitmask(mask)
+            manager.matchers[key].fill_next_token_bitmask(mask)
             reference_apply(expected[row:row + 1], mask)
     proc = FusedLogitsProcessor(inputs, manager)
     proc.prepare()
     proc(logits)
     assert torch.equal(logits, expected)
     assert torch.isfinite(logits[1]).all() and torch.isfinite(logits[4]).all()
-    manager.remove_sessions(["s0", "s2", "s3"])
+    for key in ("s0", "s2", "s3"):
+        manager.remove_matcher((key, 0))
 
 
-def _row():
+def _row(**params):
     from worker.engine.sampling import SamplingParams, SamplingRow
 
-    return SamplingRow(SamplingParams(), torch.Generator(), [1], [])
+    return SamplingRow(SamplingParams(**params), torch.Generator(), [1], [])
 
 
-def test_session_end_cleans_processors_on_next_forward(manager):
+def test_a_missing_matcher_fails_its_row_only(manager):
     compiled = compile(manager, GrammarSpec.regex("x+"))
-    for key in [("a", 0), ("a", 1), ("b", 0)]:
-        manager.add_processor(key, compiled)
-    strategy = ARSamplingStrategy()
-    strategy.on_session_end("a")
-    inputs = strategy.make_sampling_inputs([])
-    assert inputs.session_to_cleanup == ["a"]
-    assert manager.num_processors == 3  # nothing released before the forward
-    FusedLogitsProcessor(inputs, manager).prepare()
-    assert set(manager.processors) == {("b", 0)}
-    assert strategy.make_sampling_inputs([]).session_to_cleanup == []
-    manager.remove_sessions(["b"])
-    assert manager.num_processors == 0
+    manager.add_matcher(("live", 1), compiled)
+    keys = [("gone", 2), None, ("live", 1)]
+    proc = FusedLogitsProcessor(SamplingInputs([_row() for _ in keys], keys), manager)
+    proc.prepare()
+    logits = torch.randn(3, 40)
+    proc(logits)
+    x = VOCAB.index("x")
+    status = proc.accept_token([x, 5, x])
+    assert status[0].error_kind == ErrorKind.INTERNAL and "gone" in status[0].error
+    assert 1 not in status and 2 not in status  # the others go on
+    manager.remove_matcher(("live", 1))
 
 
-def test_fresh_matcher_per_generation(manager):
+def test_matcher_keys_are_never_shared(manager):
     compiled = compile(manager, GrammarSpec.regex("x"))
-    first = manager.add_processor(("s", 0), compiled)
+    first = manager.add_matcher(("r1", 0), compiled)
+    with pytest.raises(RuntimeError, match="already exists"):
+        manager.add_matcher(("r1", 0), compiled)
+    second = manager.add_matcher(("r1", 1), compiled)  # the same request id reused later
     assert first.accept_string("x") and first.accept_token(EOS) and first.is_terminated()
-    second = manager.add_processor(("s", 0), compiled)  # next turn, same session
-    assert second is not first and not second.is_terminated()
-    assert second.accept_string("x")
-    manager.remove_sessions(["s"])
+    assert second is not first and not second.is_terminated() and second.accept_string("x")
+    manager.remove_matcher(("r1", 0))
+    manager.remove_matcher(("r1", 1))
+    assert manager.num_matchers == 0
+
+
+def test_stop_ids_are_allowed_only_where_the_grammar_may_end(manager):
+    compiled = compile(manager, GrammarSpec.regex("ab?"))
+    stop = VOCAB.index("yes")  # not in the grammar
+    manager.add_matcher(("st", 0), compiled)
+    keys = [("st", 0)]
+    rows = [_row(stop_token_ids=(stop,))]
+
+    def step(token):
+        proc = FusedLogitsProcessor(SamplingInputs(rows, keys), manager)
+        proc.prepare()
+        logits = torch.zeros(1, 40)
+        proc(logits)
+        return bool(torch.isfinite(logits[0, stop])), proc.accept_token([token])
+
+    allowed, _ = step(VOCAB.index("a"))  # before "a" the grammar may not end
+    assert not allowed
+    allowed, status = step(stop)  # after "a" it may: the stop id ends the row
+    assert allowed and status[0].stop and not status[0].error
+    manager.remove_matcher(("st", 0))
+
+
+def test_nan_logits_never_sample_a_masked_token(manager):
+    from worker.engine.sampling import Sampler
+
+    compiled = compile(manager, GrammarSpec.regex("(yes|no)"))
+    manager.add_matcher(("nan", 0), compiled)
+    keys = [("nan", 0), ("nan", 0)]
+    for temperature in (0.0, 1.0, 1e-40):
+        rows = [_row(temperature=temperature), _row(temperature=temperature)]
+        logits = torch.full((2, 40), float("nan"))
+        logits[1, VOCAB.index("x")] = float("inf")  # masked, and the largest
+        proc = FusedLogitsProcessor(SamplingInputs(rows, keys[:2]), manager)
+        proc.prepare()
+        tokens = Sampler()(logits, rows, proc).token_ids
+        assert all(VOCAB[t] in ("yes", "no") for t in tokens), tokens
+    manager.remove_matcher(("nan", 0))
+
+
+def test_tiny_temperature_is_greedy():
+    from worker.engine.sampling import SamplingParams
+
+    assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=0.01).greedy
+
+
+def test_grammar_cache_is_bounded_by_bytes():
+    info = xgr.TokenizerInfo(VOCAB, vocab_size=40, stop_token_ids=[EOS])
+    probe = GuidedDecodingManager(info)
+    size = compile(probe, GrammarSpec.regex("x+")).memory_size_bytes
+    small = GuidedDecodingManager(info, cache_bytes=int(2.5 * size))
+    for pattern in ("x+", "a+", "b+", "ab+"):
+        compile(small, GrammarSpec.regex(pattern))
+    assert small.cached_bytes <= 2.5 * size and small.stats["evictions"] >= 1
+    compiles = small.stats["compiles"]
+    compile(small, GrammarSpec.regex("ab+"))  # the newest stays
+    assert small.stats["compiles"] == compiles
+    compile(small, GrammarSpec.regex("x+"))  # the oldest was evicted: compiled again
+    assert small.stats["compiles"] == compiles + 1
+
+
+@pytest.mark.parametrize("spec, prefix, completion", [
+    (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"a":1', ',"b":true}'),
+    (GrammarSpec.json_schema(SCHEMA, whitespace="compact"), '{"a', '":0,"b":true}'),
+    (GrammarSpec.json_schema({"type": "array", "items": {"type": "integer"}, "minItems": 3},
+                             whitespace="compact"), "[", "0,0,0]"),
+    (GrammarSpec.regex("a[0-9]{3}b"), "a1", "00b"),
+    (GrammarSpec.choice(["yes", "no"]), "", "no"),
+    (GrammarSpec.ebnf('root ::= "[" item ("," item)* "]"\nitem ::= "a" | "b"'), "[a,", "a]"),
+])
+def test_shortest_completion(manager, spec, prefix, completion):
+    from worker.engine.closing import CompletionSearch
+
+    search = CompletionSearch(manager.tokenizer_info)
+    m = xgr.GrammarMatcher(compile(manager, spec))
+    assert m.accept_string(prefix)
+    dived = search.shortest(m, 32)  # the greedy dive: valid, maybe a little longer
+    probe = m.fork()
+    assert all(probe.accept_token(t) for t in dived.tokens) and probe.is_completed()
+    found = search.shortest(m, 32, exact=True)
+    text = "".join(VOCAB[t] for t in found.tokens)
+    # no longer than the known shortest completion, one token per character
+    assert len(found.tokens) <= len(completion)
+    assert m.accept_string(text) and m.is_completed()
+    assert search.shortest(m, 32).tokens == []  # complete: nothing to add
+    short = xgr.GrammarMatcher(compile(manager, spec))
+    short.accept_string(prefix)
+    tight = search.shortest(short, len(found.tokens) - 1, exact=True)  # one too few: none
+    assert tight.tokens is None and tight.exhausted
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -204,16 +300,8 @@ def test_spec_keys_and_shapes():
     assert a.key("tok") != c.key("tok")  # property order is part of the grammar
     assert a.key("tok") != a.key("other-tokenizer")
     assert a.key() != GrammarSpec.json_schema(json.loads(a.source), whitespace="compact").key()
-    openai = GrammarSpec.from_response_format({"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}, "strict": False}})
-    assert openai.kind == "json_schema" and openai.strict is False
-    assert GrammarSpec.from_response_format({"type": "text"}) is None
-    assert GrammarSpec.from_response_format({"type": "json_object"}).kind == "json_object"
-    assert GrammarSpec.from_response_format(
-        {"type": "regex_schema", "regex_schema": "a+"}) == GrammarSpec.regex("a+")
+    # (API dialects such as response_format are the edge's: deploy/dialects.py)
     assert GrammarSpec("gbnf", "root ::= \"a\"").kind == "ebnf"
-    with pytest.raises(ValueError, match="not supported"):
-        GrammarSpec.from_response_format({"type": "yaml"})
     assert GrammarSpec.from_dict(a.to_dict()) == a
 
 

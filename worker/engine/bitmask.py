@@ -47,13 +47,20 @@ _kernel_failed = False
 _lock = threading.Lock()
 
 
-def _build() -> Path:
-    from worker.models.gguf_convert import cache_root
+def _cache_dir() -> Path:
+    """Where the built kernel lives: ``$RAYGUIDE_CACHE_DIR/kernels`` if set, else
+    ``~/.cache/rayguide/kernels`` (the same root as the model cache, named here so the
+    engine's mask code does not depend on the model-conversion module)."""
+    env = os.environ.get("RAYGUIDE_CACHE_DIR")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "rayguide"
+    return root / "kernels"
 
+
+def _build() -> Path:
     source = _SOURCE.read_bytes()
     tag = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.machine().encode()
                          + _cpu_model().encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"bitmask_cpu-{tag}.so"
+    out = _cache_dir() / f"bitmask_cpu-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")

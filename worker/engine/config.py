@@ -25,8 +25,15 @@ class EngineConfig:
     # a request whose grammar is not ready this long after it arrived fails (a backstop
     # above the compile limit: a compile over its limit fails sooner, as a bad grammar)
     grammar_timeout_s: float = 60.0
-    # name of the cluster's grammar cache actor; None compiles in-process
-    grammar_cache_actor: str | None = None
+    # the engine's local LRU of compiled grammars, bounded by their size in memory
+    grammar_cache_bytes: int = 1 << 30
+    # budget-aware closing: once a guided request has at most this many tokens of budget
+    # left, the engine measures the grammar's shortest completion every step and steers
+    # to it when the budget gets that tight (0 turns closing off)
+    closing_window: int = 48
+    # tokens kept in hand above the shortest completion when deciding to close: one
+    # sampled token can open up to a few brackets at once
+    closing_margin: int = 3
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
@@ -40,5 +47,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
+        if self.closing_window < 0 or self.closing_margin < 0:
+            raise ValueError("closing_window and closing_margin must be >= 0")
         if self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")

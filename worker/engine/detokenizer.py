@@ -24,6 +24,10 @@ class IncrementalDetokenizer:
 
     Without stop strings, the deltas concatenate to ``tokenizer.decode(output_ids,
     skip_special_tokens=...)`` for byte-level BPE tokenizers. Empty stop strings are ignored.
+
+    ``stop_check(text)``, when set, decides whether a stop string found right after
+    ``text`` (all output before it) is honoured; a guided request sets it to "the grammar
+    accepts exactly ``text``", so a stop never cuts output its grammar cannot end with.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: Sequence[str] = (),
@@ -43,6 +47,7 @@ class IncrementalDetokenizer:
         self._held = ""                     # clean text that may begin a stop string
         self._text = ""
         self._stopped: str | None = None
+        self.stop_check = None  # Callable[[str], bool] | None: see the class doc
 
     @property
     def text(self) -> str:
@@ -105,15 +110,29 @@ class IncrementalDetokenizer:
         # Held text is the longest tail that could begin a stop string, so a stop cannot
         # start in text already emitted: searching held + new is enough.
         buf = self._held + new_text
-        hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
-        if hits:
-            cut, self._stopped = min(hits, key=lambda h: h[0])
+        hit = self._first_stop(buf)
+        if hit is not None:
+            cut, self._stopped = hit
             out, self._held = buf[:cut], ""
         else:
             keep = 0 if final else self._stop_prefix_len(buf)
             out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
         self._text += out
         return out
+
+    def _first_stop(self, buf: str) -> tuple[int, str] | None:
+        """The earliest honoured stop string in ``buf``: (where it starts, which)."""
+        if not self._stops:
+            return None
+        if self.stop_check is None:
+            hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+            return min(hits, key=lambda h: h[0]) if hits else None
+        hits = sorted((i, s) for s in self._stops
+                      for i in _occurrences(buf, s))
+        for i, s in hits:
+            if self.stop_check(self._text + buf[:i]):
+                return i, s
+        return None
 
     def _stop_prefix_len(self, buf: str) -> int:
         """Length of the longest tail of buf that is a proper prefix of a stop string."""
@@ -124,3 +143,10 @@ class IncrementalDetokenizer:
                     longest = k
                     break
         return longest
+
+
+def _occurrences(text: str, sub: str):
+    i = text.find(sub)
+    while i >= 0:
+        yield i
+        i = text.find(sub, i + 1)

@@ -8,7 +8,14 @@
 
 A guided request first waits (WAITING_FOR_GRAMMAR) while its grammar compiles on the
 manager's thread pool; the batch goes on without it. ``AsyncEngine`` (async_engine.py)
-drives ``step()`` from a thread for the Ray actor.
+drives ``step()`` from a thread for the Ray actor. The engine imports no Ray: a worker
+injects how grammars are fetched (``grammar_fetch``).
+
+Conformance (issue 12): each guided request has its own matcher; near the end of its
+token budget the engine steers it to the grammar's shortest completion (closing.py), so a
+response cut by its budget still parses; a stop string or stop token id ends a guided
+request only where its grammar may end; each finished JSON output is validated against
+its full schema (validation.py).
 """
 
 from __future__ import annotations
@@ -21,17 +28,20 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 import torch
+import xgrammar as xgr
 
+from grammar_cache.errors import ErrorKind, GrammarError
 from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
-from worker.engine.guided_process import GuidedDecodingManager
+from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence, SeqStatus
+from worker.engine.validation import approximated_keywords, validate_json
 from worker.models import loader
 
 logger = logging.getLogger(__name__)
@@ -50,14 +60,23 @@ class EngineStats:
     preemptions: int
     steps: int = field(default=0)
     waiting_for_grammar: int = 0
-    live_processors: int = 0
+    live_processors: int = 0  # grammar matchers alive (the name is on the wire: kept)
     grammar_cache: dict = field(default_factory=dict)
     session_ids: list = field(default_factory=list)  # sessions with KV or requests here
+    # conformance counters: guided outputs closed early at their budget, outputs
+    # validated / found invalid, guided outputs that ended at the budget unclosed
+    closed_early: int = 0
+    validated: int = 0
+    invalid: int = 0
+    runaway: int = 0
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None,
-                 model_dir=None):
+                 model_dir=None, grammar_fetch: GrammarFetchFactory | None = None):
+        """``grammar_fetch(tokenizer_info)`` returns the function that turns a GrammarSpec
+        into a compiled grammar (a worker in a cluster passes
+        ``lambda info: GrammarCacheClient(info, ...).fetch``); None compiles in-process."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -85,7 +104,8 @@ class LLMEngine:
         if config.guided:
             self.guided = GuidedDecodingManager.from_tokenizer(
                 tokenizer, model.config.vocab_size, sorted(self.eos_ids),
-                max_batch_size=config.max_num_seqs, cache_actor=config.grammar_cache_actor)
+                max_batch_size=config.max_num_seqs, grammar_fetch=grammar_fetch,
+                cache_bytes=config.grammar_cache_bytes)
             if self.runner.device.type == "cpu":  # compile the mask kernel off the hot path
                 threading.Thread(target=bitmask.warmup, daemon=True).start()
         self.seqs: dict[str, Sequence] = {}
@@ -93,6 +113,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.num_steps = 0
         self.last_timings = StepTimings()
+        self.counters = {"closed_early": 0, "validated": 0, "invalid": 0, "runaway": 0}
 
     # requests ---------------------------------------------------------------------------
 
@@ -157,21 +178,14 @@ class LLMEngine:
         return self._finish(seq, "abort", keep_session=False)
 
     def end_session(self, session_id: str) -> list[RequestOutput]:
-        """Ends a session: aborts its requests in flight, frees its KV, and queues it in the
-        sampling strategy so the next forward deletes its processors (an idle engine
-        releases them at once). Returns the final chunks of the aborted requests."""
+        """Ends a session: aborts the requests of the session that exist now (releasing
+        their matchers and blocks at once) and frees its KV. A request that starts in the
+        session later is a new request with its own matcher; nothing deferred can touch
+        it. Returns the final chunks of the aborted requests."""
         outs = [self._finish(s, "abort") for s in list(self.seqs.values())
                 if s.session_id == session_id]
         self.blocks.drop_session(session_id)
-        self.strategy.on_session_end(session_id)
-        if not self.has_work():
-            self._release_ended_sessions()
         return outs
-
-    def _release_ended_sessions(self) -> None:
-        ended = self.strategy.take_session_to_cleanup()
-        if self.guided is not None and ended:
-            self.guided.remove_sessions(ended)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.waiting_for_grammar)
@@ -192,12 +206,12 @@ class LLMEngine:
         inputs = self.strategy.make_sampling_inputs(sampling)
         proc = FusedLogitsProcessor(inputs, self.guided)
         try:
-            proc.prepare()  # releases ended sessions; the bitmask fill overlaps the forward
+            proc.prepare()  # the bitmask fill overlaps the forward
             logits, rows = self.runner.run(scheduled)
         except Exception as exc:  # a failed forward fails its batch, not the engine
             logger.exception("model step failed")
             return outputs + [self._finish(s.seq, "error", error=f"model step failed: {exc}",
-                                           error_kind="internal") for s in scheduled]
+                                           error_kind=ErrorKind.INTERNAL) for s in scheduled]
         for s in scheduled:
             s.seq.num_computed += s.num_tokens
         if sampling:
@@ -210,57 +224,146 @@ class LLMEngine:
         return outputs
 
     def _admit_compiled_grammars(self) -> list[RequestOutput]:
-        """Moves requests whose grammar compiled into the scheduler's queue; fails those
-        whose grammar is invalid or took longer than the configured limit."""
+        """Moves requests whose grammar compiled into the scheduler's queue (each with a
+        matcher of its own); fails those whose grammar is invalid (its GrammarError's kind),
+        could not be had (GRAMMAR_UNAVAILABLE: retry), was not ready in time, or needs more
+        tokens than the request allows (BUDGET_TOO_SMALL)."""
         outputs = []
         limit = self.config.grammar_timeout_s
         for seq in list(self.waiting_for_grammar):
             fut = seq.grammar_future
             if fut.done():
-                if fut.exception() is not None:
-                    exc = fut.exception()  # a bad grammar, or the compile service failed
-                    kind = "grammar" if isinstance(exc, ValueError) else "grammar_wait"
-                    outputs.append(self._finish(seq, "error", error=str(exc),
+                exc = fut.exception()
+                if exc is not None:  # a bad grammar, or the compile service failed
+                    kind = exc.kind if isinstance(exc, GrammarError) else \
+                        ErrorKind.GRAMMAR_UNAVAILABLE
+                    outputs.append(self._finish(seq, "error", error=str(exc) or repr(exc),
                                                 error_kind=kind))
                     continue
+                compiled = fut.result()
+                matcher = self.guided.add_matcher(seq.matcher_key, compiled)
+                seq.compiled = compiled
+                too_small = self._budget_too_small(seq, matcher)
+                if too_small is not None:
+                    outputs.append(self._finish(seq, "error", error=too_small,
+                                                error_kind=ErrorKind.BUDGET_TOO_SMALL))
+                    continue
+                if seq.params.stop:  # a stop string only where the grammar may end
+                    seq.detokenizer.stop_check = _grammar_accepts(compiled)
                 self.waiting_for_grammar.remove(seq)
-                self.guided.add_processor(seq.processor_key, fut.result())
                 seq.status = SeqStatus.WAITING
                 self.scheduler.add(seq)
             elif time.monotonic() - seq.arrival > limit:
                 outputs.append(self._finish(seq, "error", error=(
                     f"the {seq.grammar.kind} grammar was not ready within {limit:g} s "
                     "(compiling it, or the grammar cache, is too slow right now); retry, "
-                    "or simplify the grammar"), error_kind="grammar_wait"))
+                    "or simplify the grammar"), error_kind=ErrorKind.GRAMMAR_UNAVAILABLE))
         return outputs
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Tokens the request may still generate: its max_new_tokens, or the context."""
+        return min(seq.params.max_new_tokens - seq.num_output,
+                   self.max_model_len - len(seq.token_ids))
+
+    def _budget_too_small(self, seq: Sequence, matcher) -> str | None:
+        """A message when the grammar's shortest output needs more tokens than the
+        request's budget (checked only for budgets within the closing window)."""
+        budget = self._remaining(seq)
+        if not self.config.closing_window or budget > self.config.closing_window:
+            return None
+        found = self.guided.closer.shortest(matcher, budget)
+        if found.tokens is not None:
+            seq.closing_estimate = (0, len(found.tokens))
+            return None
+        if not found.exhausted:
+            return None  # the search gave up: we do not know, so we do not refuse
+        more = self.guided.closer.shortest(matcher, max(4 * budget, 256))
+        need = (f"at least {len(more.tokens)}" if more.tokens is not None
+                else f"more than {budget}")
+        which = ("max_tokens" if budget == seq.params.max_new_tokens
+                 else "the context left after the prompt")
+        return (f"the {seq.grammar.kind} grammar's shortest output needs {need} tokens, but "
+                f"{which} allows {budget}; raise max_tokens (or shorten the prompt)")
+
+    def _maybe_close(self, seq: Sequence) -> tuple[list[int], str] | None:
+        """Budget-aware closing (see closing.py). When the tokens left are down to the
+        grammar's shortest completion (plus ``closing_margin``), returns that completion,
+        already accepted by the request's matcher, and the finish reason; else None."""
+        cfg = self.config
+        left = self._remaining(seq)
+        if not cfg.closing_window or left > cfg.closing_window or seq.closing_failed:
+            return None
+        est = seq.closing_estimate
+        if est is not None:
+            # one token grows the shortest completion by a few tokens at most (it can open
+            # a string, an object and a key at once): skip the search while far from it
+            at, need = est
+            if left > need + _GROWTH * (seq.num_output - at) + cfg.closing_margin:
+                return None
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        if matcher is None:
+            return None
+        found = self.guided.closer.shortest(matcher, left)
+        if found.tokens is None:
+            seq.closing_failed = True  # cannot close within the budget: let it run out
+            return None
+        seq.closing_estimate = (seq.num_output, len(found.tokens))
+        if left > len(found.tokens) + cfg.closing_margin:
+            return None
+        if not found.tokens and self.guided.only_stop_allowed(matcher):
+            return [], "stop"  # complete, and the grammar allows nothing more
+        for i, t in enumerate(found.tokens):  # the real matcher checks every forced token
+            if not matcher.accept_token(t):
+                logger.error("closing: the grammar refused forced token %d", t)
+                return found.tokens[:i], "length"
+        return found.tokens, "length"
 
     def _append_token(self, seq: Sequence, token: int, logprob,
                       status: RowStatus | None = None) -> RequestOutput:
-        seq.token_ids.append(token)
         p = seq.params
         lps = [logprob] if logprob is not None else None
         if status is not None and status.error:
+            seq.token_ids.append(token)
             return self._finish(seq, "error", new_tokens=[token], logprobs=lps,
                                 error=f"request {seq.request_id}: {status.error}",
-                                error_kind="rejected")
+                                error_kind=status.error_kind or ErrorKind.INTERNAL)
+        seq.token_ids.append(token)
         reason = None
-        is_eos = token in self.eos_ids and not p.ignore_eos
-        if (status is not None and status.terminated) or is_eos or token in p.stop_token_ids:
-            reason, text = "stop", ""
-        else:
+        text = ""
+        if seq.grammar is not None:
+            # a guided row ends where its grammar says: EOS (terminated) or a stop token id
+            # where the grammar may end; other stop ids were grammar content
+            if status is not None and (status.terminated or status.stop):
+                reason = "stop"
+        elif (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        new_tokens = [token]
+        if reason is None:
             text = seq.detokenizer.add_tokens([token])
             if seq.detokenizer.stopped is not None:
                 reason = "stop"
-        if reason is None and (seq.num_output >= p.max_new_tokens
-                               or len(seq.token_ids) >= self.max_model_len):
+        if reason is None and seq.grammar is not None and self.guided is not None:
+            closed = self._maybe_close(seq)
+            if closed is not None:
+                forced, reason = closed
+                seq.closed_early = reason == "length"
+                if forced:
+                    seq.token_ids.extend(forced)
+                    new_tokens += forced
+                    if lps is not None:
+                        lps += [None] * len(forced)  # forced: not sampled from the model
+                    text += seq.detokenizer.add_tokens(forced)
+                    if seq.detokenizer.stopped is not None:
+                        reason = "stop"
+        if reason is None and self._remaining(seq) <= 0:
             reason = "length"
         if reason is not None:
             text += seq.detokenizer.flush()
-            return self._finish(seq, reason, text=text, new_tokens=[token], logprobs=lps)
-        return RequestOutput(seq.request_id, text, [token], lps, **self._usage(seq))
+            return self._finish(seq, reason, text=text, new_tokens=new_tokens, logprobs=lps)
+        return RequestOutput(seq.request_id, text, new_tokens, lps, **self._usage(seq))
 
     def _finish(self, seq: Sequence, reason: str, *, text: str = "", new_tokens=(),
-                logprobs=None, error: str | None = None, error_kind: str | None = None,
+                logprobs=None, error: str | None = None, error_kind: ErrorKind | None = None,
                 keep_session: bool = True) -> RequestOutput:
         if seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
             self.waiting_for_grammar.remove(seq)
@@ -268,8 +371,8 @@ class LLMEngine:
         else:
             self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
-        if seq.grammar is not None:
-            self.guided.remove_processor(seq.processor_key)  # nothing needs it any more
+        if seq.grammar is not None and self.guided is not None:
+            self.guided.remove_matcher(seq.matcher_key)  # nothing needs it any more
         sid = seq.session_id
         if (sid is not None and keep_session and reason in ("stop", "length")
                 and seq.num_computed > 0):
@@ -277,9 +380,33 @@ class LLMEngine:
             self.blocks.keep_session(sid, seq.token_ids[:seq.num_computed], seq.block_table)
         else:
             self.blocks.free(seq.block_table)
-        return RequestOutput(seq.request_id, text, list(new_tokens), logprobs, finished=True,
-                             finish_reason=reason, error=error, error_kind=error_kind,
-                             **self._usage(seq))
+        out = RequestOutput(seq.request_id, text, list(new_tokens), logprobs, finished=True,
+                            finish_reason=reason, error=error, error_kind=error_kind,
+                            **self._usage(seq))
+        if seq.grammar is not None and reason in ("stop", "length"):
+            self._report_conformance(seq, reason, out)
+        return out
+
+    def _report_conformance(self, seq: Sequence, reason: str, out: RequestOutput) -> None:
+        """Closing and validation results onto the final chunk (once per request)."""
+        out.closed_early = seq.closed_early
+        if seq.closed_early:
+            self.counters["closed_early"] += 1
+        elif reason == "length":
+            self.counters["runaway"] += 1
+        kind = seq.grammar.kind
+        if kind not in ("json_schema", "json_object"):
+            return
+        schema = seq.grammar.source if kind == "json_schema" else None
+        out.approximated = approximated_keywords(schema) if schema else []
+        if seq.validation == "off":
+            return
+        error = validate_json(schema, seq.detokenizer.text)
+        self.counters["validated"] += 1
+        out.validation = "valid" if error is None else "invalid"
+        if error is not None:
+            self.counters["invalid"] += 1
+            out.validation_error = error
 
     def _unschedulable(self) -> list[RequestOutput]:
         """Nothing could run: the head of the queue needs more KV than the whole cache
@@ -305,7 +432,7 @@ class LLMEngine:
             merged[r.request_id] = RequestOutput(r.request_id, logprobs=[])
         while self.has_work():
             for out in self.step():
-                _merge(merged[out.request_id], out)
+                merged[out.request_id].merge(out)
         return merged
 
     def stats(self) -> EngineStats:
@@ -322,18 +449,20 @@ class LLMEngine:
             preemptions=sched.num_preemptions,
             steps=self.num_steps,
             waiting_for_grammar=len(self.waiting_for_grammar),
-            live_processors=self.guided.num_processors if self.guided else 0,
+            live_processors=self.guided.num_matchers if self.guided else 0,
             grammar_cache=dict(self.guided.stats) if self.guided else {},
             session_ids=sorted(set(self.blocks.sessions) | {
                 s.session_id for s in self.seqs.values() if s.session_id is not None}),
+            **self.counters,
         )
 
 
-def _merge(acc: RequestOutput, out: RequestOutput) -> None:
-    acc.text += out.text
-    acc.token_ids.extend(out.token_ids)
-    if out.logprobs:
-        acc.logprobs.extend(out.logprobs)
-    for name in ("finished", "finish_reason", "error", "error_kind", "prompt_tokens",
-                 "completion_tokens", "cached_tokens"):
-        setattr(acc, name, getattr(out, name))
+_GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
+
+
+def _grammar_accepts(compiled):
+    """text -> whether the grammar accepts exactly ``text`` (and may end there)."""
+    def check(text: str) -> bool:
+        m = xgr.GrammarMatcher(compiled)
+        return m.accept_string(text) and m.is_completed()
+    return check

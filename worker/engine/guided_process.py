@@ -3,11 +3,13 @@
 It owns the tokenizer info (built with the *model's* vocab size, so padded embedding rows
 and ids the tokenizer lacks can never be sampled under a grammar, and with the model's
 real EOS ids as stop tokens), compiles grammars off the step loop with a cache of
-compiled grammars and of failures, owns the batch token bitmask (allocated once at the
-engine's max batch size), and keeps one matcher per ``(session_id, seq_id)``.
+compiled grammars and of failures (bounded by bytes), owns the batch token bitmask
+(allocated once at the engine's max batch size), and keeps one matcher per request, keyed
+by ``Sequence.matcher_key`` (the request, never a client-chosen session id).
 
 Where a compile happens is pluggable: by default in-process on the manager's thread pool;
-with ``fetch`` (the cluster's GrammarCacheClient.fetch) through the shared cache actor. The
+with ``fetch`` (for a worker in a cluster, ``GrammarCacheClient(info, ...).fetch``, injected
+by the worker actor: the engine imports no Ray) through the shared cache actor. The
 manager's cache then serves as the worker's local LRU of deserialized grammars.
 """
 
@@ -26,19 +28,27 @@ import xgrammar as xgr
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace
+from worker.engine.closing import CompletionSearch
 
 logger = logging.getLogger(__name__)
 
-ProcessorKey = tuple[str, int]  # (session_id, seq_id)
+MatcherKey = tuple[str, int]  # Sequence.matcher_key: (request_id, engine-wide counter)
+GrammarFetch = Callable[[GrammarSpec], "xgr.CompiledGrammar"]
+# what a worker injects: given the engine's tokenizer info, a fetch for compiled grammars
+GrammarFetchFactory = Callable[["xgr.TokenizerInfo"], GrammarFetch]
+_ERROR_BYTES = 1024  # what a cached failure counts against the byte bound
 
 
 class GuidedDecodingManager:
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, max_batch_size: int = 64,
-                 compile_threads: int = 1, fill_threads: int = 1, cache_size: int = 512,
-                 error_ttl_s: float = 60.0,
-                 fetch: Callable[[GrammarSpec], "xgr.CompiledGrammar"] | None = None):
+                 compile_threads: int = 1, fill_threads: int = 1, cache_bytes: int = 1 << 30,
+                 error_ttl_s: float = 60.0, fetch: GrammarFetch | None = None,
+                 encode: Callable[[str], list[int]] | None = None):
+        """``fetch``: compiles (or fetches) a spec; None compiles in-process. ``encode``:
+        the tokenizer's text -> ids, used to cost forced strings in closing searches."""
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
+        self.stop_token_ids = list(tokenizer_info.stop_token_ids)
         self.fingerprint = tokenizer_fingerprint(tokenizer_info)
         # our own cache below is keyed by spec; xgrammar's internal one would duplicate it
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=compile_threads,
@@ -46,8 +56,10 @@ class GuidedDecodingManager:
         # [max_batch_size, ceil(vocab / 32)] int32, reused every step
         self.bitmask = xgr.allocate_token_bitmask(max_batch_size, self.vocab_size)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=fill_threads)
-        self.processors: dict[ProcessorKey, xgr.GrammarMatcher] = {}
+        self.matchers: dict[MatcherKey, xgr.GrammarMatcher] = {}
         self._grammars: OrderedDict[str, object] = OrderedDict()  # key -> compiled | error
+        self._sizes: dict[str, int] = {}  # key -> bytes it counts against cache_bytes
+        self.cached_bytes = 0
         self._error_time: dict[str, float] = {}
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
@@ -56,21 +68,32 @@ class GuidedDecodingManager:
         self._pool = ThreadPoolExecutor(max_workers=compile_threads if fetch is None else 4,
                                         thread_name_prefix="grammar-compile")
         self._fetch = fetch or (lambda spec: compile_spec(self.compiler, spec))
-        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self.error_ttl_s = error_ttl_s
-        self.stats = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0}
+        self.stats = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "evictions": 0}
+        self._encode = encode
+        self._closer: CompletionSearch | None = None
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
-                       cache_actor: str | None = None, **kwargs):
-        """``cache_actor``: name of the cluster's grammar cache actor to compile through."""
+                       grammar_fetch: GrammarFetchFactory | None = None, **kwargs):
+        """The manager for a Hugging Face tokenizer. ``grammar_fetch(info)`` returns the
+        function that compiles or fetches a spec (a worker passes
+        ``lambda info: GrammarCacheClient(info, ...).fetch``); None compiles in-process."""
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
-        if cache_actor is not None:
-            from grammar_cache.client import GrammarCacheClient
-
-            kwargs["fetch"] = GrammarCacheClient(info, name=cache_actor).fetch
+        if grammar_fetch is not None:
+            kwargs["fetch"] = grammar_fetch(info)
+        kwargs.setdefault("encode", lambda text: tokenizer(
+            text, add_special_tokens=False)["input_ids"])
         return cls(info, **kwargs)
+
+    @property
+    def closer(self) -> CompletionSearch:
+        """The shortest-completion search (built on first use: it reads the vocabulary)."""
+        if self._closer is None:
+            self._closer = CompletionSearch(self.tokenizer_info, self._encode)
+        return self._closer
 
     # grammars ---------------------------------------------------------------------------
 
@@ -112,43 +135,53 @@ class GuidedDecodingManager:
         with self._lock:
             self._inflight.pop(key, None)
             self.stats["compiles"] += 1
-            self._grammars[key] = result
-            if isinstance(result, GrammarError):
-                self.stats["errors"] += 1
-                self._error_time[key] = time.monotonic()
-            while len(self._grammars) > self.cache_size:
-                old, _ = self._grammars.popitem(last=False)
-                self._error_time.pop(old, None)
+            self._store(key, result)
         logger.debug("compiled %s in %.1f ms", spec.describe(), 1e3 * (time.perf_counter() - t))
         if isinstance(result, GrammarError):
             raise result
         return result
 
+    def _store(self, key: str, result) -> None:
+        """Caches a compiled grammar or a failure; evicts least recently used entries
+        while the cache holds more than ``cache_bytes`` (the newest always stays)."""
+        if isinstance(result, GrammarError):
+            self.stats["errors"] += 1
+            self._error_time[key] = time.monotonic()
+            size = _ERROR_BYTES
+        else:
+            size = _grammar_bytes(result)
+        self.cached_bytes -= self._sizes.get(key, 0)
+        self._grammars[key] = result
+        self._grammars.move_to_end(key)
+        self._sizes[key] = size
+        self.cached_bytes += size
+        while self.cached_bytes > self.cache_bytes and len(self._grammars) > 1:
+            old, _ = self._grammars.popitem(last=False)
+            self._error_time.pop(old, None)
+            self.cached_bytes -= self._sizes.pop(old, 0)
+            self.stats["evictions"] += 1
+
     def _expired(self, key: str) -> bool:
         t = self._error_time.get(key)
         return t is not None and time.monotonic() - t > self.error_ttl_s
 
-    # processors -------------------------------------------------------------------------
+    # matchers ---------------------------------------------------------------------------
 
-    def add_processor(self, key: ProcessorKey, compiled: "xgr.CompiledGrammar"):
-        """A fresh matcher for one generation (replacing any earlier one under that key)."""
+    def add_matcher(self, key: MatcherKey, compiled: "xgr.CompiledGrammar"):
+        """A fresh matcher for one request. A key is never reused (request id plus an
+        engine-wide counter), so an existing entry would be a bug: it raises."""
+        if key in self.matchers:
+            raise RuntimeError(f"a grammar matcher for {key} already exists")
         matcher = xgr.GrammarMatcher(compiled)
-        self.processors[key] = matcher
+        self.matchers[key] = matcher
         return matcher
 
-    def remove_processor(self, key: ProcessorKey) -> None:
-        self.processors.pop(key, None)
-
-    def remove_sessions(self, session_ids) -> int:
-        ids = set(session_ids)
-        doomed = [k for k in self.processors if k[0] in ids]
-        for k in doomed:
-            del self.processors[k]
-        return len(doomed)
+    def remove_matcher(self, key: MatcherKey) -> None:
+        self.matchers.pop(key, None)
 
     @property
-    def num_processors(self) -> int:
-        return len(self.processors)
+    def num_matchers(self) -> int:
+        return len(self.matchers)
 
     # masks ------------------------------------------------------------------------------
 
@@ -160,9 +193,54 @@ class GuidedDecodingManager:
             self.bitmask[:n].fill_(-1)
         self.batch_matcher.batch_fill_next_token_bitmask(matchers, self.bitmask, rows)
 
+    def only_stop_allowed(self, matcher) -> bool:
+        """Whether ``matcher`` allows nothing but a stop token next (its output is
+        complete and cannot grow)."""
+        mask = self.closer._mask
+        matcher.fill_next_token_bitmask(mask)
+        bits = sum(bin(w & 0xFFFFFFFF).count("1") for w in mask[0].tolist())
+        stops = sum(1 for t in self.stop_token_ids
+                    if (int(mask[0, t >> 5]) >> (t & 31)) & 1)
+        return bits == stops
+
+    def allowed(self, row: int, token: int) -> bool:
+        """Whether bitmask row ``row`` allows ``token``."""
+        if not 0 <= token < self.vocab_size:
+            return False
+        return bool((int(self.bitmask[row, token >> 5]) >> (token & 31)) & 1)
+
+    def allow(self, row: int, token: int) -> None:
+        """Sets ``token``'s bit in bitmask row ``row``."""
+        if 0 <= token < self.vocab_size:
+            word = int(self.bitmask[row, token >> 5]) | (1 << (token & 31))
+            self.bitmask[row, token >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def best_allowed(self, row: int, logits_row: torch.Tensor) -> int:
+        """The allowed token of bitmask row ``row`` with the largest logit (NaN counts as
+        -inf); the first allowed token when none is finite."""
+        shifts = torch.arange(32, dtype=torch.int32)
+        bits = ((self.bitmask[row].unsqueeze(-1) >> shifts) & 1).flatten()[:self.vocab_size]
+        allowed = bits.bool()
+        if not allowed.any():
+            raise RuntimeError("the grammar allows no token here")
+        scores = torch.nan_to_num(logits_row[:self.vocab_size].float(), nan=float("-inf"))
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if torch.isfinite(scores).any():
+            return int(scores.argmax())
+        return int(allowed.nonzero()[0])
+
     def apply_bitmask(self, logits: torch.Tensor, num_rows: int) -> None:
         """Masks logits[:num_rows] in place with bitmask[:num_rows]."""
         apply_token_bitmask_inplace(logits[:num_rows], self.bitmask[:num_rows])
 
     def shutdown(self) -> None:
+        """Stops the compile threads (a compile in progress finishes on its own)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _grammar_bytes(compiled) -> int:
+    """A compiled grammar's memory (xgrammar's own estimate, when it has one)."""
+    try:
+        return int(compiled.memory_size_bytes)
+    except Exception:  # an older xgrammar, or a stand-in object in tests
+        return 1 << 20

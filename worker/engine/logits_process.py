@@ -1,14 +1,23 @@
 """FusedLogitsProcessor: one step's logits processing for the whole sampling batch.
 
     proc = FusedLogitsProcessor(inputs, manager)
-    proc.prepare()            # before the forward: releases ended sessions, starts filling
-                              # the batch bitmask for the guided rows on a worker thread
+    proc.prepare()            # before the forward: looks up each guided row's matcher and
+                              # starts filling the batch bitmask on a worker thread
     logits = model(...)       # the fill runs meanwhile (xgrammar releases the GIL)
-    sampler(logits, rows, proc)   # proc(logits): penalties, join the fill, mask in place
+    sampler(logits, rows, proc)   # proc(logits): penalties, join the fill, mask in place,
+                                  # NaN -> -inf; proc.guard(tokens): never a masked token
     proc.accept_token(tokens)     # advances each guided row's matcher
 
 One bitmask tensor serves the batch (the manager's, allocated once); bitmask row i is
 logits row i, so nothing is re-sorted; unguided rows are left untouched.
+
+Everything that can go wrong is per row: a request whose matcher is missing fails alone
+(INTERNAL), a token the matcher refuses fails alone (REJECTED), and neither touches the
+other rows of the batch.
+
+Stop token ids on a guided row: they are allowed (unmasked) exactly where the grammar may
+end, i.e. where the row's mask allows an EOS token, and end the row there like EOS; where
+the grammar may not end they are ordinary tokens (allowed only if the grammar allows them).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from grammar_cache.errors import ErrorKind
 from worker.engine.sampling import SamplingInputs, apply_penalties
 
 _fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")
@@ -35,10 +45,14 @@ class StepTimings:
 
 @dataclass
 class RowStatus:
-    """After accept_token: the matcher finished (terminated), or rejected the token."""
+    """After accept_token: the matcher finished (terminated: EOS accepted), the row
+    sampled one of its stop token ids where its grammar may end (stop), or the row
+    failed (error, error_kind)."""
 
     terminated: bool = False
+    stop: bool = False
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 class FusedLogitsProcessor:
@@ -48,18 +62,26 @@ class FusedLogitsProcessor:
         self.timings = StepTimings()
         self._rows: list[int] = []
         self._matchers: list = []
+        self._failed: dict[int, RowStatus] = {}
+        self._may_end: dict[int, bool] = {}  # rows with stop ids: may the grammar end here
         self._fill: Future | None = None
 
     def prepare(self) -> None:
+        """Looks up the guided rows' matchers (a missing one fails its row only) and
+        starts the bitmask fill on the fill thread."""
         manager = self.manager
         if manager is None:
             return
-        if self.inputs.session_to_cleanup:
-            manager.remove_sessions(self.inputs.session_to_cleanup)
-        for i, key in enumerate(self.inputs.session_ctx):
-            if key is not None:
-                self._rows.append(i)
-                self._matchers.append(manager.processors[key])
+        for i, key in enumerate(self.inputs.matcher_keys):
+            if key is None:
+                continue
+            matcher = manager.matchers.get(key)
+            if matcher is None:
+                self._failed[i] = RowStatus(error=f"no grammar matcher for {key[0]}",
+                                            error_kind=ErrorKind.INTERNAL)
+                continue
+            self._rows.append(i)
+            self._matchers.append(matcher)
         self.timings.guided_rows = len(self._rows)
         if self._rows:
             self._fill = _fill_pool.submit(self._fill_bitmask)
@@ -71,24 +93,53 @@ class FusedLogitsProcessor:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         apply_penalties(logits, self.inputs.rows)
+        # a NaN must never win an argmax (it would pick whatever token holds it): NaN is
+        # "not allowed", +inf the largest finite logit
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
         if self._fill is not None:
             t = time.perf_counter()
             self._fill.result()
             t1 = time.perf_counter()
+            self._allow_stop_ids()
             self.manager.apply_bitmask(logits, max(self._rows) + 1)
             self.timings.fill_wait_us = (t1 - t) * 1e6
             self.timings.apply_us = (time.perf_counter() - t1) * 1e6
         return logits
 
+    def _allow_stop_ids(self) -> None:
+        """Unmasks each guided row's stop token ids where its grammar may end."""
+        mgr = self.manager
+        for row in self._rows:
+            stop_ids = self.inputs.rows[row].params.stop_token_ids
+            if not stop_ids:
+                continue
+            may_end = any(mgr.allowed(row, t) for t in mgr.stop_token_ids)
+            self._may_end[row] = may_end
+            if may_end:
+                for t in stop_ids:
+                    mgr.allow(row, t)
+
+    def guard(self, tokens: list[int], logits: torch.Tensor) -> list[int]:
+        """Replaces a sampled token that the row's mask forbids (only possible when a
+        row's logits were all -inf or NaN) with the row's best allowed token."""
+        for row in self._rows:
+            if not self.manager.allowed(row, tokens[row]):
+                tokens[row] = self.manager.best_allowed(row, logits[row])
+        return tokens
+
     def accept_token(self, tokens: list[int]) -> dict[int, RowStatus]:
-        """Advances the guided rows' matchers; returns the rows whose matcher terminated
-        or rejected its token (rejection should be impossible under the mask)."""
-        out: dict[int, RowStatus] = {}
+        """Advances the guided rows' matchers; returns the rows whose matcher terminated,
+        that ended on a stop token id, or that failed (missing matcher, rejected token:
+        both should be impossible)."""
+        out: dict[int, RowStatus] = dict(self._failed)
         t = time.perf_counter()
         for row, matcher in zip(self._rows, self._matchers):
             token = tokens[row]
-            if not matcher.accept_token(token):
-                out[row] = RowStatus(error=f"the grammar rejected token {token}")
+            if self._may_end.get(row) and token in self.inputs.rows[row].params.stop_token_ids:
+                out[row] = RowStatus(stop=True)  # a stop id where the grammar may end
+            elif not matcher.accept_token(token):
+                out[row] = RowStatus(error=f"the grammar rejected token {token}",
+                                     error_kind=ErrorKind.REJECTED)
             elif matcher.is_terminated():
                 out[row] = RowStatus(terminated=True)
         self.timings.accept_us = (time.perf_counter() - t) * 1e6

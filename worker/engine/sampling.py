@@ -2,12 +2,14 @@
 
 ``SamplingParams`` checks itself when built, so a bad value fails the request that carries
 it, with a message naming the field. ``ARSamplingStrategy`` builds each step's
-``SamplingInputs``: one row per sampling sequence, its ``session_ctx`` (the processor key
-of a guided row, None for an unguided one) and ``session_to_cleanup`` (sessions ended since
-the last step, whose processors the next forward deletes). ``Sampler`` turns the rows'
+``SamplingInputs``: one row per sampling sequence and its ``matcher_keys`` (the grammar
+matcher key of a guided row, None for an unguided one). ``Sampler`` turns the rows'
 logits into tokens: the logits processor (penalties, grammar mask) first, then greedy rows
 by argmax, then temperature, top-k, min-p and top-p, then one draw per row from the row's
 own generator (so a seeded request gives the same tokens whatever shares its batch).
+
+A temperature below ``TEMPERATURE_FLOOR`` is greedy: dividing logits by 1e-40 overflows
+them to inf and the softmax to NaN, which can pick any token, a masked one included.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from typing import Any
 import torch
 
 MAX_LOGPROBS = 20
+TEMPERATURE_FLOOR = 1e-5  # below this, sampling is greedy (see module doc)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or anything below TEMPERATURE_FLOOR) means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -78,7 +81,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < TEMPERATURE_FLOOR
 
     @property
     def has_penalties(self) -> bool:
@@ -99,31 +102,18 @@ class SamplingRow:
 @dataclass
 class SamplingInputs:
     rows: list[SamplingRow]
-    session_ctx: list[tuple[str, int] | None]  # per row: (session_id, seq_id) if guided
-    session_to_cleanup: list[str]
+    # per row: the grammar matcher's key (Sequence.matcher_key) if guided, else None
+    matcher_keys: list[tuple[str, int] | None]
 
 
 class ARSamplingStrategy:
-    """Builds SamplingInputs for autoregressive decoding and queues ended sessions."""
-
-    def __init__(self):
-        self._ended: list[str] = []
-
-    def on_session_end(self, session_id: str) -> None:
-        self._ended.append(session_id)
-
-    @property
-    def has_pending_cleanup(self) -> bool:
-        return bool(self._ended)
-
-    def take_session_to_cleanup(self) -> list[str]:
-        ended, self._ended = self._ended, []
-        return ended
+    """Builds SamplingInputs for autoregressive decoding."""
 
     def make_sampling_inputs(self, seqs) -> SamplingInputs:
+        """One row per sequence, in order; guided rows carry their matcher key."""
         rows = [SamplingRow(s.params, s.generator, s.prompt_ids, s.output_ids) for s in seqs]
-        ctx = [s.processor_key if s.grammar is not None else None for s in seqs]
-        return SamplingInputs(rows, ctx, self.take_session_to_cleanup())
+        keys = [s.matcher_key if s.grammar is not None else None for s in seqs]
+        return SamplingInputs(rows, keys)
 
 
 @dataclass
@@ -147,6 +137,7 @@ class Sampler:
             processor(logits)
         else:
             apply_penalties(logits, rows)
+            torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
@@ -158,8 +149,11 @@ class Sampler:
             for j, i in enumerate(random_rows):
                 # exponential race: argmax(p / E), E ~ Exp(1), is a draw from p
                 noise = torch.empty_like(probs[j]).exponential_(generator=rows[i].generator)
-                tokens[i] = (probs[j] / noise).argmax()
+                # a zero draw would make 0 / 0 = NaN for a masked token, and NaN wins argmax
+                tokens[i] = (probs[j] / noise.clamp_min_(1e-30)).nan_to_num_(nan=-1.0).argmax()
         token_ids = tokens.tolist()
+        if processor is not None and hasattr(processor, "guard"):
+            token_ids = processor.guard(token_ids, logits)
         logprobs = [None] * len(rows)
         for i, r in enumerate(rows):
             if want_lp[i]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
 from worker.engine.sampling import SamplingParams
 
@@ -28,8 +29,20 @@ class GenerationRequest:
     session_id: str | None = None
     grammar: GrammarSpec | None = None
     # which sample of the session this is; n > 1 samples are n requests sharing a session,
-    # seq_id 0..n-1, so each has its own grammar matcher
+    # seq_id 0..n-1 (each request has its own grammar matcher, keyed by the request)
     seq_id: int = 0
+    # post-validation of a finished JSON output against its full schema: "flag" (validate
+    # and report on the final chunk), "retry" (the same here; the caller resamples an
+    # invalid non-streamed answer), "off" (do not validate)
+    validation: str = "flag"
+
+    def __post_init__(self):
+        if self.validation not in VALIDATION_MODES:
+            raise ValueError(f"validation {self.validation!r} is not one of "
+                             f"{', '.join(VALIDATION_MODES)}")
+
+
+VALIDATION_MODES = ("flag", "retry", "off")
 
 
 @dataclass
@@ -44,11 +57,8 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
-    # who caused the error: "grammar" (the request's grammar is invalid or over the
-    # compile limits: the client's to fix), "grammar_wait" (the grammar was not ready in
-    # time: a busy or restarting compile service), "internal" (the engine failed),
-    # "rejected" (the grammar matcher refused a sampled token)
-    error_kind: str | None = None
+    # who caused the error (grammar_cache.errors.ErrorKind; set only with finish "error")
+    error_kind: ErrorKind | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the session (no prefill)
@@ -56,6 +66,15 @@ class RequestOutput:
     # (filled by the worker actor, which has the vocabulary; front ends show text)
     logprob_tokens: list | None = None
     worker_id: str | None = None  # which worker produced it (set by the worker actor)
+    # conformance, on the final chunk of a guided request: the engine steered the output to
+    # the grammar's shortest completion because its token budget ran out (finish "length")
+    closed_early: bool = False
+    # post-validation against the full JSON schema: "valid", "invalid", or None (not
+    # validated: not JSON, validation "off", or not finished normally)
+    validation: str | None = None
+    validation_error: str | None = None
+    # schema keywords xgrammar's grammar only approximates (validation is what enforces them)
+    approximated: list[str] | None = None
 
     def merge(self, chunk: "RequestOutput") -> "RequestOutput":
         """Accumulates a later chunk of the same request into this one (texts, tokens and
@@ -76,7 +95,8 @@ class RequestOutput:
 
 # fields a later chunk overrides when merged (the last chunk carries the final values)
 _FINAL_FIELDS = ("finished", "finish_reason", "error", "error_kind", "prompt_tokens",
-                 "completion_tokens", "cached_tokens", "worker_id")
+                 "completion_tokens", "cached_tokens", "worker_id", "closed_early",
+                 "validation", "validation_error", "approximated")
 
 
 class SeqStatus(enum.Enum):
@@ -106,6 +126,12 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.grammar = request.grammar
         self.grammar_future = None  # Future of the compiled grammar while it compiles
+        self.compiled = None  # the compiled grammar once ready (stop-string checks)
+        self.validation = request.validation
+        self.closed_early = False
+        # budget-aware closing: (output length when computed, shortest completion length)
+        self.closing_estimate: tuple[int, int] | None = None
+        self.closing_failed = False  # no completion fits the budget: not searched again
         self.detokenizer = detokenizer
         self.generator = generator
         self.cached_tokens = 0
@@ -114,10 +140,17 @@ class Sequence:
         self.finish_reason: str | None = None
 
     @property
-    def processor_key(self) -> tuple[str, int]:
-        """Key of this generation's grammar matcher: (session, seq_id); a request without
-        a session is its own one-shot session."""
-        return (self.session_id or self.request_id, self.seq_id)
+    def matcher_key(self) -> tuple[str, int]:
+        """Key of this request's grammar matcher: the request id plus an engine-wide
+        counter, so neither a client-chosen session id nor a reused request id can ever
+        make two requests share (or one release the other's) matcher."""
+        return (self.request_id, self.order)
+
+    @property
+    def remaining_budget(self) -> int:
+        """Tokens this request may still generate (max_new_tokens; the context is applied
+        by the engine, which knows the model length)."""
+        return self.params.max_new_tokens - self.num_output
 
     @property
     def num_prompt(self) -> int:

@@ -1,0 +1,278 @@
+"""Budget-aware closing: the shortest way, in tokens, to finish what a grammar has started.
+
+A guided request that runs out of tokens mid-output returns text its grammar does not
+accept (an unclosed string, a missing required property). The engine avoids that by
+measuring, near the end of the budget, how many tokens the grammar still needs, and by
+emitting that completion once the budget is down to it (engine.py, ``_maybe_close``).
+
+The search works for every grammar kind because it only uses the matcher:
+
+    state   = a forked GrammarMatcher (fork copies the parse state; the real one is untouched)
+    goal    = matcher.is_completed()          (the grammar may end here)
+    edges   = candidate tokens the mask allows, cost 1 each, plus one "jump-forward" edge:
+              the string the grammar forces from here, tokenized by the real tokenizer
+    search  = uniform-cost (Dijkstra) up to ``limit`` tokens and ``max_expansions`` nodes
+
+Two reductions keep it to a few milliseconds. Candidates are the single-byte tokens, the
+short structural tokens of JSON (``"}``, ``", "``, ``": ``...) and JSON's literals; within a
+class (lowercase, uppercase, digits, other letters) only two representatives are tried when
+the grammar allows many of them (free text: any letter does; a grammar that needs a
+particular letter allows few, and then all are tried). And states whose next-token masks
+are equal are treated as one (the first reached, at the lowest cost, is kept): inside a
+string, every letter leads to the same state. That merge is a heuristic (two different
+parse states may share a mask), so a found path is always replayed on the real matcher
+token by token before it is emitted, and "no path" is only ever taken as "cannot close",
+never as a reason to emit anything.
+
+The token count is that of the path found; the path's text is also re-encoded with the
+tokenizer and the shorter accepted version kept, so free text ("aaaa") is not charged one
+token per character.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import xgrammar as xgr
+
+_JSON_PUNCT = set(b'{}[]",: ')
+_REPEATS = 3
+_CLOSERS = set(b'"}]')
+_FEW_WORDS = 4  # masks with at most this many non-zero 32-bit words: try every token
+_LITERALS = (b"null", b"true", b"false", b" null", b" true", b" false")
+
+
+@dataclass
+class Completion:
+    tokens: list[int]  # the shortest completion found (empty: the grammar may end now)
+    exhausted: bool  # the search saw every state within the limit (no path: none exists)
+
+
+class CompletionSearch:
+    """Shortest grammar completion over one tokenizer (see module doc). Not thread-safe:
+    one instance serves the engine thread."""
+
+    def __init__(self, tokenizer_info: "xgr.TokenizerInfo",
+                 encode: Callable[[str], list[int]] | None = None, *,
+                 max_expansions: int = 400, reps_per_class: int = 2):
+        self.info = tokenizer_info
+        self.encode = encode
+        self.max_expansions = max_expansions
+        self.reps = reps_per_class
+        vocab = self.vocab = list(tokenizer_info.decoded_vocab)  # (slow property: once)
+        stop = self.stop = (set(tokenizer_info.stop_token_ids)
+                            | set(tokenizer_info.special_token_ids))
+        ids, classes = [], []
+        for tid, raw in enumerate(vocab):
+            if tid in stop or not raw:
+                continue
+            cls = _class_of(raw)
+            if cls is None:
+                continue
+            ids.append(tid)
+            classes.append(cls)
+        # structural tokens first: they close things, so ties resolve towards closing
+        order = sorted(range(len(ids)), key=lambda i: (classes[i] != 0, ids[i]))
+        self.cand = torch.tensor([ids[i] for i in order], dtype=torch.long)
+        self.cand_class = [classes[i] for i in order]
+        self._word = self.cand >> 5
+        self._bit = (self.cand & 31).to(torch.int32)
+        self._mask = xgr.allocate_token_bitmask(1, tokenizer_info.vocab_size)
+        self.stats = {"searches": 0, "expansions": 0}
+
+    # the search ---------------------------------------------------------------------------
+
+    def shortest(self, matcher: "xgr.GrammarMatcher", limit: int, *,
+                 exact: bool = False) -> Completion:
+        """The shortest completion of ``matcher``'s output within ``limit`` tokens:
+        ``Completion(tokens, ...)``, or ``Completion(None, exhausted)`` when none was found
+        (``exhausted``: the search covered every state it considers within the limit).
+        Not ``exact``: a greedy dive (closers first) answers when it finds a completion;
+        it may be a little longer than the shortest."""
+        self.stats["searches"] += 1
+        if matcher.is_completed():
+            return Completion([], True)
+        if not exact:  # a greedy dive first: milliseconds, and usually (near) the shortest
+            dived = self._dive(matcher, limit)
+            if dived is not None:
+                return Completion(dived, False)
+        # then the search, first with equal masks merged whatever their depth (fast; right for JSON), then,
+        # if that finds nothing, with the depth in the key (counters such as [a-z]{40})
+        found = self._search(matcher, limit, by_depth=False)
+        if found.tokens is None:
+            found = self._search(matcher, limit, by_depth=True)
+        return found
+
+    def _search(self, matcher, limit: int, by_depth: bool) -> Completion:
+        tie = itertools.count()
+        root = matcher.fork()
+        h = self._mask_hash(root)
+        # a node: (cost, tie, matcher, path, masks on the path, mask before this run)
+        heap = [(0, next(tie), root, (), (h,), None)]
+        seen = {self._key(root, h, (), None, 0, by_depth)}
+        expansions = 0
+        while heap:
+            cost, _, m, path, hist, ctx = heapq.heappop(heap)
+            if m.is_completed():
+                return Completion(self._compact(matcher, list(path)), True)
+            if expansions >= self.max_expansions:
+                return Completion(None, False)
+            expansions += 1
+            self.stats["expansions"] += 1
+            for tokens in self._edges(m):
+                c = cost + len(tokens)
+                if c > limit:
+                    continue
+                child = m.fork()
+                if not all(child.accept_token(t) for t in tokens):
+                    continue
+                h = self._mask_hash(child)
+                child_ctx = ctx if h == hist[-1] else hist[-1]
+                key = self._key(child, h, hist, child_ctx, c, by_depth)
+                if key in seen:
+                    continue
+                seen.add(key)
+                heapq.heappush(heap, (c, next(tie), child, path + tuple(tokens), hist + (h,),
+                                      child_ctx))
+        return Completion(None, True)
+
+    def _dive(self, matcher, limit: int) -> list[int] | None:
+        """Depth-first, closing edges first (the forced string, then tokens made of
+        closing characters, then literals and digits, then the rest), with the fast pass's
+        state merging and a node cap. A completion, or None."""
+        seen: set = set()
+        budget = [self.max_expansions // 4]
+
+        def go(m, path, hist, ctx):
+            if m.is_completed():
+                return path
+            if len(path) >= limit or budget[0] <= 0:
+                return None
+            budget[0] -= 1
+            for tokens in sorted(self._edges(m), key=self._closing_rank):
+                if len(path) + len(tokens) > limit:
+                    continue
+                child = m.fork()
+                if not all(child.accept_token(t) for t in tokens):
+                    continue
+                h = self._mask_hash(child)
+                child_ctx = ctx if h == hist[-1] else hist[-1]
+                key = self._key(child, h, hist, child_ctx, 0, False)
+                if key in seen:
+                    continue
+                seen.add(key)
+                found = go(child, path + tokens, hist + (h,), child_ctx)
+                if found is not None:
+                    return found
+            return None
+
+        root = matcher.fork()
+        return go(root, [], (self._mask_hash(root),), None)
+
+    def _closing_rank(self, tokens: list[int]) -> int:
+        if len(tokens) > 1:
+            return 0  # the forced string
+        raw = self.vocab[tokens[0]]
+        if raw and all(b in _CLOSERS for b in raw):
+            return 1
+        if raw in _LITERALS:
+            return 2
+        if raw[:1].isdigit():  # a value, but never worth continuing a number with
+            return 4
+        return 3
+
+    def _mask_hash(self, m: "xgr.GrammarMatcher") -> int:
+        m.fill_next_token_bitmask(self._mask)
+        return hash(self._mask.numpy().tobytes())
+
+    def _key(self, m, h: int, hist: tuple, ctx, cost: int, by_depth: bool) -> tuple:
+        """Which states count as one. Fast pass: the next-token mask, the mask in force
+        before the current run of equal masks (inside a string every character keeps the
+        mask; the string's place in the grammar is told by what came before it), and how
+        often (up to ``_REPEATS``) the mask occurred on the path (a counter such as
+        minItems: ``[`` and ``["", `` expect the same next token). Exact pass: the mask
+        plus the depth (a ``[a-z]{40}`` needs 40 distinct states)."""
+        if by_depth:
+            return (m.is_completed(), h, cost)
+        return (m.is_completed(), h, ctx, min(hist.count(h), _REPEATS))
+
+    def min_tokens(self, matcher: "xgr.GrammarMatcher", limit: int) -> int | None:
+        """Length of the shortest completion within ``limit``, None if none was found."""
+        c = self.shortest(matcher, limit)
+        return None if c.tokens is None else len(c.tokens)
+
+    # helpers ------------------------------------------------------------------------------
+
+    def _edges(self, m: "xgr.GrammarMatcher") -> list[list[int]]:
+        """Token paths to try from ``m``: the jump-forward string (tokenized) first, then
+        the allowed candidates (a few per class when many are allowed)."""
+        m.fill_next_token_bitmask(self._mask)
+        row = self._mask[0]
+        allowed = ((row[self._word] >> self._bit) & 1).bool()
+        per_class: dict[int, list[int]] = {}
+        for i in allowed.nonzero().flatten().tolist():
+            per_class.setdefault(self.cand_class[i], []).append(int(self.cand[i]))
+        edges = []
+        words = (row != 0).nonzero().flatten().tolist()
+        if len(words) <= _FEW_WORDS:  # few tokens allowed (a choice, a keyword): try them all
+            listed = {t for ts in per_class.values() for t in ts}
+            extra = [w * 32 + b for w in words for b in range(32)
+                     if (int(row[w]) >> b) & 1 and w * 32 + b < len(self.vocab)
+                     and w * 32 + b not in listed and w * 32 + b not in self.stop]
+            edges.extend([t] for t in extra)
+        if self.encode is not None:
+            forced = m.find_jump_forward_string()
+            if forced:
+                toks = self.encode(forced)
+                if toks:
+                    edges.append(toks)
+        for cls, toks in per_class.items():
+            if cls >= 1 and len(toks) > 4:  # a free choice among many: any will do
+                # (not a multi-byte character's first byte: its continuations cost tokens)
+                toks = [] if cls == 5 else toks[:self.reps]
+            edges.extend([t] for t in toks)
+        return edges
+
+    def _compact(self, matcher: "xgr.GrammarMatcher", path: list[int]) -> list[int]:
+        """The path, or the tokenizer's own encoding of its text when that is shorter and
+        the grammar accepts it."""
+        if self.encode is None or len(path) < 2:
+            return path
+        try:
+            text = b"".join(self.vocab[t] for t in path)
+            again = self.encode(text.decode("utf-8"))
+        except UnicodeDecodeError:
+            return path
+        if not again or len(again) >= len(path):
+            return path
+        probe = matcher.fork()
+        if all(probe.accept_token(t) for t in again) and probe.is_completed():
+            return again
+        return path
+
+
+def _class_of(raw: bytes) -> int | None:
+    """0: JSON structural text or a literal; 1: other single bytes (punctuation, blanks);
+    2-5: single letters / digits / high bytes by class; None: not a candidate."""
+    if raw in _LITERALS:
+        return 0
+    if len(raw) == 1:
+        b = raw[0]
+        if b in _JSON_PUNCT:
+            return 0
+        if 0x61 <= b <= 0x7A:
+            return 2
+        if 0x41 <= b <= 0x5A:
+            return 3
+        if 0x30 <= b <= 0x39:
+            return 4
+        if b >= 0x80:
+            return 5
+        return 1
+    if 2 <= len(raw) <= 4 and all(b in _JSON_PUNCT for b in raw):
+        return 0
+    return None

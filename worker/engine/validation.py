@@ -1,0 +1,123 @@
+"""Post-validation of finished JSON outputs against their full schema.
+
+xgrammar's grammar for a JSON schema is looser than the schema in places (``allOf`` and
+``oneOf`` taken as ``anyOf``, ``not``, ``if``/``then``, ``uniqueItems``, ``contains``,
+``dependentRequired`` ignored, a ``pattern`` combined with a length bound or using
+lookaround only approximated), so a finished output can pass the grammar and still break
+the schema. The engine validates each finished json_schema / json_object output once, at
+finish (not in the step loop), and reports the outcome on the final ``RequestOutput``:
+``validation`` ("valid" / "invalid"), ``validation_error`` and ``approximated`` (the schema
+keywords the grammar only approximates, found by inspecting the schema).
+
+The validator is jsonschema-rs (Rust): it builds a validator for a small schema in tens of
+microseconds and validates in a few, supports drafts 4 to 2020-12 (pydantic's ``$defs``)
+and never executes generated code. fastjsonschema validates about as fast once built, but
+builds by generating and ``exec``-ing Python source (milliseconds per new schema) and stops
+at draft 7. Figures: docs/benchmarks.md, "Conformance".
+
+``validate_json(schema, text)`` is the reusable entry point (the edge validates tool-call
+arguments with it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+
+import jsonschema_rs
+
+_CACHE_SIZE = 256
+_validators: OrderedDict[str, object] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _validator(schema_text: str):
+    with _lock:
+        v = _validators.get(schema_text)
+        if v is not None:
+            _validators.move_to_end(schema_text)
+            return v
+    v = jsonschema_rs.validator_for(json.loads(schema_text))
+    with _lock:
+        _validators[schema_text] = v
+        while len(_validators) > _CACHE_SIZE:
+            _validators.popitem(last=False)
+    return v
+
+
+def validate_json(schema: dict | bool | str | None, text: str) -> str | None:
+    """Checks ``text`` against ``schema`` (a dict, a JSON string, or None for "any JSON
+    object"). Returns None when valid, else a message saying what is wrong and where."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return f"not valid JSON: {exc}"
+    if schema is None:
+        return None if isinstance(value, dict) else "not a JSON object"
+    schema_text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+    try:
+        validator = _validator(schema_text)
+    except Exception as exc:  # a schema jsonschema-rs cannot build: say so, do not guess
+        return f"the schema could not be used for validation: {exc}"
+    err = next(iter(validator.iter_errors(value)), None)
+    if err is None:
+        return None
+    path = "/".join(str(p) for p in getattr(err, "instance_path", ()) or ())
+    return f"at /{path}: {err.message}" if path else err.message
+
+
+# keywords xgrammar 0.2.8 drops or widens (probed one by one: a grammar built from a
+# schema with only that keyword accepts an instance the schema rejects)
+_WIDENED = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
+            "dependentSchemas", "uniqueItems", "contains", "minContains", "maxContains",
+            "unevaluatedItems")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_LOOKAROUND = re.compile(r"\(\?[=!<]|\\[1-9]")
+
+
+def approximated_keywords(schema) -> list[str]:
+    """The keywords of ``schema`` (a dict or JSON text) that the grammar only
+    approximates, sorted; validation is what enforces them."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return []
+    found: set[str] = set()
+    _walk(schema, found, 0)
+    return sorted(found)
+
+
+def _walk(node, found: set[str], depth: int) -> None:
+    if depth > 64:
+        return
+    if isinstance(node, list):
+        for item in node:
+            _walk(item, found, depth + 1)
+        return
+    if not isinstance(node, dict):
+        return
+    for key in _WIDENED:
+        if key in node:
+            found.add(key)
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        if "minLength" in node or "maxLength" in node:
+            found.add("pattern with minLength/maxLength")
+        if _LOOKAROUND.search(pattern):
+            found.add("pattern lookaround/backreference")
+        if not (pattern.startswith("^") and pattern.endswith("$")):
+            found.add("pattern without ^...$ anchors")
+    multiple = node.get("multipleOf")
+    if multiple is not None and not (isinstance(multiple, int) or float(multiple).is_integer()):
+        found.add("multipleOf")
+    for key, value in node.items():
+        if key in ("enum", "const", "default", "examples"):
+            continue
+        if key in _MAPS and isinstance(value, dict):  # name -> schema: skip the names
+            for sub in value.values():
+                _walk(sub, found, depth + 1)
+        elif isinstance(value, (dict, list)):
+            _walk(value, found, depth + 1)
