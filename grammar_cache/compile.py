@@ -134,14 +134,23 @@ def _compile(compiler, spec: GrammarSpec):
 _LITERAL_OR_NEGATED_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[\^((?:\\.|[^\]\\])*)\]')
 
 
-def json_schema_ebnf(schema: str, **options) -> str:
+def json_schema_ebnf(schema: str, *, max_int_digits: int = 0, max_frac_digits: int = 0,
+                     max_exp_digits: int = 0, **options) -> str:
     """xgrammar's EBNF for a JSON schema, with JSON's rule that a string holds no raw
-    control character (U+0000-U+001F) enforced everywhere.
+    control character (U+0000-U+001F) enforced everywhere, and the runaway guards on
+    numbers (``max_*_digits``; 0: unbounded).
 
     xgrammar 0.2.8 writes the characters of some strings (those with ``maxLength``, for
     one) as ``[^"\\\r\n]``, which admits raw control characters: a model can then
     emit a tab or U+000F inside a string and the output is not JSON. Every negated class
     in a JSON grammar is a string's character class, so each one gets ``\0-\x1f`` added.
+
+    Numbers: xgrammar writes unbounded digit runs as ``[0-9]*`` or as ``d{n, -1}`` over a
+    rule ``d ::= (([0-9]))``; a small model can emit hundreds of digits (the README's
+    Saturn example came back with 512). Each unbounded run gets an upper bound: after a
+    ``"."`` the fraction bound, after ``[eE]`` and a sign the exponent bound, otherwise
+    the integer bound (less the leading ``[1-9]`` when it follows one). A run with a
+    larger minimum keeps its minimum as the bound.
     """
     ebnf = str(xgr.Grammar.from_json_schema(schema, **options))
 
@@ -150,7 +159,52 @@ def json_schema_ebnf(schema: str, **options) -> str:
         if body is None or body.startswith("\\0-\\x1f"):
             return m.group(0)  # a literal, or already excludes the control characters
         return "[^\\0-\\x1f" + body + "]"
-    return _LITERAL_OR_NEGATED_CLASS.sub(fix, ebnf)
+    ebnf = _LITERAL_OR_NEGATED_CLASS.sub(fix, ebnf)
+    if max_int_digits or max_frac_digits or max_exp_digits:
+        ebnf = _bound_digits(ebnf, max_int_digits, max_frac_digits, max_exp_digits)
+    return ebnf
+
+
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.M)
+
+
+def _bound_digits(ebnf: str, int_digits: int, frac_digits: int, exp_digits: int) -> str:
+    """Bounds the unbounded digit runs of an xgrammar JSON grammar (see json_schema_ebnf)."""
+    digit_rules = set(_DIGIT_RULE.findall(ebnf))
+
+    def bound(kind: str, lead: bool, low: int) -> int | None:
+        limit = {"int": int_digits, "frac": frac_digits, "exp": exp_digits}[kind]
+        if not limit:
+            return None
+        if kind == "int" and lead:
+            limit -= 1  # the leading [1-9] is a digit too
+        return max(low, limit)
+
+    def kind_before(text: str) -> tuple[str, bool]:
+        before = text.rstrip()
+        if before.endswith('"."'):
+            return "frac", False
+        if re.search(r"\[eE\]( \w+)?$", before) or re.search(r"\[\+\\-\]$", before):
+            return "exp", False
+        return "int", before.endswith("[1-9]")
+
+    out, pos = [], 0
+    pattern = re.compile(r"\[0-9\]\*|\b(\w+)\{(\d+), -1\}")
+    for m in pattern.finditer(ebnf):
+        if m.group(1) is not None and m.group(1) not in digit_rules:
+            continue
+        line_start = ebnf.rfind("\n", 0, m.start()) + 1
+        kind, lead = kind_before(ebnf[line_start:m.start()])
+        low = 0 if m.group(1) is None else int(m.group(2))
+        high = bound(kind, lead, low)
+        if high is None:
+            continue
+        out.append(ebnf[pos:m.start()])
+        what = "[0-9]" if m.group(1) is None else m.group(1)
+        out.append(f"{what}{{{low}, {high}}}")
+        pos = m.end()
+    out.append(ebnf[pos:])
+    return "".join(out)
 
 
 def _tag_json_as_ebnf(node):
@@ -163,18 +217,27 @@ def _tag_json_as_ebnf(node):
     if node.get("type") == "json_schema" and node.get("style", "json") == "json" \
             and "json_schema" in node:
         return {"type": "grammar", "grammar": json_schema_ebnf(
-            json.dumps(node["json_schema"]), any_whitespace=True, max_whitespace_cnt=12)}
+            json.dumps(node["json_schema"]), **_json_format(_TAG_JSON))}
     return {k: _tag_json_as_ebnf(v) for k, v in node.items()}
 
 
 def _json_format(spec: GrammarSpec) -> dict:
+    """json_schema_ebnf's options for a spec: the layout and the runaway guards."""
+    guards = dict(max_int_digits=spec.max_int_digits, max_frac_digits=spec.max_frac_digits,
+                  max_exp_digits=spec.max_exp_digits)
     if spec.whitespace == "compact":
-        return dict(any_whitespace=False, separators=(",", ":"))
+        return dict(any_whitespace=False, separators=(",", ":"), **guards)
+    if spec.whitespace == "spaced":  # json.dumps' default separators, one line
+        return dict(any_whitespace=False, separators=(", ", ": "), **guards)
     if spec.whitespace == "indent":
-        return dict(any_whitespace=False, indent=spec.indent)
+        return dict(any_whitespace=False, indent=spec.indent, **guards)
     if spec.whitespace == "bounded":
-        return dict(any_whitespace=True, max_whitespace_cnt=spec.max_whitespace)
-    return dict(any_whitespace=True)
+        return dict(any_whitespace=True, max_whitespace_cnt=spec.max_whitespace, **guards)
+    return dict(any_whitespace=True, **guards)
+
+
+# the JSON inside structural tags (tool calls): the default JSON options of a spec
+_TAG_JSON = GrammarSpec("json_object")
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -23,7 +23,7 @@ from grammar_cache.errors import ErrorKind, GrammarError
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
 ALIASES = {"regex_schema": "regex", "grammar": "ebnf", "gbnf": "ebnf", "json": "json_schema"}
-WHITESPACE = ("bounded", "any", "compact", "indent")
+WHITESPACE = ("bounded", "any", "compact", "indent", "spaced")
 MAX_SOURCE_BYTES = 256 * 1024
 MAX_CHOICES = 4096
 KEY_VERSION = 1
@@ -37,7 +37,14 @@ class GrammarSpec:
     row, so a model cannot run away emitting blanks), "any", "compact" (no whitespace:
     ``{"a":1}``) or "indent" (``indent`` spaces, json.dumps style); ``strict``: properties
     not in the schema are forbidden unless it allows them; ``any_order``: properties may
-    come in any order (default: the schema's order)."""
+    come in any order (default: the schema's order); "spaced" is json.dumps' default
+    layout on one line (``{"a": 1, "b": [1, 2]}``: ", " and ": ", no newlines).
+
+    Runaway guards (JSON kinds and the JSON inside structural tags), on by default and
+    part of the key: where the schema sets no bound, a number has at most
+    ``max_int_digits`` integer digits (15: every such integer is exact in a JavaScript
+    number), ``max_frac_digits`` fraction digits and ``max_exp_digits`` exponent digits;
+    0 turns a guard off."""
 
     kind: str
     source: str = ""
@@ -46,6 +53,9 @@ class GrammarSpec:
     indent: int = 2
     strict: bool = True
     any_order: bool = False
+    max_int_digits: int = 15
+    max_frac_digits: int = 10
+    max_exp_digits: int = 3
 
     def __post_init__(self):
         kind = ALIASES.get(self.kind, self.kind)
@@ -67,6 +77,11 @@ class GrammarSpec:
             raise ValueError(f"max_whitespace must be in [0, 256], got {self.max_whitespace}")
         if not 0 <= self.indent <= 16:
             raise ValueError(f"indent must be in [0, 16], got {self.indent}")
+        for name in ("max_int_digits", "max_frac_digits", "max_exp_digits"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value <= 1000:
+                raise ValueError(f"{name} must be an integer in [0, 1000] (0: no bound), "
+                                 f"got {value!r}")
         if kind in ("json_schema", "choice", "structural_tag"):
             try:
                 value = json.loads(self.source)

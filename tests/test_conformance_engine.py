@@ -1,0 +1,159 @@
+"""Issue 12 through the engine with the real default model: every guided response conforms
+(or says why not). One matcher per request, stop strings with a grammar, tiny
+temperatures, budget-aware closing for each grammar kind, budgets below the grammar's
+minimum, post-validation."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import xgrammar as xgr
+
+from grammar_cache.errors import ErrorKind
+from grammar_cache.spec import GrammarSpec
+from worker.engine.sampling import SamplingParams
+from worker.engine.sequence import GenerationRequest
+from worker.engine.validation import validate_json
+
+pytestmark = pytest.mark.integration
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2}},
+    "required": ["name", "age", "tags"]}
+
+
+def chat(text):
+    return [{"role": "user", "content": text}]
+
+
+def params(n, temperature=0.0, **kw):
+    return SamplingParams(max_new_tokens=n, temperature=temperature, **kw)
+
+
+def run(engine, reqs):
+    out = engine.generate(reqs)
+    return [out[r.request_id] for r in reqs]
+
+
+def test_concurrent_requests_in_one_session_each_conform(make_engine):
+    engine = make_engine()
+    pattern = "[a-z]{12}"
+    reqs = [GenerationRequest(chat("Type some letters."), params(40, 1.0, seed=i),
+                              session_id="shared", seq_id=0, grammar=GrammarSpec.regex(pattern))
+            for i in range(3)]  # the same session AND the same seq_id: still one matcher each
+    outs = run(engine, reqs)
+    for out in outs:
+        assert out.finish_reason == "stop", out.error
+        assert re.fullmatch(pattern, out.text), out.text
+    assert engine.stats().live_processors == 0
+
+
+def test_end_session_never_touches_a_later_request(make_engine):
+    engine = make_engine()
+    spec = GrammarSpec.regex("[0-9]{6}")
+    first = engine.add_request(GenerationRequest(chat("Digits"), params(16), session_id="s",
+                                                 grammar=spec))
+    other = GenerationRequest(chat("More digits"), params(16), grammar=spec)
+    engine.add_request(other)
+    results = {}
+
+    def collect(outs):
+        for out in outs:
+            assert out.finish_reason != "error", out.error
+            if out.request_id in results:
+                results[out.request_id].merge(out)
+            else:
+                results[out.request_id] = out
+
+    while not first.output_ids:
+        collect(engine.step())
+    [ended] = engine.end_session("s")
+    assert ended.finish_reason == "abort"
+    later = GenerationRequest(chat("Digits again"), params(16), session_id="s", grammar=spec)
+    engine.add_request(later)
+    while engine.has_work():
+        collect(engine.step())
+    for rid in (other.request_id, later.request_id):
+        assert results[rid].finish_reason == "stop" and re.fullmatch("[0-9]{6}", results[rid].text)
+    assert engine.stats().live_processors == 0
+
+
+def test_stop_string_only_where_the_grammar_may_end(make_engine):
+    engine = make_engine()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"]}
+    [out] = run(engine, [GenerationRequest(chat("A city as JSON."), params(48, stop=['"']),
+                                           grammar=GrammarSpec.json_schema(schema))])
+    assert out.text != "{"
+    jsonschema.validate(json.loads(out.text), schema)  # the quote never cut the output
+    # where the grammar may end, a stop string is honoured
+    [cut] = run(engine, [GenerationRequest(chat("Count: 1,2,3"), params(24, stop=[","]),
+                                           grammar=GrammarSpec.regex("[0-9]+(,[0-9]+)*"))])
+    assert cut.finish_reason == "stop" and re.fullmatch("[0-9]+", cut.text), cut.text
+
+
+def test_tiny_temperature_is_greedy_and_conforms(make_engine):
+    engine = make_engine()
+    spec = GrammarSpec.json_schema(PERSON)
+    outs = run(engine, [GenerationRequest(chat("A person as JSON."), params(64, t), grammar=spec)
+                        for t in (0.0, 1e-40)])
+    assert outs[0].token_ids == outs[1].token_ids and outs[1].finish_reason != "error"
+
+
+@pytest.mark.parametrize("spec, check", [
+    (GrammarSpec.json_schema(PERSON), lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    (GrammarSpec.json_object(), lambda t: isinstance(json.loads(t), dict)),
+    (GrammarSpec.regex("[a-z]{3}-[0-9]{8}"), lambda t: re.fullmatch("[a-z]{3}-[0-9]{8}", t)),
+    (GrammarSpec.ebnf('root ::= "(" item ("," item)* ")"\nitem ::= [a-z]+'),
+     lambda t: re.fullmatch(r"\([a-z]+(,[a-z]+)*\)", t)),
+    (GrammarSpec.choice(["alpha centauri", "proxima"]), lambda t: t in ("alpha centauri", "proxima")),
+])
+def test_closing_at_tight_budgets(make_engine, spec, check):
+    engine = make_engine()
+    matcher = xgr.GrammarMatcher(engine.guided.get_grammar(spec).result(timeout=60))
+    minimum = len(engine.guided.closer.shortest(matcher, 64).tokens)
+    prompt = chat("Write a very long answer, as long as you can, about the stars.")
+    for budget in (minimum, minimum + 1, minimum + 4, minimum + 12):
+        for temperature in (0.0, 1.0):
+            [out] = run(engine, [GenerationRequest(prompt, params(budget, temperature, seed=budget),
+                                                   grammar=spec)])
+            assert out.finish_reason in ("stop", "length"), out.error
+            assert out.completion_tokens <= budget
+            assert check(out.text), (budget, out.text)
+            if out.finish_reason == "length":
+                assert out.closed_early, out.text
+
+
+def test_budget_below_the_minimum_is_refused_before_generating(make_engine):
+    engine = make_engine()
+    [out] = run(engine, [GenerationRequest(chat("A person"), params(4),
+                                           grammar=GrammarSpec.json_schema(PERSON))])
+    assert out.finish_reason == "error" and out.error_kind == ErrorKind.BUDGET_TOO_SMALL
+    assert out.completion_tokens == 0 and "at least" in out.error and "max_tokens" in out.error
+
+
+def test_validation_catches_what_the_grammar_lets_through(make_engine):
+    # xgrammar ignores "not": its grammar accepts {"n": 0}, the schema forbids it
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 0}}},
+              "required": ["n"]}
+    engine = make_engine()
+    spec = GrammarSpec.json_schema(schema)
+    matcher = xgr.GrammarMatcher(engine.guided.get_grammar(spec).result(timeout=60))
+    assert matcher.accept_string('{"n": 0}') and matcher.is_completed()
+    assert validate_json(schema, '{"n": 0}') is not None
+    # the shortest completion of an unfinished number is the digit it has: cut at "0"
+    compiled = engine.guided.get_grammar(spec).result(timeout=60)
+    minimum = len(engine.guided.closer.shortest(xgr.GrammarMatcher(compiled), 64).tokens)
+    reqs = [GenerationRequest(chat("Say n as JSON, n = 0."), params(minimum + 1), grammar=spec),
+            GenerationRequest(chat("Say n as JSON, n = 0."), params(minimum + 1), grammar=spec,
+                              validation="off")]
+    flagged, unchecked = run(engine, reqs)
+    assert flagged.approximated == ["not"] and unchecked.approximated == ["not"]
+    assert unchecked.validation is None
+    if json.loads(flagged.text)["n"] == 0:
+        assert flagged.validation == "invalid" and "not allowed" in flagged.validation_error
+    else:
+        assert flagged.validation == "valid"
+    assert engine.stats().validated >= 1
