@@ -1,0 +1,164 @@
+"""Conformance of guided outputs (issue 12): realistic schemas x prompts, at temperature
+1.0 and 0, at several token budgets, through the engine (LLMEngine in-process).
+
+    python -m bench.conformance --quick --json          # a few minutes on 2 cores
+    python -m bench.conformance --closing-window 0 --no-guards --whitespace bounded
+                                                       # "before": no closing, no guards
+
+Reports the share valid (parses and passes full-schema validation) overall, among "stop"
+and among "length"; the share closed early; the runaway share (ended at the budget without
+closing); mean output tokens; validation time per request. ``--json`` keys:
+valid_share_all, valid_share_stop, valid_share_length, runaway_share, closed_early_share,
+mean_output_tokens, validation_us_p50, wall_s, requests.
+
+``run(engine, cases)`` is importable, and ``cases()`` can be sent through any other path
+(an HTTP run uses the same schemas and prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+STR = {"type": "string"}
+SCHEMAS = {
+    "planet": {"type": "object", "properties": {"name": STR, "moons": {"type": "integer"}},
+               "required": ["name", "moons"]},
+    "nested": {"type": "object", "properties": {
+        "title": STR, "author": {"type": "object", "properties": {
+            "first": STR, "last": STR, "born": {"type": "integer"}},
+            "required": ["first", "last"]}}, "required": ["title", "author"]},
+    "list_of_objects": {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"name": STR, "price": {"type": "number"}},
+        "required": ["name", "price"]}}}, "required": ["items"]},
+    "enum_optional": {"type": "object", "properties": {
+        "status": {"enum": ["open", "closed", "pending"]},
+        "note": {"anyOf": [STR, {"type": "null"}]},
+        "priority": {"type": "integer", "minimum": 1, "maximum": 5}},
+        "required": ["status", "note", "priority"]},
+    "numbers": {"type": "object", "properties": {
+        "lat": {"type": "number"}, "lon": {"type": "number"},
+        "population": {"type": "integer", "minimum": 0}, "ratio": {"type": "number",
+                                                                   "minimum": 0, "maximum": 1}},
+        "required": ["lat", "lon", "population", "ratio"]},
+    "formats": {"type": "object", "properties": {
+        "email": {"type": "string", "format": "email"},
+        "id": {"type": "string", "format": "uuid"},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+        "day": {"type": "string", "format": "date"}},
+        "required": ["email", "id", "zip", "day"]},
+    "tool_call": {"type": "object", "properties": {
+        "name": {"const": "get_weather"}, "arguments": {"type": "object", "properties": {
+            "city": STR, "unit": {"enum": ["celsius", "fahrenheit"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+            "required": ["city", "unit"]}}, "required": ["name", "arguments"]},
+    "tags": {"type": "object", "properties": {"tags": {"type": "array", "items": STR,
+                                                       "minItems": 1}},
+             "required": ["tags"]},
+}
+PROMPTS = [
+    "Reply in JSON: describe Saturn.",
+    "Write a detailed JSON record for a library book and its author.",
+    "Give me JSON for a grocery list with prices.",
+    "Answer with JSON only: a support ticket about a broken laptop.",
+    "JSON please: the location and population of Paris.",
+    "Create a JSON user profile.",
+]
+
+
+def cases(quick: bool):
+    """(name, schema, prompt, temperature, budget) for every combination."""
+    names = list(SCHEMAS)[:4] + ["numbers", "tags"] if quick else list(SCHEMAS)
+    names = list(dict.fromkeys(names))
+    prompts = PROMPTS[:2] if quick else PROMPTS
+    budgets = (32, 128) if quick else (32, 64, 128, 256)
+    for name in names:
+        for p in prompts:
+            for t in (1.0, 0.0):
+                for b in budgets:
+                    yield name, SCHEMAS[name], f"{p} Schema: {json.dumps(SCHEMAS[name])}", t, b
+
+
+def run(engine, items, *, spec_options: dict | None = None, seed: int = 0) -> dict:
+    """Sends ``items`` (from ``cases``) through ``engine`` at once; returns the figures."""
+    from grammar_cache.spec import GrammarSpec
+    from worker.engine.sampling import SamplingParams
+    from worker.engine.sequence import GenerationRequest
+    from worker.engine.validation import validate_json
+
+    reqs, meta = [], []
+    for i, (name, schema, prompt, temp, budget) in enumerate(items):
+        spec = GrammarSpec.json_schema(schema, **(spec_options or {}))
+        reqs.append(GenerationRequest([{"role": "user", "content": prompt}],
+                                      SamplingParams(max_new_tokens=budget, temperature=temp,
+                                                     seed=seed + i), grammar=spec))
+        meta.append((name, schema, temp, budget))
+    t0 = time.perf_counter()
+    outs = engine.generate(reqs)
+    wall = time.perf_counter() - t0
+    rows, val_us = [], []
+    for r, (name, schema, temp, budget) in zip(reqs, meta):
+        out = outs[r.request_id]
+        t = time.perf_counter()
+        error = validate_json(schema, out.text)
+        val_us.append((time.perf_counter() - t) * 1e6)
+        rows.append(dict(name=name, temp=temp, budget=budget, reason=out.finish_reason,
+                         valid=error is None, closed=bool(out.closed_early),
+                         tokens=out.completion_tokens, text=out.text))
+    stop = [r for r in rows if r["reason"] == "stop"]
+    length = [r for r in rows if r["reason"] == "length"]
+
+    def share(xs, key="valid"):
+        return round(sum(1 for x in xs if x[key]) / len(xs), 4) if xs else None
+
+    return dict(
+        requests=len(rows), wall_s=round(wall, 1),
+        valid_share_all=share(rows), valid_share_stop=share(stop),
+        valid_share_length=share(length),
+        runaway_share=round(sum(1 for r in length if not r["closed"]) / len(rows), 4),
+        closed_early_share=share(rows, "closed"),
+        errors=sum(1 for r in rows if r["reason"] == "error"),
+        mean_output_tokens=round(statistics.mean(r["tokens"] for r in rows), 1),
+        validation_us_p50=round(statistics.median(val_us), 1),
+        by_budget={b: share([r for r in rows if r["budget"] == b])
+                   for b in sorted({r["budget"] for r in rows})},
+        invalid_examples=[r["text"][:120] for r in rows if not r["valid"]][:5],
+    )
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--closing-window", type=int, default=None,
+                    help="EngineConfig.closing_window (0: no budget-aware closing)")
+    ap.add_argument("--no-guards", action="store_true", help="numbers unbounded")
+    ap.add_argument("--whitespace", default=None, help="GrammarSpec whitespace layout")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
+
+    cfg = dict(progress=False, num_threads=args.threads, seed=0)
+    if args.closing_window is not None:
+        cfg["closing_window"] = args.closing_window
+    engine = LLMEngine(EngineConfig(**cfg))
+    opts = {}
+    if args.no_guards:
+        opts.update(max_int_digits=0, max_frac_digits=0, max_exp_digits=0)
+    if args.whitespace:
+        opts["whitespace"] = args.whitespace
+    figures = run(engine, list(cases(args.quick)), spec_options=opts)
+    figures["config"] = dict(closing_window=engine.config.closing_window, **opts)
+    if args.json:
+        print(json.dumps(figures, indent=1))
+        return
+    for k, v in figures.items():
+        print(f"{k:22s} {v}")
+
+
+if __name__ == "__main__":
+    main()
