@@ -68,6 +68,7 @@ class _Worker:
     process: subprocess.Popen
     fingerprints: set = field(default_factory=set)
     ready: bool = False
+    timed_out: bool = False  # the last wait_frame ran out of time (not: the process died)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -78,10 +79,14 @@ class _Worker:
         buffer, where select() cannot see it, and the wait for it would run out."""
         out = self.process.stdout
         deadline = time.monotonic() + timeout
+        self.timed_out = False
         while not select.select([out], [], [], 0.05)[0]:
-            if not self.alive() or time.monotonic() > deadline:
+            if not self.alive():
                 return None
-        head = _read_exact(out, _LEN.size)
+            if time.monotonic() > deadline:
+                self.timed_out = True  # alive and silent: what a time limit means
+                return None
+        head = _read_exact(out, _LEN.size)  # None at end of file: the process died
         if head is None:
             return None
         return _read_exact(out, _LEN.unpack(head)[0])
@@ -172,7 +177,9 @@ class CompilePool:
                 return CompileResult(data, h.get("error"),
                                      ErrorKind.parse(kind) if kind else None,
                                      h.get("compile_s", 0.0), h.get("load_s", 0.0))
-            timed_out = worker.alive() and not compiled
+            # a kill from outside closes the pipe before the process can be reaped, so
+            # "alive" is no test here: only a wait that ran out of time is a timeout
+            timed_out = worker.timed_out and not compiled
             pid, code = worker.process.pid, worker.process.poll()
             worker = self._replace(worker)
             if timed_out:

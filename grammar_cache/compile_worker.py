@@ -112,7 +112,7 @@ def memory_message(kind: str, memory_mb: int) -> str:
 def timeout_message(kind: str, timeout_s: float) -> str:
     """What a user reads when their (valid) grammar compiles slower than the limit."""
     return (f"compiling this {kind} grammar took longer than the compile time limit of "
-            f"{timeout_s:g} s; the grammar is not known to be invalid, only slow to compile: "
+            f"{timeout_s:g} s (it may be a correct grammar that is slow to compile): "
             "simplify it (fewer or smaller length bounds, fewer alternatives), or raise the "
             "limit in the cluster config: grammar_cache: {compile_timeout_s: N}")
 

@@ -249,7 +249,7 @@ def test_verdict_compile_in_process_is_bounded(actor_name, default_tokenizer):
     # the actor compiles SLOW within its (large) limit and sends a verdict; this worker's
     # limit is far below SLOW's compile time, so its watchdog fails the request as
     # transient (the grammar is fine) instead of letting it wait unbounded
-    new_actor(actor_name, compile_timeout_s=120, local_verdict_factor=0.0)
+    actor = new_actor(actor_name, compile_timeout_s=120, local_verdict_factor=0.0)  # noqa: F841 - kept: the actor lives while a handle does
     client = GrammarCacheClient(default_info(default_tokenizer),
                                 GrammarCacheConfig(compile_timeout_s=0.2), name=actor_name,
                                 rpc_timeout_s=150)
