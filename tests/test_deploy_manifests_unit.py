@@ -14,7 +14,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ClusterConfig
 from deploy import batch_job
-from deploy.serve_app import AppSettings
+from deploy.settings import AppSettings
 
 pytestmark = pytest.mark.unit
 
@@ -92,17 +92,17 @@ def test_runtime_errors_map_to_statuses():
     """What the ingress answers when the runtime refuses or fails (no Ray needed)."""
     import asyncio
 
-    from deploy.serve_app import _api_error, _chunk_error
-    from scheduler.routing import NoWorkers, Overloaded
-    assert _api_error(Overloaded("all queues full")).status == 429
-    assert _api_error(NoWorkers("none")).status == 503
-    assert _api_error(ValueError("max_new_tokens must be >= 1")).status == 400
-    assert _api_error(RuntimeError("boom")).status == 503
+    from cluster.client import NoWorkers, Overloaded
+    from deploy.errors import for_exception, for_kind
+    assert for_exception(Overloaded("all queues full")).status == 429
+    assert for_exception(NoWorkers("none")).status == 503
+    assert for_exception(ValueError("max_new_tokens must be >= 1")).status == 400
+    assert for_exception(RuntimeError("boom")).status == 503
     with pytest.raises(asyncio.CancelledError):
-        _api_error(asyncio.CancelledError())
-    assert _chunk_error({"error": "bad", "error_kind": "grammar"}).status == 400
-    assert _chunk_error({"error": "slow", "error_kind": "grammar_wait"}).status == 503
-    assert _chunk_error({"error": "gone", "error_kind": "worker_died"}).status == 503
+        for_exception(asyncio.CancelledError())
+    assert for_kind("invalid_grammar", "bad").status == 400
+    assert for_kind("grammar_unavailable", "slow").status == 503
+    assert for_kind("worker_died", "gone").status == 503
 
 
 def _containers(cluster: dict):
