@@ -13,12 +13,15 @@ into the runtime: it re-exports what they need, so deploy/ imports nothing below
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from collections import OrderedDict, deque
 from typing import AsyncIterator
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError,
+                            RayActorError, RayTaskError)
 
 from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
@@ -27,22 +30,44 @@ from scheduler.routing import NoWorkers, Overloaded
 from worker.engine.sampling import SamplingParams
 from worker.engine.sequence import GenerationRequest, RequestOutput
 
-__all__ = ["RuntimeClient", "GenerationRequest", "RequestOutput", "SamplingParams",
+__all__ = ["RuntimeClient", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
            "GrammarSpec", "ErrorKind", "GrammarError", "GrammarUnavailable", "NoWorkers",
            "Overloaded", "RayTaskError", "NAMESPACE"]
 
 logger = logging.getLogger(__name__)
 
 _WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
+# what a front end sees when the runtime underneath fails (not a bug, not the client's)
+INFRASTRUCTURE_ERRORS = (*_WORKER_GONE, GetTimeoutError)
 
 
 class RuntimeClient:
+    """``route_timeout_s``: how long a route call may take before the client routes on its
+    own from what it last knew (a scheduler that is restarting does not answer for seconds;
+    callers do not wait for it: sessions stay on their workers, new requests go to the known
+    worker with the fewest of this client's requests in flight). With nothing known yet,
+    it waits for the scheduler, up to ``scheduler_wait_s``."""
+
     def __init__(self, scheduler=None, *, max_attempts: int = 3,
-                 scheduler_wait_s: float = 30.0):
+                 scheduler_wait_s: float = 30.0, route_timeout_s: float = 0.5,
+                 max_remembered_sessions: int = 100_000, max_failovers: int = 2):
+        # a scheduler found by name is found again when it died for good and was rebuilt
+        # (rayguide serve's self-healing starts a new actor under the same name)
+        self._by_name = scheduler is None
         self.scheduler = scheduler or ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
         self.max_attempts = max_attempts
         self.scheduler_wait_s = scheduler_wait_s
+        self.route_timeout_s = route_timeout_s
         self.retries = 0
+        self.own_routes = 0  # routed without the scheduler (it was restarting)
+        self.max_failovers = max_failovers
+        self.failovers = 0  # requests continued on another worker after a mid-stream death
+        self.resumed_tokens = 0  # tokens those continuations did not have to generate again
+        self.failover_pauses: deque[float] = deque(maxlen=1024)  # death -> continuation sent
+        self._workers: dict[str, object] = {}  # worker id -> handle, as routes revealed them
+        self._in_flight: dict[str, int] = {}  # worker id -> this client's open requests
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> worker id
+        self._max_sessions = max_remembered_sessions
 
     async def _call_scheduler(self, method: str, *args):
         """A scheduler call that rides out a scheduler restart: Ray restarts the actor
@@ -53,53 +78,137 @@ class RuntimeClient:
         while True:
             try:
                 return await getattr(self.scheduler, method).remote(*args)
-            except _WORKER_GONE:
+            except _WORKER_GONE as exc:
                 if time.monotonic() + delay > deadline:
                     raise
+                if isinstance(exc, ActorDiedError):
+                    self._find_scheduler()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
+    def _find_scheduler(self) -> None:
+        if self._by_name:
+            try:
+                self.scheduler = ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
+            except ValueError:
+                pass  # not rebuilt yet
+
+    async def _route(self, session_id, expected: int, family) -> dict:
+        try:
+            route = await asyncio.wait_for(
+                self.scheduler.route.remote(session_id, expected, family), self.route_timeout_s)
+        except (*_WORKER_GONE, asyncio.TimeoutError) as exc:
+            if isinstance(exc, ActorDiedError):
+                self._find_scheduler()
+            route = self._own_route(session_id)
+            if route is not None:
+                return route
+            route = await self._call_scheduler("route", session_id, expected, family)
+        self._remember(session_id, route)
+        return route
+
+    def _own_route(self, session_id) -> dict | None:
+        """A route from what this client last knew, or None when it knows no worker."""
+        if not self._workers:
+            return None
+        worker_id = self._sessions.get(session_id) if session_id is not None else None
+        if worker_id not in self._workers:
+            worker_id = min(self._workers, key=lambda w: (self._in_flight.get(w, 0), w))
+        self.own_routes += 1
+        route = {"worker_id": worker_id, "handle": self._workers[worker_id]}
+        self._remember(session_id, route)  # the restarted scheduler learns it from the worker
+        return route
+
+    def _remember(self, session_id, route: dict) -> None:
+        self._workers[route["worker_id"]] = route["handle"]
+        if session_id is not None:
+            self._sessions[session_id] = route["worker_id"]
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+
+    def _forget_worker(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+        for sid in [s for s, w in self._sessions.items() if w == worker_id]:
+            del self._sessions[sid]
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Streams the request's chunks as WorkerActor.generate yields them. A bad request
-        raises ValueError; Overloaded / NoWorkers come from the scheduler."""
+        raises ValueError; Overloaded / NoWorkers come from the scheduler.
+
+        A worker that dies before streaming anything costs a retry on another worker. One
+        that dies mid-stream costs a pause: the request continues on another worker from
+        the tokens already streamed (``resume_token_ids``: their KV is recomputed, the
+        grammar matcher advanced over them, nothing is emitted twice), at most
+        ``max_failovers`` times; after that, or when the continuation cannot be resumed, the
+        stream ends with a WORKER_DIED error chunk."""
         session_id = request.session_id
         expected = request.params.max_new_tokens
         family = request.grammar.family if request.grammar is not None else None
-        for attempt in range(self.max_attempts):
-            route = await self._call_scheduler("route", session_id, expected, family)
-            streamed = finished = False
+        current, emitted, failovers, attempt = request, [], 0, 0
+        while attempt < self.max_attempts:
+            attempt += 1
+            route = await self._route(session_id, expected, family)
+            worker_id = route["worker_id"]
+            self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
+            finished = False
             try:
-                async for ref in route["handle"].generate.remote(request):
+                async for ref in route["handle"].generate.remote(current):
                     chunk = await ref
-                    streamed = True
                     finished = chunk.finished
+                    if current is not request:  # a continuation speaks for the original
+                        chunk.request_id = request.request_id
+                    emitted.extend(chunk.token_ids)
                     yield chunk
                 return
             except _WORKER_GONE as exc:
                 finished = True  # nothing left to abort there
-                try:
-                    await self._call_scheduler("worker_failed", route["worker_id"])
-                except _WORKER_GONE:
-                    pass  # the restarted scheduler's load poll finds the dead worker
-                if streamed:
-                    yield RequestOutput(
-                        request.request_id, finished=True, finish_reason="error",
-                        error_kind=ErrorKind.WORKER_DIED,
-                        error=f"worker {route['worker_id']} died while streaming this "
-                              f"request ({type(exc).__name__}); resend it")
-                    return
+                died_at = time.monotonic()
+                await self._report_failed(worker_id)
+                if emitted:
+                    if failovers >= self.max_failovers:
+                        yield RequestOutput(
+                            request.request_id, finished=True, finish_reason="error",
+                            error_kind=ErrorKind.WORKER_DIED,
+                            error=f"worker {worker_id} died while streaming this request "
+                                  f"({type(exc).__name__}) after {failovers} failovers; "
+                                  "resend it")
+                        return
+                    failovers += 1
+                    attempt = 0  # a continuation gets its own retries
+                    self.failovers += 1
+                    self.resumed_tokens += len(emitted)
+                    current = dataclasses.replace(
+                        request, request_id=f"{request.request_id}-f{failovers}",
+                        resume_token_ids=list(emitted))
+                    self.failover_pauses.append(time.monotonic() - died_at)
+                    logger.warning("worker %s died mid-stream; request %s continues on "
+                                   "another worker after %d tokens", worker_id,
+                                   request.request_id, len(emitted))
+                    continue
                 self.retries += 1
                 logger.warning("worker %s died before streaming; retrying (attempt %d)",
-                               route["worker_id"], attempt + 2)
+                               worker_id, attempt + 1)
             finally:
+                self._in_flight[worker_id] -= 1
                 # the caller stopped early (client disconnected, task cancelled): free the
                 # request's KV and matcher on the worker now, not when it would have ended
                 if not finished:
                     try:
-                        route["handle"].abort.remote(request.request_id)
+                        route["handle"].abort.remote(current.request_id)
                     except Exception:  # the worker is gone: nothing to free
                         pass
-        raise RuntimeError(f"request failed on {self.max_attempts} workers in a row")
+        raise NoWorkers(f"the request failed on {self.max_attempts} workers in a row "
+                        "(each died before answering)")
+
+    async def _report_failed(self, worker_id: str) -> None:
+        """Tells the scheduler (briefly: a restarting scheduler finds the dead worker by
+        its own load poll) and stops routing there from this client at once."""
+        self._forget_worker(worker_id)
+        try:
+            await asyncio.wait_for(self.scheduler.worker_failed.remote(worker_id), 2.0)
+        except (*_WORKER_GONE, asyncio.TimeoutError):
+            pass
 
     async def complete(self, request: GenerationRequest) -> RequestOutput:
         """The whole output as one RequestOutput (the chunks merged)."""

@@ -12,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from cluster.client import (ErrorKind, GrammarError, GrammarUnavailable, NoWorkers,
-                            Overloaded, RayTaskError)
+from cluster.client import (INFRASTRUCTURE_ERRORS, ErrorKind, GrammarError,
+                            GrammarUnavailable, NoWorkers, Overloaded, RayTaskError)
 
 logger = logging.getLogger(__name__)
+
+# failures of the machinery under a request (an actor died, a call timed out, the network):
+# 503 and retry, never the client's fault, never a 500
+_INFRASTRUCTURE = (*INFRASTRUCTURE_ERRORS, TimeoutError, ConnectionError, OSError)
 
 
 class APIError(Exception):
@@ -95,6 +99,10 @@ def for_exception(exc: BaseException, request_id: str | None = None) -> APIError
         return for_kind(ErrorKind.GRAMMAR_UNAVAILABLE, _last_line(cause))
     if isinstance(cause, ValueError):  # the worker's checks of a request
         return for_kind(ErrorKind.BAD_REQUEST, _last_line(cause) or "invalid request")
+    if isinstance(exc, RayTaskError) or not isinstance(cause, _INFRASTRUCTURE):
+        # our code raised something it should not have: a bug, not the client's fault
+        return for_kind(ErrorKind.INTERNAL, f"{type(cause).__name__}: {_last_line(cause)}",
+                        request_id=request_id)
     # the runtime could not be reached or failed underneath (actor died, timed out)
     logger.warning("request %s: runtime failure %r", request_id, exc)
     return APIError(503, f"the runtime could not serve this request "

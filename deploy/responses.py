@@ -45,9 +45,15 @@ def guided_report(out: RequestOutput) -> dict:
             "approximated": list(getattr(out, "approximated", None) or [])}
 
 
+# A token the engine forced to close an output early (its budget ran out) was not sampled:
+# it is reported with logprob 0 (the grammar's closing path left it as the only choice)
+# and no alternatives.
+_FORCED = (0.0, [])
+
+
 def chat_logprobs(logprobs: list, tokens: list) -> dict:
     content = []
-    for (lp, top), (text, alts) in zip(logprobs, tokens):
+    for (lp, top), (text, alts) in zip((x or _FORCED for x in logprobs), tokens):
         content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
                         "top_logprobs": [{"token": t, "logprob": a_lp,
                                           "bytes": list(t.encode())}
@@ -57,7 +63,7 @@ def chat_logprobs(logprobs: list, tokens: list) -> dict:
 
 def completion_logprobs(logprobs: list, tokens: list, offset: int = 0) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for (lp, top), (text, alts) in zip(logprobs, tokens):
+    for (lp, top), (text, alts) in zip((x or _FORCED for x in logprobs), tokens):
         out["tokens"].append(text)
         out["token_logprobs"].append(lp)
         out["top_logprobs"].append({t: a_lp for t, (_, a_lp) in zip(alts, top)})

@@ -97,7 +97,8 @@ def test_runtime_errors_map_to_statuses():
     assert for_exception(Overloaded("all queues full")).status == 429
     assert for_exception(NoWorkers("none")).status == 503
     assert for_exception(ValueError("max_new_tokens must be >= 1")).status == 400
-    assert for_exception(RuntimeError("boom")).status == 503
+    assert for_exception(RuntimeError("boom"), "r1").status == 500  # a bug in our code
+    assert "r1" in for_exception(RuntimeError("boom"), "r1").message
     with pytest.raises(asyncio.CancelledError):
         for_exception(asyncio.CancelledError())
     assert for_kind("invalid_grammar", "bad").status == 400

@@ -47,7 +47,10 @@ def test_exceptions_map_by_type_never_by_text():
     assert for_exception(GrammarUnavailable("over the limit")).status == 503
     assert for_exception(GrammarError("x", ErrorKind.COMPILE_TIMEOUT)).status == 422
     assert for_exception(ValueError("prompt is empty")).status == 400
-    assert for_exception(RuntimeError("actor died")).status == 503
+    from ray.exceptions import GetTimeoutError, RayActorError
+    assert for_exception(RayActorError()).status == 503  # the runtime failed underneath
+    assert for_exception(GetTimeoutError("slow")).status == 503
+    assert for_exception(RuntimeError("actor died")).status == 500  # our own bug
 
 
 @pytest.mark.parametrize("body, param", [

@@ -94,9 +94,11 @@ class WorkerActor:
         async for out in self.engine.generate(request):
             out.worker_id = self.worker_id
             if out.logprobs:  # front ends show tokens as text; only the worker has the vocab
+                # a token the engine forced to close the output early has no logprobs
                 out.logprob_tokens = [
-                    [tokenizer.decode([tid]), [tokenizer.decode([alt]) for alt, _ in top]]
-                    for tid, (_, top) in zip(out.token_ids, out.logprobs)]
+                    [tokenizer.decode([tid]),
+                     [tokenizer.decode([alt]) for alt, _ in (lp[1] if lp else ())]]
+                    for tid, lp in zip(out.token_ids, out.logprobs)]
             yield out
 
     def _hold(self, family: str) -> None:
