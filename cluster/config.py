@@ -88,10 +88,7 @@ def _build(cls, values: dict, where: str):
     if not isinstance(values, dict):
         raise ValueError(f"{where} must be a mapping, got {type(values).__name__}")
     if hasattr(cls, "model_validate"):
-        try:
-            return cls.model_validate(values)
-        except Exception as exc:  # pydantic's ValidationError names the key
-            raise ValueError(f"invalid {where}: {exc}") from None
+        return cls(**values)  # a pydantic section: its own errors name the key
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -23,7 +23,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from grammar_cache.actor import ACTOR_NAME as CACHE_NAME
-from grammar_cache.actor import GrammarCacheConfig, get_or_create_actor
+from grammar_cache.actor import GrammarCacheConfig, get_or_create_actor, wait_ready
 from scheduler.actor import (NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX, SchedulerConfig,
                              get_or_create_scheduler)
 from worker.actor import WorkerActor
@@ -278,9 +278,15 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
         ).remote(engine, f"w{i}", (SCHEDULER_NAME, NAMESPACE), cache_link))
     if wait:
         ray.get([w.health.remote() for w in workers])
-        ray.get(cache.ping.remote())
+        wait_ready(cache)  # its compile processes are up (workers' first fetches wait for it)
         _wait_registered(scheduler, config.num_workers)
     return {"cache": cache, "scheduler": scheduler, "workers": workers}
+
+
+def wait_cache_ready(cache, timeout_s: float = 120.0) -> None:
+    """Blocks until the grammar cache actor can compile (front ends call it through here:
+    deploy/ reaches the runtime only through cluster/)."""
+    wait_ready(cache, timeout_s)
 
 
 def _wait_registered(scheduler, n: int, timeout_s: float = 120.0) -> None:

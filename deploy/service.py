@@ -129,7 +129,7 @@ def _start_runtime(config: ClusterConfig, stages: _Stages) -> dict:
     """``launch.up`` with each wait reported on its own: the actors are created at once
     and load in parallel, so each stage's time is how much longer it took than the last."""
     runtime = launch.up(config, wait=False)
-    ray.get(runtime["cache"].ping.remote())
+    launch.wait_cache_ready(runtime["cache"])
     stages.done("grammar_cache", "grammar cache ready (its compile processes are up)")
     ray.get([w.health.remote() for w in runtime["workers"]])
     stages.done("workers", f"{len(runtime['workers'])} worker(s) loaded the model "
