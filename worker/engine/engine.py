@@ -271,14 +271,20 @@ class LLMEngine:
         budget = self._remaining(seq)
         if not self.config.closing_window or budget > self.config.closing_window:
             return None
-        found = self.guided.closer.shortest(matcher, budget)
-        if found.tokens is not None:
+        # the search counts single-character steps before re-encoding its answer, so it
+        # looks further than the budget and compares the final (re-encoded) length
+        found = self.guided.closer.shortest(matcher, _search_limit(budget))
+        if found.tokens is not None and len(found.tokens) > budget:  # the dive's: make sure
+            found = self.guided.closer.shortest(matcher, _search_limit(budget), exact=True)
+        if found.tokens is not None and len(found.tokens) <= budget:
             seq.closing_estimate = (0, len(found.tokens))
             return None
-        if not found.exhausted:
-            return None  # the search gave up: we do not know, so we do not refuse
-        more = self.guided.closer.shortest(matcher, max(4 * budget, 256))
-        need = (f"at least {len(more.tokens)}" if more.tokens is not None
+        if found.tokens is None:
+            if not found.exhausted:
+                return None  # the search gave up: we do not know, so we do not refuse
+            more = self.guided.closer.shortest(matcher, max(4 * budget, 256))
+            found = more if more.tokens is not None else found
+        need = (f"at least {len(found.tokens)}" if found.tokens is not None
                 else f"more than {budget}")
         which = ("max_tokens" if budget == seq.params.max_new_tokens
                  else "the context left after the prompt")
@@ -303,9 +309,13 @@ class LLMEngine:
         matcher = self.guided.matchers.get(seq.matcher_key)
         if matcher is None:
             return None
-        found = self.guided.closer.shortest(matcher, left)
-        if found.tokens is None:
-            seq.closing_failed = True  # cannot close within the budget: let it run out
+        found = self.guided.closer.shortest(matcher, _search_limit(left))
+        if found.tokens is not None and len(found.tokens) > left:  # the dive's: make sure
+            found = self.guided.closer.shortest(matcher, _search_limit(left), exact=True)
+        if found.tokens is None or len(found.tokens) > left:
+            # no completion fits: stop searching once that is certain (the shortest only
+            # grows as the budget shrinks); a search that gave up is tried again
+            seq.closing_failed = found.tokens is not None or found.exhausted
             return None
         seq.closing_estimate = (seq.num_output, len(found.tokens))
         if left > len(found.tokens) + cfg.closing_margin:
@@ -458,6 +468,12 @@ class LLMEngine:
 
 
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
+
+
+def _search_limit(budget: int) -> int:
+    """How far the completion search looks for a budget (its steps are often single
+    characters that the final re-encoding merges)."""
+    return 2 * budget + 8
 
 
 def _grammar_accepts(compiled):
