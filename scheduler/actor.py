@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 SCHEDULER_NAME = "rayguide_scheduler"
 WORKER_PREFIX = "rayguide_worker_"
 NAMESPACE = "rayguide"
+MAX_UNDELIVERED = 100_000  # session ends kept per worker for a resend
 
 
 @dataclass
@@ -47,11 +48,13 @@ class SchedulerActor:
                                   self.config.session_idle_timeout_s,
                                   self.config.affinity_margin_tokens)
         self._pending_ends: list[str] = []
+        self._undelivered: dict[str, list[str]] = {}  # worker -> ends it has not confirmed
         self._tasks: list[asyncio.Task] = []
         self._started: asyncio.Task | None = None
         self._broadcast_lock = asyncio.Lock()
         self.counts = {"routes": 0, "sessions_ended": 0, "broadcast_messages": 0,
-                       "workers_dropped": 0, "rejected": 0, "registrations": 0}
+                       "workers_dropped": 0, "rejected": 0, "registrations": 0,
+                       "broadcast_failures": 0}
 
     async def _ensure_started(self) -> None:
         """Starts the background loops and rebuilds the tables once; every call waits for
@@ -137,6 +140,7 @@ class SchedulerActor:
     def _drop(self, worker_id: str) -> list[str]:
         if worker_id not in self.table.workers:
             return []
+        self._undelivered.pop(worker_id, None)
         self.counts["workers_dropped"] += 1
         logger.warning("worker %s dropped from routing", worker_id)
         return self.table.drop_worker(worker_id)
@@ -150,15 +154,23 @@ class SchedulerActor:
         if not self._pending_ends:
             return
         batch, self._pending_ends = self._pending_ends, []
-        refs = []
+        sends = []
         for entry in list(self.table.workers.values()):
-            refs.append(entry.handle.end_sessions.remote(batch))
+            ids = self._undelivered.pop(entry.worker_id, []) + batch
+            sends.append((entry.worker_id, ids, entry.handle.end_sessions.remote(ids)))
             self.counts["broadcast_messages"] += 1
-        for ref in refs:  # delivery failures surface through the load poll
+        for worker_id, ids, ref in sends:
             try:
                 await asyncio.wait_for(ref, self.config.rpc_timeout_s)
-            except Exception:
-                pass
+            except Exception as exc:
+                # kept for that worker's next batch: a slow or restarting worker still
+                # releases the sessions; a dead one is dropped by the load poll (and with
+                # it, what it held)
+                self.counts["broadcast_failures"] += 1
+                if worker_id in self.table.workers:
+                    self._undelivered[worker_id] = ids[-MAX_UNDELIVERED:]
+                logger.warning("ending %d session(s) on worker %s failed (%s); will resend",
+                               len(ids), worker_id, type(exc).__name__)
 
     async def _broadcast_loop(self) -> None:
         while True:
