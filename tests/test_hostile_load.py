@@ -1,0 +1,146 @@
+"""A hostile crowd against the real stack (Ray Serve, scheduler, one worker with a tiny
+random-weight model and the real tokenizer, real xgrammar): 100 clients at once that
+disconnect mid-stream, send garbage, open sessions and abandon them, and send huge stop
+lists and prompts, while one polite client keeps asking for guided output. The server
+answers no 5xx, the polite client is served every time, /health stays 200, and once the
+crowd is gone the worker holds nothing: no running requests, matchers or KV blocks, and the
+abandoned sessions end on their idle timeout."""
+
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import time
+
+import httpx2 as httpx
+import pytest
+import ray
+
+from cluster import launch
+from cluster.config import ClusterConfig
+from deploy import service
+
+pytestmark = pytest.mark.integration
+
+KEY = "hostile-key"
+CLIENTS = int(os.environ.get("RAYGUIDE_HOSTILE_CLIENTS", "100"))
+CHAT = "/v1/chat/completions"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def svc(tiny_model_dir):
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+    config = ClusterConfig(model=str(tiny_model_dir), num_workers=1,
+                           worker={"num_cpus": 1, "num_threads": 1},
+                           engine={"num_kv_blocks": 256, "max_model_len": 512},
+                           scheduler={"load_poll_interval_s": 0.3,
+                                      "session_idle_timeout_s": 5.0})
+    s = service.start(config, port=free_port(), api_key=KEY,
+                      app_args={"max_body_bytes": 1_000_000, "max_prompt_chars": 50_000})
+    yield s
+    from ray import serve
+    serve.shutdown()
+    ray.shutdown()
+
+
+def ask(text):
+    return [{"role": "user", "content": text}]
+
+
+async def disconnect_mid_stream(http, rng):
+    body = {"messages": ask("Letters."), "stream": True, "max_tokens": 200,
+            "guided_regex": "[a-z]{200}"}
+    async with http.stream("POST", CHAT, json=body) as r:
+        n = 0
+        async for _ in r.aiter_lines():
+            n += 1
+            if n >= rng.randint(1, 6):
+                break  # hang up mid-stream
+    return r.status_code
+
+
+async def garbage(http, rng):
+    raw = rng.choice([b"{", b"\x00\xff" * 50, b"[" * 5000, b'{"messages": 5}',
+                      json.dumps({"messages": ask("x"), "tools": [5]}).encode(),
+                      json.dumps({"messages": ask("x"), "guided_json": {"type": "nope"}}).encode()])
+    r = await http.post(CHAT, content=raw, headers={"Content-Type": "application/json"})
+    return r.status_code
+
+
+async def abandoned_session(http, rng):
+    body = {"messages": ask("Hi"), "max_tokens": 4, "session_id": f"abandon-{rng.random()}",
+            "guided_choice": ["yes", "no"]}
+    r = await http.post(CHAT, json=body)
+    return r.status_code  # never ended: the idle timeout must collect it
+
+
+async def huge_stops(http, rng):
+    body = {"messages": ask("x"), "max_tokens": 4, "stop": ["z" * 10] * 100_000}
+    r = await http.post(CHAT, json=body)
+    assert r.status_code in (400, 413), r.text
+    return r.status_code
+
+
+async def huge_prompt(http, rng):
+    body = {"messages": ask("word " * 60_000), "max_tokens": 4}
+    r = await http.post(CHAT, json=body)
+    assert r.status_code in (400, 413), r.text
+    return r.status_code
+
+
+BEHAVIOURS = [disconnect_mid_stream, garbage, abandoned_session, huge_stops, huge_prompt]
+
+
+async def crowd_and_polite(url):
+    statuses: dict[int, int] = {}
+    polite_ok = polite_total = 0
+    headers = {"Authorization": f"Bearer {KEY}"}
+    limits = httpx.Limits(max_connections=CLIENTS + 10)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120,
+                                 limits=limits) as http:
+        async def hostile(i):
+            rng = random.Random(i)
+            for _ in range(3):
+                code = await rng.choice(BEHAVIOURS)(http, rng)
+                statuses[code] = statuses.get(code, 0) + 1
+
+        async def polite():
+            nonlocal polite_ok, polite_total
+            for _ in range(6):
+                r = await http.post(CHAT, json={"messages": ask("A code."), "max_tokens": 8,
+                                                "guided_regex": "[A-Z]{3}-[0-9]{2}"})
+                polite_total += 1
+                if r.status_code == 200 and re.fullmatch(
+                        "[A-Z]{3}-[0-9]{2}", r.json()["choices"][0]["message"]["content"]):
+                    polite_ok += 1
+                assert (await http.get("/health")).status_code == 200
+
+        await asyncio.wait_for(asyncio.gather(polite(), *(hostile(i) for i in range(CLIENTS))),
+                               timeout=600)
+    return statuses, polite_ok, polite_total
+
+
+def test_hostile_crowd(svc):
+    statuses, ok, total = asyncio.run(crowd_and_polite(svc.url))
+    print(f"\nhostile crowd: {CLIENTS} clients, statuses {dict(sorted(statuses.items()))}, "
+          f"polite {ok}/{total}")
+    assert not [s for s in statuses if s >= 500], statuses
+    assert ok == total
+    assert httpx.get(svc.url + "/health", timeout=30).status_code == 200
+    worker = launch.handles()["workers"][0]
+    deadline = time.monotonic() + 60
+    while True:  # abandoned sessions end after the 5 s idle timeout
+        load = ray.get(worker.load.remote())
+        if (load["running"] == load["waiting"] == load["live_processors"] == 0
+                and load["live_sessions"] == 0 and load["free_blocks"] == load["total_blocks"]):
+            break
+        assert time.monotonic() < deadline, f"the worker did not return to zero: {load}"
+        time.sleep(0.5)
