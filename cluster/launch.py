@@ -268,7 +268,9 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
     engine = dataclasses.asdict(config.engine_config())
     # workers compile through the cache actor with the cluster's compile limits (their
     # fallback compiles too)
-    cache_link = (CACHE_NAME, NAMESPACE, dict(config.grammar_cache))
+    # (grammar_cache: {shared: false}: each worker compiles by itself, the baseline)
+    cache_link = ((CACHE_NAME, NAMESPACE, dict(config.grammar_cache))
+                  if GrammarCacheConfig(**config.grammar_cache).shared else None)
     workers = []
     for i in range(config.num_workers):
         workers.append(WorkerActor.options(
@@ -378,7 +380,12 @@ def status_table(st: dict) -> str:
     rows.append(f"grammar cache: {c.get('entries', 0)} grammars cached "
                 f"({c.get('bytes', 0) / 1e6:.1f} MB), {c.get('compiles', 0)} compiles, "
                 f"{c.get('hits', 0)} hits, {c.get('errors', 0)} errors, "
-                f"{c.get('timeouts', 0)} timeouts")
+                f"{c.get('timeouts', 0)} timeouts, {c.get('disk_hits', 0)} disk hits, "
+                f"{c.get('compiles_per_distinct_grammar', 0):.2f} compiles per distinct "
+                f"grammar, {c.get('hot', 0)} hot; workers: " + ", ".join(
+                    f"{sum((w.get('grammar_client') or {}).get(k, 0) for w in st['workers'])}"
+                    f" {k.replace('_', ' ')}" for k in ("local_fallbacks", "prefetches",
+                                                       "disk_hits", "grammar_request_waits")))
     s = st["scheduler"]
     rows.append(f"scheduler: {len(s['workers'])} workers registered, {s['sessions']} sessions, "
                 f"{s['routes']} routes, {s.get('rejected', 0)} rejected (overloaded)")

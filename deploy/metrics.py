@@ -60,20 +60,25 @@ class Metrics:
                                ("worker",), registry=reg)
                    for name in ("running", "waiting", "free_blocks", "total_blocks",
                                 "live_sessions", "live_processors")}
-            client = {}  # the worker's grammar cache client: actor hits, local fallbacks
+            # the worker's grammar cache client (actor hits, disk hits, local fallbacks,
+            # prefetches, requests that waited for their grammar) and its local LRU of
+            # compiled grammars (hits, misses, evictions; prefetches count as lookups)
+            groups = {"grammar_client": ("rayguide_worker_grammar_client_", {}),
+                      "grammar_cache": ("rayguide_worker_grammar_local_", {})}
             for wid, load in status["workers"].items():
                 for name, gauge in per.items():
                     if isinstance(load.get(name), (int, float)):
                         gauge.labels(wid).set(load[name])
-                for name, value in (load.get("grammar_client") or {}).items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        if name not in client:
-                            client[name] = Gauge(f"rayguide_worker_grammar_client_{name}",
-                                                 f"per worker grammar client: {name}",
-                                                 ("worker",), registry=reg)
-                        client[name].labels(wid).set(value)
+                for field, (prefix, gauges) in groups.items():
+                    for name, value in (load.get(field) or {}).items():
+                        if isinstance(value, (int, float)) and not isinstance(value, bool):
+                            if name not in gauges:
+                                gauges[name] = Gauge(f"{prefix}{name}",
+                                                     f"per worker {field}: {name}",
+                                                     ("worker",), registry=reg)
+                            gauges[name].labels(wid).set(value)
             for name in ("routes", "rejected", "sessions_ended", "broadcast_messages",
-                         "workers_dropped"):
+                         "workers_dropped", "broadcast_failures", "affinity_routes"):
                 Gauge(f"rayguide_scheduler_{name}", f"scheduler: {name} so far",
                       registry=reg).set(status.get(name, 0))
         return generate_latest(reg).decode()

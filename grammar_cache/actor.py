@@ -18,6 +18,16 @@ arrives earlier simply waits for the first free compile process.
 
 Transient failures (a compile process that died) are passed on to the asker and never
 cached: the next ask compiles again.
+
+The disk tier (grammar_cache/disk.py): a miss looks on this node's disk before compiling,
+and every compiled grammar is written there, so a restarted actor (or cluster) compiles
+nothing it compiled before.
+
+Warm replication: workers report how often each grammar was requested (``hot(fp, cursor,
+uses)``, every second or so, from their background replicator); a grammar requested
+``replicate_after_requests`` times anywhere in the cluster, or listed in ``hot_specs``,
+joins the tokenizer's hot list, and every worker fetches what it lacks of that list in the
+background, so a request that meets a known grammar on another worker finds it there.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import threading
 import ray
 from ray.util import metrics
 
+from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.compile_pool import CompilePool, CompileResult
 from grammar_cache.config import GrammarCacheConfig
@@ -90,7 +101,16 @@ class GrammarCache:
         self.inflight: dict[str, asyncio.Future] = {}
         self.compile_times: deque[float] = deque(maxlen=2048)
         self.counts = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "timeouts": 0,
-                       "joined": 0, "local_verdicts": 0, "unavailable": 0}
+                       "joined": 0, "local_verdicts": 0, "unavailable": 0, "disk_hits": 0,
+                       "hot": 0}
+        self.disk = disk_tier.from_config(config)
+        # keys ever asked for (bounded: how the cluster's compiles per distinct grammar is
+        # computed) and requests per key reported by workers
+        self.distinct: OrderedDict[str, None] = OrderedDict()
+        self.demand: dict[str, int] = {}
+        self.specs: dict[str, GrammarSpec] = {}  # key -> spec, for the hot lists
+        self.hot_lists: dict[str, list[str]] = {}  # fingerprint -> hot keys, oldest first
+        self._hot_sets: dict[str, set[str]] = {}
         self._ready = threading.Event()
         self._ready_error: str | None = None
         threading.Thread(target=self._start_pool, name="grammar-pool-start",
@@ -124,7 +144,39 @@ class GrammarCache:
 
     def register_tokenizer(self, fingerprint: str, tokenizer_json: str) -> None:
         self.tokenizers[fingerprint] = tokenizer_json
+        for spec in self.config.hot_grammar_specs():  # configured hot: warm everywhere
+            self._mark_hot(spec, fingerprint)
 
+    # warm replication ----------------------------------------------------------------
+
+    def _mark_hot(self, spec: GrammarSpec, fingerprint: str) -> None:
+        key = spec.key(fingerprint)
+        hot = self._hot_sets.setdefault(fingerprint, set())
+        if key not in hot:
+            hot.add(key)
+            self.specs[key] = spec
+            self.hot_lists.setdefault(fingerprint, []).append(key)
+            self.counts["hot"] += 1
+
+    def hot(self, fingerprint: str, since: int = 0,
+            uses: list[tuple[str, int, GrammarSpec | None]] = ()) -> tuple[int, list]:
+        """Takes a worker's report of requests per grammar since its last call (``uses``:
+        (key, requests, spec or None when sent before)) and returns ``(cursor, specs)``:
+        the tokenizer's hot grammars added since ``since`` (the cursor of the last call; 0
+        for a new worker, which gets every hot grammar, most requested first), without
+        those known to fail."""
+        for key, n, spec in uses:
+            if spec is not None:
+                self.specs.setdefault(key, spec)
+            self.demand[key] = self.demand.get(key, 0) + n
+            if (self.config.replicate and key in self.specs
+                    and self.demand[key] >= self.config.replicate_after_requests):
+                self._mark_hot(self.specs[key], fingerprint)
+        keys = self.hot_lists.get(fingerprint, [])
+        new = keys[since:]
+        if since == 0:
+            new = sorted(new, key=lambda k: -self.demand.get(k, 0))
+        return len(keys), [self.specs[k] for k in new if self._cached_error(k) is None]
     def has_tokenizer(self, fingerprint: str) -> bool:
         return fingerprint in self.tokenizers
 
@@ -134,6 +186,11 @@ class GrammarCache:
         if fingerprint not in self.tokenizers:
             return None
         key = spec.key(fingerprint)  # cached on the spec by whoever built it
+        self.specs.setdefault(key, spec)
+        self.distinct[key] = None
+        self.distinct.move_to_end(key)
+        while len(self.distinct) > 100_000:
+            self.distinct.popitem(last=False)
         data = self.lru.get(key) or self._cached_error(key)
         if data is not None:
             self._count("hits")
@@ -145,7 +202,9 @@ class GrammarCache:
         fut = asyncio.get_running_loop().create_future()
         self.inflight[key] = fut
         try:
-            data = await self._compile(spec, fingerprint, key)
+            data = await self._from_disk(fingerprint, key)
+            if data is None:
+                data = await self._compile(spec, fingerprint, key)
             fut.set_result(data)
             return data
         except BaseException as exc:
@@ -154,6 +213,26 @@ class GrammarCache:
             raise
         finally:
             del self.inflight[key]
+
+    async def _from_disk(self, fingerprint: str, key: str) -> bytes | None:
+        """The envelope this node's disk keeps for the key (checked: versions, tokenizer,
+        key), or None."""
+        if self.disk is None:
+            return None
+        data = await asyncio.to_thread(self.disk.get, fingerprint, key)
+        if data is None:
+            return None
+        try:
+            env = envelope.read_header(data)
+        except envelope.EnvelopeMismatch:
+            return None
+        if any(env.get(f) != v for f, v in envelope._header(fingerprint, key).items()) or (
+                "error" in env):
+            return None
+        self.counts["disk_hits"] += 1
+        self.lru.put(key, data)
+        self._m_bytes.set(self.lru.bytes)
+        return data
 
     async def _compile(self, spec: GrammarSpec, fingerprint: str, key: str) -> bytes:
         t = time.perf_counter()
@@ -183,6 +262,8 @@ class GrammarCache:
                 self.counts["local_verdicts"] += 1
             self.lru.put(key, data)
             self._m_bytes.set(self.lru.bytes)
+            if self.disk is not None:  # off the event loop: hundreds of MB take a while
+                await asyncio.to_thread(self.disk.put, fingerprint, key, data)
         return data
 
     def _cached_error(self, key: str) -> bytes | None:
@@ -204,7 +285,14 @@ class GrammarCache:
         def pct(q):
             return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
 
+        distinct = len(self.distinct)
         return {**self.counts, "entries": len(self.lru), "bytes": self.lru.bytes,
+                "distinct_grammars": distinct,
+                # 1.0: every grammar the cluster asked for was compiled exactly once (disk
+                # hits count as no compile)
+                "compiles_per_distinct_grammar": (self.counts["compiles"] / distinct
+                                                  if distinct else 0.0),
+                "disk": self.disk.stats() if self.disk is not None else {},
                 "max_bytes": self.config.max_bytes, "evictions": self.lru.evictions,
                 "cached_errors": len(self.errors), "tokenizers": len(self.tokenizers),
                 "compile_p50_s": pct(0.5), "compile_p99_s": pct(0.99),
@@ -233,6 +321,9 @@ class GrammarCacheActor:
 
     async def get(self, spec: GrammarSpec, fingerprint: str) -> bytes | None:
         return await self.cache.get(spec, fingerprint)
+
+    def hot(self, fingerprint: str, since: int = 0, uses: list = ()) -> tuple[int, list]:
+        return self.cache.hot(fingerprint, since, uses)
 
     def stats(self) -> dict:
         return self.cache.stats()

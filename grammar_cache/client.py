@@ -22,6 +22,9 @@ Paths, each bounded by the limits of the one ``GrammarCacheConfig``:
   fine; this worker is too loaded), while the compile thread, which xgrammar cannot
   interrupt, runs to its end. While that slot is taken, verdicts compile in the fallback
   child process instead (killable, slower to hand back).
+- **disk** (grammar_cache/disk.py), first: an envelope this node kept (written by the
+  actor or by a worker) is loaded without asking the actor; what the actor sends is written
+  there (in the background) for the node's next worker or the next start of the cluster.
 - **local fallback**: actor not found, dead, not ready in time, or its envelope does not
   match this process: compile in this client's own child process (started warm at
   construction, same limits), log once per outage, skip the actor for ``retry_after_s``.
@@ -38,6 +41,7 @@ import time
 import ray
 import xgrammar as xgr
 
+from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.actor import ACTOR_NAME, NAMESPACE
 from grammar_cache.compile import compile_spec, tokenizer_fingerprint
@@ -81,7 +85,9 @@ class GrammarCacheClient:
         self._counts = {"fetches": 0, "actor_hits": 0, "verdicts": 0, "verdicts_in_child": 0,
                         "verdict_timeouts": 0, "local_fallbacks": 0, "actor_failures": 0,
                         "registrations": 0, "registration_retries": 0, "unavailable": 0,
-                        "fetch_wait_s": 0.0, "fetch_wait_max_s": 0.0}
+                        "fetch_wait_s": 0.0, "fetch_wait_max_s": 0.0, "disk_hits": 0,
+                        "disk_writes": 0}
+        self.disk = disk_tier.from_config(config)
         # the fallback's compile process starts now, in the background: started only when
         # the actor fails, it would make every request wait for its imports (seconds,
         # tens of seconds on a loaded machine) exactly when the cache is down
@@ -111,7 +117,8 @@ class GrammarCacheClient:
         (compiled in-process on the actor's word), verdicts_in_child, verdict_timeouts,
         local_fallbacks (compiled without the actor), actor_failures, registrations,
         registration_retries, unavailable (transient failures returned), fetch_wait_s (total)
-        and fetch_wait_max_s; actor_skipped: the actor is being skipped after a failure."""
+        and fetch_wait_max_s; disk_hits (loaded from this node's disk tier) and disk_writes;
+        actor_skipped: the actor is being skipped after a failure."""
         with self._lock:
             out = dict(self._counts)
         out["actor_skipped"] = time.monotonic() < self._down_until
@@ -119,19 +126,45 @@ class GrammarCacheClient:
 
     def _fetch(self, spec: GrammarSpec):
         key = spec.key(self.fingerprint)
+        if self.disk is not None:
+            data = self.disk.get(self.fingerprint, key)
+            if data is not None:
+                try:
+                    compiled = envelope.unpack(data, self.info, self.fingerprint, key)
+                    self._count("disk_hits")
+                    return compiled
+                except envelope.CompileLocally:
+                    self._count("disk_hits")
+                    self._count("verdicts")
+                    return self._compile_verdict(spec)
+                except (envelope.EnvelopeMismatch, GrammarUnavailable):
+                    pass  # not ours after all (or an error): ask the actor
         data = self._from_actor(spec)
         if data is not None:
             try:
                 compiled = envelope.unpack(data, self.info, self.fingerprint, key)
                 self._count("actor_hits")
+                self._keep(key, data)
                 return compiled
             except envelope.CompileLocally:
                 self._count("verdicts")
+                self._keep(key, data)
                 return self._compile_verdict(spec)
             except envelope.EnvelopeMismatch as exc:
                 self._fallback(f"its envelope does not match this worker ({exc})")
         self._count("local_fallbacks")
         return self._compile_in_child(spec, key)
+
+    def _keep(self, key: str, data: bytes) -> None:
+        """Writes what the actor sent to this node's disk, unless it is there already (the
+        actor on this node wrote it), on a thread of its own: the request does not wait."""
+        if self.disk is None or self.disk.has(self.fingerprint, key):
+            return
+
+        def write():
+            if self.disk.put(self.fingerprint, key, data):
+                self._count("disk_writes")
+        threading.Thread(target=write, name="grammar-disk-write", daemon=True).start()
 
     # the actor ----------------------------------------------------------------------
 
@@ -246,7 +279,14 @@ class GrammarCacheClient:
 
     def _compile_in_child(self, spec: GrammarSpec, key: str):
         result = self._local_pool().compile(spec, self.fingerprint, self._tokenizer_json, key)
-        return envelope.unpack(result.data, self.info, self.fingerprint, key)
+        compiled = envelope.unpack(result.data, self.info, self.fingerprint, key)
+        # compiled without the actor: the node keeps it anyway (as the actor would: a
+        # verdict where loading it costs more than compiling it)
+        if result.load_s >= self.config.local_verdict_factor * result.compile_s:
+            self._keep(key, envelope.pack_local(self.fingerprint, key, result.compile_s))
+        else:
+            self._keep(key, result.data)
+        return compiled
 
     def _compiler(self):
         with self._lock:

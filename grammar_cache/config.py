@@ -10,6 +10,8 @@ It crosses Ray as ``config.model_dump()`` and is rebuilt with ``GrammarCacheConf
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -31,12 +33,51 @@ class GrammarCacheConfig(BaseModel):
     # how long a client waits for a starting cache actor (its compile processes import
     # xgrammar: seconds, tens of seconds on a loaded machine) before compiling locally
     ready_timeout_s: float = Field(60.0, gt=0)
+    # workers compile through the shared actor; False: each worker compiles by itself (no
+    # actor, no replication: the baseline bench/grammar_cache.py compares against)
+    shared: bool = True
+    # warm replication: a grammar requested this many times anywhere in the cluster (or
+    # listed in hot_specs) is fetched by every worker of the model in the background
+    replicate: bool = True
+    replicate_after_requests: int = Field(2, ge=1)
+    replicate_interval_s: float = Field(1.0, gt=0, le=60)
+    # a worker stops prefetching while its local grammar LRU holds more than this; what
+    # its requests ask for is still fetched (the LRU's own bound is the engine's
+    # grammar_cache_bytes)
+    replicate_max_bytes: int = Field(256 * 2**20, ge=0)
+    # grammars every worker warms at start, as GrammarSpec fields: {"kind": "json_schema",
+    # "source": {...schema...}} (a JSON source may be given as an object)
+    hot_specs: list[dict] = Field(default_factory=list)
+    # the disk tier: compiled grammars (envelopes) persist per node under disk_dir (default
+    # $RAYGUIDE_CACHE_DIR/grammars, else ~/.cache/rayguide/grammars), keyed by xgrammar
+    # version, tokenizer fingerprint and spec key; oldest evicted past disk_max_bytes
+    # ($RAYGUIDE_GRAMMAR_CACHE_DIR, when set, is the folder itself)
+    disk: bool = True
+    disk_dir: str | None = None
+    disk_max_bytes: int = Field(2 * 2**30, ge=0)
 
     def __init__(self, **values):
         try:
             super().__init__(**values)
         except ValidationError as exc:
             raise ValueError(_explain(exc)) from None
+
+    @field_validator("hot_specs")
+    @classmethod
+    def _specs(cls, v: list[dict]) -> list[dict]:
+        return [hot_spec(d).to_dict() for d in v]  # canonical, and checked now
+
+    def hot_grammar_specs(self) -> list:
+        from grammar_cache.spec import GrammarSpec
+        return [GrammarSpec.from_dict(d) for d in self.hot_specs]
+
+    def disk_path(self) -> Path:
+        if self.disk_dir:
+            return Path(self.disk_dir).expanduser()
+        if os.environ.get("RAYGUIDE_GRAMMAR_CACHE_DIR"):  # tests: a folder of their own
+            return Path(os.environ["RAYGUIDE_GRAMMAR_CACHE_DIR"]).expanduser()
+        root = os.environ.get("RAYGUIDE_CACHE_DIR")
+        return (Path(root) if root else Path.home() / ".cache" / "rayguide") / "grammars"
 
     @field_validator("compile_timeout_s", "error_ttl_s", "ready_timeout_s")
     @classmethod
@@ -45,6 +86,23 @@ class GrammarCacheConfig(BaseModel):
         if not math.isfinite(v):
             raise ValueError("must be a finite number of seconds")
         return v
+
+
+def hot_spec(d: dict):
+    """A GrammarSpec from a hot_specs entry; a JSON source may be an object or a list."""
+    import json
+
+    from grammar_cache.spec import GrammarSpec
+    if not isinstance(d, dict) or "kind" not in d:
+        raise ValueError(f"each hot_specs entry is a mapping of GrammarSpec fields with a "
+                         f"'kind' (e.g. {{kind: json_schema, source: {{...}}}}), got {d!r}")
+    d = dict(d)
+    if not isinstance(d.get("source", ""), str):
+        d["source"] = json.dumps(d["source"], ensure_ascii=False, separators=(",", ":"))
+    try:
+        return GrammarSpec.from_dict(d)
+    except TypeError as exc:
+        raise ValueError(f"hot_specs entry {d!r}: {exc}") from None
 
 
 def _explain(exc: ValidationError) -> str:

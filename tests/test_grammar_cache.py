@@ -6,6 +6,7 @@ Real Ray (a local instance), real child-process compiles."""
 import asyncio
 import os
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -23,6 +24,10 @@ from grammar_cache.errors import ErrorKind, GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
+
+# the disk tier of this module's caches (and of the actors' processes, which inherit the
+# environment at ray.init): a folder of its own, so every run starts cold
+os.environ["RAYGUIDE_GRAMMAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rayguide-grammars-")
 
 VOCAB = ["<eos>", "{", "}", '"', "a", "b", ":", ",", " ", "1", "2", "true", "false", "[", "]",
          "x", "y", "z", "0", "-"] + [chr(c) for c in range(ord("c"), ord("w"))]

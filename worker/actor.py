@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import ray
 
@@ -47,6 +48,7 @@ class WorkerActor:
         config = EngineConfig(**(engine_config or {}))
         self.worker_id = worker_id or f"worker-{os.getpid()}"
         self.grammar_client = None
+        self.replicator = None
         fetch = None
         if grammar_cache is not None:
             fetch = self._cache_fetch(*grammar_cache)
@@ -61,6 +63,14 @@ class WorkerActor:
         # grammar families (GrammarSpec.family) this worker compiled or fetched, most recent
         # last: reported in load() for the scheduler's grammar-affinity routing
         self.families: OrderedDict[str, None] = OrderedDict()
+        # per guided request: did its grammar have to be fetched / compiled (a wait), and
+        # for how long; the last ones kept for benchmarks (grammar_requests())
+        self._grammar_counts = {"grammar_requests": 0, "grammar_request_waits": 0,
+                                "grammar_request_wait_s": 0.0, "grammar_request_wait_max_s": 0.0}
+        self._grammar_lock = threading.Lock()
+        self._grammar_log: deque = deque(maxlen=8192)
+        if self.grammar_client is not None and grammar_cache is not None:
+            self._start_replicator(*grammar_cache)
         if scheduler is not None:
             try:
                 handle = ray.get_actor(scheduler[0], namespace=scheduler[1])
@@ -83,14 +93,69 @@ class WorkerActor:
             return self.grammar_client.fetch
         return factory
 
+    def _start_replicator(self, name: str, namespace: str, config: dict) -> None:
+        """Warm replication (grammar_cache/replication.py): the task itself starts on the
+        actor's event loop at the first async call (load, health, generate)."""
+        from grammar_cache.actor import GrammarCacheConfig
+        from grammar_cache.replication import Replicator
+        guided = self.engine.engine.guided
+        if guided is None:
+            return
+        self.replicator = Replicator(
+            GrammarCacheConfig(**config), guided.fingerprint,
+            actor=lambda: ray.get_actor(name, namespace=namespace),
+            prefetch=guided.get_grammar, holds=guided.holds,
+            held_bytes=lambda: guided.cached_bytes,
+            on_held=lambda spec: self._hold(spec.family))
+
+    def _replicating(self) -> None:
+        if self.replicator is not None:
+            self.replicator.start()
+
+    def _count_grammar_request(self, request: GenerationRequest) -> None:
+        """Counts the request, and whether its grammar was ready here when it arrived; a
+        wait is timed until the grammar is ready (the engine's ask joins this one)."""
+        guided = self.engine.engine.guided
+        spec = request.grammar
+        if guided is None:
+            return
+        if self.replicator is not None:
+            self.replicator.used(spec)
+        entry = [request.request_id, spec.family, time.time(), False, 0.0]
+        with self._grammar_lock:
+            self._grammar_counts["grammar_requests"] += 1
+            self._grammar_log.append(entry)
+        if guided.holds(spec):
+            return
+        entry[3] = True
+        t = time.monotonic()
+
+        def done(_):
+            wait = time.monotonic() - t
+            entry[4] = wait
+            with self._grammar_lock:
+                c = self._grammar_counts
+                c["grammar_request_waits"] += 1
+                c["grammar_request_wait_s"] += wait
+                c["grammar_request_wait_max_s"] = max(c["grammar_request_wait_max_s"], wait)
+        guided.get_grammar(spec).add_done_callback(done)
+
+    def grammar_requests(self) -> list:
+        """The last guided requests here: [request_id, family, arrival (epoch s), waited,
+        wait_s]; what bench/grammar_cache.py computes its wait share from."""
+        with self._grammar_lock:
+            return [list(e) for e in self._grammar_log]
+
     async def generate(self, request: GenerationRequest):
         """Streams the request's RequestOutput chunks; a bad request raises ValueError
         before the first chunk."""
         if not isinstance(request, GenerationRequest):
             raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         tokenizer = self.engine.engine.tokenizer
+        self._replicating()
         if request.grammar is not None:
             self._hold(request.grammar.family)
+            self._count_grammar_request(request)
         async for out in self.engine.generate(request):
             out.worker_id = self.worker_id
             if out.logprobs:  # front ends show tokens as text; only the worker has the vocab
@@ -116,6 +181,7 @@ class WorkerActor:
         self.engine.abort(request_id)
 
     async def load(self) -> dict:
+        self._replicating()
         stats = dataclasses.asdict(await self.engine.stats())
         stats.update(worker_id=self.worker_id, model=self.model_name, node_id=self.node_id,
                      device=self.device, host=socket.gethostname(), pid=os.getpid(),
@@ -123,10 +189,21 @@ class WorkerActor:
                      grammar_families=list(self.families),
                      generation_defaults=self.generation_defaults,
                      uptime_s=time.time() - self.started,
-                     grammar_client=(self.grammar_client.stats()
-                                     if self.grammar_client is not None else {}))
+                     grammar_client=self._grammar_stats())
         return stats
 
+    def _grammar_stats(self) -> dict:
+        """The grammar counters in load() (rendered by /metrics as
+        rayguide_worker_grammar_client_<name>): the cache client's, replication's
+        (prefetches, ...), and per request (grammar_requests, grammar_request_waits, ...)."""
+        out = self.grammar_client.stats() if self.grammar_client is not None else {}
+        if self.replicator is not None:
+            out.update(self.replicator.stats())
+        with self._grammar_lock:
+            out.update(self._grammar_counts)
+        return out
+
     async def health(self) -> bool:
+        self._replicating()
         await self.engine.stats()  # answered by the engine thread: the loop is alive
         return True

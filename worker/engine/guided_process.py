@@ -120,6 +120,13 @@ class GuidedDecodingManager:
             self._inflight[key] = fut
             return fut
 
+    def holds(self, spec: GrammarSpec) -> bool:
+        """Whether ``spec``'s compiled grammar is ready here (a request for it would not
+        wait); for the worker's replication and its per-request wait counters."""
+        with self._lock:
+            cached = self._grammars.get(spec.key(self.fingerprint))
+            return cached is not None and not isinstance(cached, GrammarError)
+
     def _compile(self, key: str, spec: GrammarSpec):
         t = time.perf_counter()
         try:

@@ -1,0 +1,148 @@
+"""The disk tier: compiled grammars (their envelopes) persisted per node.
+
+    <disk_dir>/xgr-<xgrammar version>-s<serialization version>/<tokenizer fingerprint>/<key>.env
+
+so a restarted cluster (the cache actor on its node) or a new worker warms from disk
+instead of compiling. The path carries the versions and the fingerprint, and the envelope
+repeats them (checked again on unpack), so a file written by another xgrammar or for
+another tokenizer is never loaded. Writes are atomic (a temporary file in the same folder,
+then ``os.replace``): a reader sees a whole envelope or none, and several processes of a
+node may write the same key at once. The folder is bounded by ``max_bytes``: past it, the
+files least recently used (a read touches its file's mtime) are deleted.
+
+Only compiled grammars and "compile locally" verdicts are written; errors are not (they
+expire, and a grammar error is cheap to find again). Every failure of the disk (full,
+read-only, removed under us) is logged once and counted, never raised: the disk is a cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import xgrammar as xgr
+
+from grammar_cache import envelope
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".env"
+
+
+class DiskStore:
+    def __init__(self, root: str | Path, max_bytes: int = 2 * 2**30):
+        self.base = Path(root)
+        self.root = self.base / f"xgr-{envelope.XGRAMMAR_VERSION}-s{xgr.get_serialization_version()}"
+        self.max_bytes = max_bytes
+        self.counts = {"disk_hits": 0, "disk_misses": 0, "disk_writes": 0,
+                       "disk_evictions": 0, "disk_errors": 0}
+        self._lock = threading.Lock()
+        self._warned = False
+        self._written_since_sweep = 0
+
+    def path(self, fingerprint: str, key: str) -> Path:
+        return self.root / fingerprint / f"{key}{SUFFIX}"
+
+    def get(self, fingerprint: str, key: str) -> bytes | None:
+        """The envelope bytes kept for ``key``, or None."""
+        p = self.path(fingerprint, key)
+        try:
+            data = p.read_bytes()
+            os.utime(p)  # recently used: evicted last
+        except FileNotFoundError:
+            self._count("disk_misses")
+            return None
+        except OSError as exc:
+            self._error(f"reading {p}", exc)
+            return None
+        self._count("disk_hits" if data else "disk_misses")
+        return data or None
+
+    def has(self, fingerprint: str, key: str) -> bool:
+        return self.path(fingerprint, key).exists()
+
+    def put(self, fingerprint: str, key: str, data: bytes) -> bool:
+        """Writes ``data`` atomically; False if it was not written (too large, disk error)."""
+        if not data or len(data) > self.max_bytes:
+            return False
+        p = self.path(fingerprint, key)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=p.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, p)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            self._error(f"writing {p}", exc)
+            return False
+        self._count("disk_writes")
+        with self._lock:
+            self._written_since_sweep += len(data)
+        self.sweep()
+        return True
+
+    def sweep(self) -> int:
+        """Deletes the least recently used files while the folder holds more than max_bytes
+        (every version's folder counts: an upgrade leaves old ones to age out). Returns
+        the bytes held after."""
+        files = []
+        for f in self.base.glob(f"*/*/*{SUFFIX}"):
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, f))
+        total = sum(size for _, size, _ in files)
+        files.sort()
+        for _, size, f in files:
+            if total <= self.max_bytes:
+                break
+            try:
+                f.unlink()
+                total -= size
+                self._count("disk_evictions")
+            except FileNotFoundError:
+                total -= size  # another process of the node evicted it
+            except OSError as exc:
+                self._error(f"evicting {f}", exc)
+                break
+        for stale in self.base.glob("*/*/.*.tmp"):  # a writer killed mid-write, long ago
+            try:
+                if time.time() - stale.stat().st_mtime > 3600:
+                    stale.unlink()
+            except OSError:
+                pass
+        return total
+
+    def bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.base.glob(f"*/*/*{SUFFIX}") if f.exists())
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self.counts)
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counts[name] += 1
+
+    def _error(self, what: str, exc: OSError) -> None:
+        self._count("disk_errors")
+        if not self._warned:
+            self._warned = True
+            logger.warning("grammar disk cache: %s failed (%s); going on without it where "
+                           "it fails (counted in disk_errors)", what, exc)
+
+
+def from_config(config) -> DiskStore | None:
+    """The node's store for a GrammarCacheConfig, or None when the disk tier is off."""
+    if not config.disk or config.disk_max_bytes <= 0:
+        return None
+    return DiskStore(config.disk_path(), config.disk_max_bytes)

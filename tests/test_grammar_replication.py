@@ -1,0 +1,241 @@
+"""Issue 14: the disk tier, the hot list, warm replication through real workers.
+
+A new worker added to a warm cluster serves the cluster's known grammars without fetching
+or compiling them on the request path; a restarted cache (or cluster) warms from the disk
+instead of compiling; configured hot grammars are on every worker before any request.
+Real Ray (a local instance), real xgrammar, real child-process compiles, the tiny model."""
+
+import asyncio
+import json
+import os
+import time
+import uuid
+
+import pytest
+import ray
+import xgrammar as xgr
+
+from grammar_cache import envelope
+from grammar_cache.actor import GrammarCache, GrammarCacheConfig
+from grammar_cache.compile import tokenizer_fingerprint
+from grammar_cache.disk import DiskStore
+from grammar_cache.spec import GrammarSpec
+
+pytestmark = pytest.mark.integration
+
+VOCAB = ["<eos>", "{", "}", '"', "a", "b", ":", ",", " ", "1", "2", "[", "]", "x", "y", "0"] + \
+    [chr(c) for c in range(ord("c"), ord("w"))]
+
+
+def spec(i=0):
+    return GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"}},
+                                    "required": [f"p{i}"]})
+
+
+def tiny_cache(tmp_path, **config):
+    # local_verdict_factor inf: always the serialized grammar (tiny grammars load slower
+    # than they compile, and would be sent as verdicts)
+    config.setdefault("local_verdict_factor", float("inf"))
+    config.setdefault("compile_processes", 1)
+    cache = GrammarCache(GrammarCacheConfig(disk_dir=str(tmp_path), **config))
+    info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[0])
+    fp = tokenizer_fingerprint(info)
+    cache.register_tokenizer(fp, info.serialize_json())
+    return cache, info, fp
+
+
+# the disk tier --------------------------------------------------------------------------
+
+def test_disk_store_atomic_bounded_and_versioned(tmp_path):
+    store = DiskStore(tmp_path, max_bytes=2500)
+    for i in range(3):
+        assert store.put("fp", f"k{i}", bytes([i]) * 1000)
+        time.sleep(0.01)  # distinct mtimes: eviction order is by last use
+    # 3000 bytes over a 2500 bound: the least recently used one went
+    assert store.get("fp", "k0") is None
+    assert store.get("fp", "k2") == bytes([2]) * 1000
+    assert not list(tmp_path.rglob("*.tmp"))  # written through a renamed temporary file
+    # the path names the xgrammar and serialization versions: another version's folder is
+    # another cache
+    assert store.path("fp", "k1").parent.parent.name.startswith(
+        f"xgr-{envelope.XGRAMMAR_VERSION}-s")
+    assert store.put("fp", "huge", b"x" * 3000) is False  # over the whole bound: not kept
+
+
+def test_restarted_cache_warms_from_disk(tmp_path):
+    first, info, fp = tiny_cache(tmp_path)
+    try:
+        data = asyncio.run(first.get(spec(1), fp))
+        assert first.counts["compiles"] == 1
+    finally:
+        first.close()
+    second, _, _ = tiny_cache(tmp_path)  # the actor restarted (or the whole cluster)
+    try:
+        again = asyncio.run(second.get(spec(1), fp))
+        assert second.counts["compiles"] == 0 and second.counts["disk_hits"] == 1
+        m = xgr.GrammarMatcher(envelope.unpack(again, info, fp))
+        assert m.accept_string('{"p1": 2}') and data == again
+        # a grammar it never compiled is still compiled (and an invalid one is not kept)
+        asyncio.run(second.get(spec(2), fp))
+        assert second.counts["compiles"] == 1
+        asyncio.run(second.get(GrammarSpec.regex("[z-a]"), fp))
+        assert not second.disk.has(fp, GrammarSpec.regex("[z-a]").key(fp))
+    finally:
+        second.close()
+
+
+def test_a_file_for_another_tokenizer_is_never_loaded(tmp_path):
+    cache, info, fp = tiny_cache(tmp_path)
+    try:
+        other = DiskStore(tmp_path)
+        key = spec(3).key(fp)
+        # a stale envelope under this key: right name, wrong tokenizer inside
+        other.put(fp, key, envelope.pack_local("another-fingerprint", key, 0.1))
+        data = asyncio.run(cache.get(spec(3), fp))
+        assert cache.counts["disk_hits"] == 0 and cache.counts["compiles"] == 1
+        assert "grammar" in envelope.read_header(data)
+    finally:
+        cache.close()
+
+
+# the hot list ---------------------------------------------------------------------------
+
+def test_hot_after_two_requests_or_by_config(tmp_path):
+    configured = {"kind": "json_schema", "source": {"type": "object"}}
+    cache, info, fp = tiny_cache(tmp_path, hot_specs=[configured])
+    try:
+        cursor, specs = cache.hot(fp, 0, [])
+        assert [s.kind for s in specs] == ["json_schema"] and cursor == 1
+        s1 = spec(4)
+        cursor, specs = cache.hot(fp, cursor, [(s1.key(fp), 1, s1)])
+        assert specs == []  # asked once: not hot yet
+        cursor, specs = cache.hot(fp, cursor, [(s1.key(fp), 1, None)])  # spec sent before
+        assert specs == [s1] and cursor == 2
+        assert cache.hot(fp, cursor, [])[1] == []  # each worker gets each one once
+        # a new worker (cursor 0) gets the whole list, most requested first
+        assert cache.hot(fp, 0, [])[1] == [s1, GrammarSpec.json_schema({"type": "object"})]
+        bad = GrammarSpec.regex("[z-a]")
+        asyncio.run(cache.get(bad, fp))  # invalid: a cached error
+        cache.hot(fp, cursor, [(bad.key(fp), 5, bad)])
+        assert bad not in cache.hot(fp, 0, [])[1]  # known to fail: never replicated
+    finally:
+        cache.close()
+
+
+def test_replication_off_keeps_the_list_empty(tmp_path):
+    cache, info, fp = tiny_cache(tmp_path, replicate=False)
+    try:
+        s1 = spec(5)
+        assert cache.hot(fp, 0, [(s1.key(fp), 9, s1)]) == (0, [])
+    finally:
+        cache.close()
+
+
+# through the runtime --------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "n": {"type": "integer"}}, "required": ["city", "n"]}
+HOT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    from cluster import launch
+    from cluster.config import ClusterConfig
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+    disk = tmp_path_factory.mktemp("grammar-disk")
+    config = ClusterConfig(
+        model=str(tiny_model_dir), num_workers=2,
+        worker={"num_cpus": 0.25, "num_threads": 1}, engine={"num_kv_blocks": 128},
+        grammar_cache={"disk_dir": str(disk), "replicate_interval_s": 0.2,
+                       "hot_specs": [{"kind": "json_schema", "source": HOT}]},
+        scheduler={"load_poll_interval_s": 0.2})
+    handles = launch.up(config)
+    yield config, handles
+    ray.shutdown()
+
+
+def guided(schema, max_tokens=24):
+    from cluster.client import GenerationRequest, SamplingParams
+    return GenerationRequest([{"role": "user", "content": "JSON please"}],
+                             SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
+                             grammar=GrammarSpec.json_schema(schema))
+
+
+def wait_for(predicate, what, timeout_s=120.0):
+    """Polls until ``predicate()``; a bounded wait, not a timing assertion."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def grammar_stats(worker):
+    return ray.get(worker.load.remote())["grammar_client"]
+
+
+def test_new_worker_serves_known_grammars_without_fetching(cluster):
+    from cluster.client import RuntimeClient
+    from scheduler.actor import NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX
+    from grammar_cache.actor import ACTOR_NAME
+    from worker.actor import WorkerActor
+
+    config, handles = cluster
+    client = RuntimeClient()
+    # a grammar asked for twice: hot
+    for _ in range(2):
+        out = asyncio.run(client.complete(guided(SCHEMA)))
+        assert out.finish_reason in ("stop", "length") and out.error is None, out
+    cache = handles["cache"]
+    wait_for(lambda: ray.get(cache.stats.remote())["hot"] >= 2, "the grammar turning hot")
+    compiles = ray.get(cache.stats.remote())["compiles"]
+
+    # a new worker joins the warm cluster
+    new = WorkerActor.options(name=f"{WORKER_PREFIX}new-{uuid.uuid4().hex[:4]}",
+                              namespace=NAMESPACE, num_cpus=0.25).remote(
+        _engine(config), "w-new", (SCHEDULER_NAME, NAMESPACE),
+        (ACTOR_NAME, NAMESPACE, dict(config.grammar_cache)))
+    # both hot grammars (the configured one and the requested one), in the background
+    wait_for(lambda: grammar_stats(new).get("prefetches", 0) >= 2, "the new worker's prefetch")
+    before = grammar_stats(new)
+    assert before["grammar_requests"] == 0  # nothing asked it for anything yet
+    families = ray.get(new.load.remote())["grammar_families"]
+    assert GrammarSpec.json_schema(SCHEMA).family in families  # affinity routing sees it
+
+    for schema in (SCHEMA, HOT):
+        chunks = [ray.get(r) for r in new.generate.remote(guided(schema, 16))]
+        assert chunks[-1].finished and chunks[-1].error is None, chunks[-1]
+    after = grammar_stats(new)
+    assert after["grammar_requests"] == 2
+    assert after["grammar_request_waits"] == 0  # ready on arrival: no wait on the path
+    assert after["fetches"] == before["fetches"]  # nothing fetched or compiled for them
+    assert ray.get(cache.stats.remote())["compiles"] == compiles
+    ray.kill(new, no_restart=True)
+
+
+def test_configured_hot_grammar_on_every_worker_before_any_request(cluster):
+    _, handles = cluster
+    for w in handles["workers"]:
+        wait_for(lambda: GrammarSpec.json_schema(HOT).family in
+                 ray.get(w.load.remote())["grammar_families"], "the configured hot grammar")
+    stats = ray.get(handles["cache"].stats.remote())
+    assert stats["compiles_per_distinct_grammar"] == pytest.approx(1.0)
+    assert stats["disk"]["disk_writes"] >= 1  # what it compiled is on this node's disk
+
+
+def test_metrics_show_replication_and_waits(cluster):
+    from deploy.metrics import Metrics
+
+    _, handles = cluster
+    loads = {f"w{i}": ray.get(w.load.remote()) for i, w in enumerate(handles["workers"])}
+    text = Metrics().render({"sessions": 0, "workers": loads})
+    for name in ("prefetches", "grammar_request_waits", "disk_hits", "local_fallbacks"):
+        assert f"rayguide_worker_grammar_client_{name}{{" in text, name
+    assert "rayguide_worker_grammar_local_hits{" in text
+
+
+def _engine(config):
+    import dataclasses
+    return dataclasses.asdict(config.engine_config())
