@@ -14,13 +14,29 @@ schema and a tool-calling structural tag with 50 tools:
 The client's counters are checked: a run where the worker fell back to compiling by itself
 (the cache actor silently skipped) fails.
 
-    python bench/grammar_cache.py [--quick] [--json] [--no-record]
+Then a cluster run (issue 14): 4 workers with a tiny random-weight model (the default
+model's tokenizer, so grammars cost what they cost in production), 32 clients, a Zipf mix
+over 100 grammars (small, medium and large schemas, 10- to 50-tool structural tags), run
+twice in the same process: with the shared cache + grammar-affinity routing + warm
+replication (a fresh disk tier), and with per-worker local compiles (no actor, no
+affinity). Then a new worker joins the warm cluster and serves known grammars.
+
+JSON keys of the cluster run: grammar_wait_share (requests that waited for a compile or a
+deserialize after their grammar's first compile in the cluster was done), its _local
+counterpart, compiles_per_distinct_grammar, ttft_p99_ratio_vs_local,
+warm_worker_first_hit_ms_p50, and the TTFT percentiles of both sides.
+
+    python bench/grammar_cache.py [--quick] [--json] [--no-record] [--no-cluster]
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -99,7 +115,18 @@ def timed(fn, reps: int) -> float:
 
 def main() -> None:
     ap = parser(__doc__.split("\n")[0])
+    ap.add_argument("--no-cluster", action="store_true", help="skip the cluster run")
+    ap.add_argument("--no-micro", action="store_true", help="skip the per-grammar table")
     args = ap.parse_args()
+    body, figures = ("", {}) if args.no_micro else micro(args)
+    if not args.no_cluster:
+        cbody, cfigures = cluster_run(args.quick)
+        body = (body + "\n\n" + cbody).strip()
+        figures.update(cfigures)
+    finish("grammar_cache", body, figures, args)
+
+
+def micro(args) -> tuple[str, dict]:
     reps = 1 if args.quick else 5
 
     import ray
@@ -184,7 +211,293 @@ def main() -> None:
              f"compile in-process). Actor ready after {ready_s:.1f} s; client: "
              f"{client_stats['actor_hits']} actor hits, {client_stats['verdicts']} verdicts, "
              f"{client_stats['local_fallbacks']} local fallbacks.")
-    finish("grammar_cache", body, figures, args)
+    return body, figures
+
+
+# the cluster run ------------------------------------------------------------------------
+
+CLIENTS = 32
+WORKERS = 4
+
+
+def small_variant(i: int) -> dict:
+    return {"type": "object", "properties": {f"name{i}": STR, f"age{i}": {"type": "integer"},
+                                             "ok": {"type": "boolean"}},
+            "required": [f"name{i}", f"age{i}"]}
+
+
+def medium_variant(i: int) -> dict:
+    schema = medium_schema()
+    schema["properties"][f"extra{i}"] = {"enum": [f"v{i}_{j}" for j in range(8)]}
+    return schema
+
+
+def grammar_mix(quick: bool) -> list[tuple[str, object]]:
+    """100 grammars: (kind, GrammarSpec). Quick: fewer and smaller large ones."""
+    from grammar_cache.spec import GrammarSpec
+    # distinct large schemas: entity count and a marker field
+    large = []
+    for i in range(2 if quick else 5):
+        schema = large_schema(6 + i if quick else 16 + 4 * i)
+        schema["properties"]["marker"] = {"const": i}
+        large.append(("large", GrammarSpec.json_schema(schema)))
+    tools = [("tools", GrammarSpec.structural_tag(tools_tag(n)))
+             for n in ((10, 12, 14, 16, 18, 20, 11, 13, 15, 17, 19, 10, 12, 14, 16) if quick
+                       else (10, 13, 16, 19, 22, 25, 28, 31, 34, 37, 40, 43, 46, 49, 50))]
+    # equal tool counts differ in their trigger
+    tools = [(k, sp) if j < 11 else ("tools", GrammarSpec.structural_tag(
+        {**tools_tag(int(10 + j)), "triggers": ["<tool_call>", f"<call{j}>"]}))
+             for j, (k, sp) in enumerate(tools)]
+    medium = [("medium", GrammarSpec.json_schema(medium_variant(i))) for i in range(25)]
+    small = [("small", GrammarSpec.json_schema(small_variant(i)))
+             for i in range(100 - len(large) - len(tools) - len(medium))]
+    mix = small + medium + large + tools
+    assert len({sp.key("") for _, sp in mix}) == 100, "grammars must be distinct"
+    return mix
+
+
+def zipf_schedule(mix, n: int, seed: int = 14) -> list[int]:
+    """n grammar indices, Zipf (s = 1.1) over a random ranking of the 100 grammars."""
+    rng = random.Random(seed)
+    ranking = list(range(len(mix)))
+    rng.shuffle(ranking)
+    # the large schemas ranked where they are drawn a few times (a random rank would often
+    # leave them out of a short run)
+    for rank, i in zip((4, 11, 19, 29, 41), [i for i, (k, _) in enumerate(mix) if k == "large"]):
+        j = ranking.index(i)
+        ranking[rank], ranking[j] = ranking[j], ranking[rank]
+    weights = [1 / (r + 1) ** 1.1 for r in range(len(mix))]
+    return [ranking[rng.choices(range(len(mix)), weights)[0]] for _ in range(n)]
+
+
+def tiny_model(root: Path) -> str:
+    """A tiny random-weight Llama with the default model's tokenizer (as tests/conftest.py)."""
+    import torch
+    import transformers
+
+    from worker.models.loader import resolve_model_dir
+    path = root / "tiny-llama"
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    for f in Path(resolve_model_dir(None, progress=False)).iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja",
+                                                         "generation_config.json"):
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool) -> dict:
+    """One side of the comparison on a fresh runtime: TTFT per request, the workers'
+    per-request grammar log, the cache's stats; with ``shared``, a new worker joins at the
+    end and serves known grammars."""
+    import ray
+
+    from cluster import launch
+    from cluster.client import GenerationRequest, RuntimeClient, SamplingParams
+    from cluster.config import ClusterConfig
+    cache_config = {"compile_timeout_s": 120, "compile_memory_mb": 16384,
+                    "disk_dir": disk_dir, "shared": shared, "replicate": shared}
+    config = ClusterConfig(
+        model=model, num_workers=WORKERS, worker={"num_cpus": 0.25, "num_threads": 1},
+        # closing_window 0: no closing search (the tiny model's output is noise; what is
+        # measured is the wait for grammars)
+        engine={"num_kv_blocks": 512, "max_num_seqs": 64, "closing_window": 0,
+                "grammar_timeout_s": 300},
+        grammar_cache=cache_config,
+        # the local side routes on load alone (a negative margin: no worker qualifies)
+        scheduler={"load_poll_interval_s": 0.25,
+                   "affinity_margin_tokens": 2048 if shared else -1})
+    handles = launch.up(config)
+    client = RuntimeClient()
+    ttft: list[float] = []
+    errors: list[str] = []
+    queue = list(schedule)
+
+    async def one(spec):
+        request = GenerationRequest([{"role": "user", "content": "Answer in JSON."}],
+                                    SamplingParams(max_new_tokens=4, temperature=0.0),
+                                    grammar=spec)
+        t = time.perf_counter()
+        first = None
+        async for chunk in client.generate(request):
+            if first is None:
+                first = time.perf_counter() - t
+            if chunk.error:
+                errors.append(chunk.error)
+        ttft.append(first)
+
+    async def worker_loop():
+        while queue:
+            await one(mix[queue.pop()][1])
+
+    t0 = time.perf_counter()
+    asyncio.run(asyncio.wait_for(asyncio.gather(*(worker_loop() for _ in range(CLIENTS))),
+                                 timeout=1500))
+    wall = time.perf_counter() - t0
+    logs = [e for w in handles["workers"] for e in ray.get(w.grammar_requests.remote())]
+    loads = ray.get([w.load.remote() for w in handles["workers"]])
+    out = {"ttft": ttft, "errors": errors, "logs": logs, "wall_s": wall, "loads": loads,
+           "cache": ray.get(handles["cache"].stats.remote()) if shared else None}
+    if shared:
+        out["warm"] = warm_worker(config, handles, mix, schedule, quick)
+    del client, handles
+    launch.down()
+    deadline = time.monotonic() + 60
+    while any(a["namespace"] == "rayguide" for a in ray.util.list_named_actors(True)):
+        if time.monotonic() > deadline:
+            raise SystemExit("rayguide actors did not go away")
+        time.sleep(0.2)
+    return out
+
+
+def warm_worker(config, handles, mix, schedule, quick: bool) -> dict:
+    """A new worker joins the warm cluster: once its background replication is done, its
+    first request for each known (hot) grammar, time to the first chunk."""
+    import dataclasses
+
+    import ray
+
+    from cluster.client import GenerationRequest, SamplingParams
+    from grammar_cache.actor import ACTOR_NAME
+    from scheduler.actor import NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX
+    from worker.actor import WorkerActor
+    t0 = time.perf_counter()
+    new = WorkerActor.options(name=f"{WORKER_PREFIX}{WORKERS}", namespace=NAMESPACE,
+                              num_cpus=0.25).remote(
+        dataclasses.asdict(config.engine_config()), f"w{WORKERS}",
+        (SCHEDULER_NAME, NAMESPACE), (ACTOR_NAME, NAMESPACE, dict(config.grammar_cache)))
+    ray.get(new.health.remote())
+    started = time.perf_counter() - t0
+    hot = ray.get(handles["cache"].stats.remote())["hot"]
+    last, stable, deadline = -1, 0, time.monotonic() + 600
+    while time.monotonic() < deadline:  # replication is done when the count stops moving
+        st = ray.get(new.load.remote())["grammar_client"]
+        done = st.get("prefetches", 0) + st.get("prefetch_failures", 0)
+        stable = stable + 1 if done == last and done >= hot else 0
+        if stable >= 3:
+            break
+        last = done
+        time.sleep(0.5)
+    replicated = time.perf_counter() - t0
+    stats = ray.get(new.load.remote())["grammar_client"]
+    counts: dict[int, int] = {}
+    for i in schedule:
+        counts[i] = counts.get(i, 0) + 1
+    known = [i for i, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n >= 2]
+    known = known[:10 if quick else 30]
+    times, waited = [], 0
+    for i in known:
+        request = GenerationRequest([{"role": "user", "content": "Answer in JSON."}],
+                                    SamplingParams(max_new_tokens=2, temperature=0.0),
+                                    grammar=mix[i][1])
+        t = time.perf_counter()
+        gen = new.generate.remote(request)
+        ray.get(next(gen))
+        times.append(time.perf_counter() - t)
+        for ref in gen:
+            ray.get(ref)
+    after = ray.get(new.load.remote())["grammar_client"]
+    waited = after["grammar_request_waits"] - stats["grammar_request_waits"]
+    ray.kill(new, no_restart=True)
+    return {"first_hit_s": times, "waited": waited, "known": len(known),
+            "prefetches": stats.get("prefetches", 0), "started_s": started,
+            "replicated_s": replicated, "hot": hot}
+
+
+def wait_share(logs) -> tuple[float, int, int]:
+    """(share, waits, requests): requests that waited for their grammar although it had
+    been ready somewhere in the cluster before they arrived (its first compile was done)."""
+    ready: dict[str, float] = {}
+    for _, family, arrived, waited, wait_s in logs:
+        done = arrived + (wait_s if waited else 0.0)
+        ready[family] = min(ready.get(family, done), done)
+    late = sum(1 for _, family, arrived, waited, _ in logs
+               if waited and arrived > ready[family])
+    return (late / len(logs) if logs else 0.0), late, len(logs)
+
+
+def cluster_run(quick: bool) -> tuple[str, dict]:
+    import ray
+    mix = grammar_mix(quick)
+    n = CLIENTS * (4 if quick else 12)
+    schedule = zipf_schedule(mix, n)
+    tmp = Path(tempfile.mkdtemp(prefix="rayguide-bench-"))
+    try:
+        model = tiny_model(tmp)
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 namespace="rayguide")
+        local = run_side(model, mix, list(schedule), False, str(tmp / "disk-local"), quick)
+        shared = run_side(model, mix, list(schedule), True, str(tmp / "disk"), quick)
+        ray.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    share, late, total = wait_share(shared["logs"])
+    share_local, late_local, _ = wait_share(local["logs"])
+    cache = shared["cache"]
+    distinct = len(set(schedule))
+    local_compiles = sum(ld["grammar_cache"].get("compiles", 0) for ld in local["loads"])
+    p99 = pct(shared["ttft"], 0.99)
+    p99_local = pct(local["ttft"], 0.99)
+    warm = shared["warm"]
+    kinds: dict[str, int] = {}
+    for i in set(schedule):
+        kinds[mix[i][0]] = kinds.get(mix[i][0], 0) + 1
+    clients = [ld["grammar_client"] for ld in shared["loads"]]
+    csum = {k: sum(c.get(k, 0) for c in clients) for k in (
+        "prefetches", "actor_hits", "verdicts", "disk_hits", "local_fallbacks",
+        "actor_failures")}
+    figures = {
+        "grammar_wait_share": round(share, 4),
+        "grammar_wait_share_local": round(share_local, 4),
+        "compiles_per_distinct_grammar": round(cache["compiles_per_distinct_grammar"], 3),
+        "compiles_per_distinct_grammar_local": round(local_compiles / distinct, 3),
+        "ttft_p99_ratio_vs_local": round(p99 / p99_local, 3),
+        "ttft_p50_ms": round(pct(shared["ttft"], 0.5) * 1e3, 1),
+        "ttft_p99_ms": round(p99 * 1e3, 1),
+        "ttft_p50_ms_local": round(pct(local["ttft"], 0.5) * 1e3, 1),
+        "ttft_p99_ms_local": round(p99_local * 1e3, 1),
+        "warm_worker_first_hit_ms_p50": round(pct(warm["first_hit_s"], 0.5) * 1e3, 1),
+        "warm_worker_first_hit_waits": warm["waited"],
+        "cluster_requests": total, "cluster_errors": len(shared["errors"]),
+        "cluster_errors_local": len(local["errors"]),
+        **{f"cluster_{k}": v for k, v in csum.items()}}
+    if csum["local_fallbacks"] or csum["actor_failures"]:
+        raise SystemExit(f"workers compiled without the cache actor: {csum}")
+    rows = [["shared cache + affinity + replication", total, late, f"{share:.3f}",
+             f"{cache['compiles']} / {cache['distinct_grammars']}",
+             f"{figures['ttft_p50_ms']:.0f}", f"{figures['ttft_p99_ms']:.0f}",
+             f"{shared['wall_s']:.1f}", len(shared["errors"])],
+            ["local compiles per worker", len(local["logs"]), late_local,
+             f"{share_local:.3f}", f"{local_compiles} / {distinct}",
+             f"{figures['ttft_p50_ms_local']:.0f}", f"{figures['ttft_p99_ms_local']:.0f}",
+             f"{local['wall_s']:.1f}", len(local["errors"])]]
+    body = ("#### Cluster run\n\n" + table(
+        ["side", "requests", "waited after first compile", "wait share",
+         "compiles / distinct grammars", "TTFT p50 ms", "TTFT p99 ms", "wall s", "errors"],
+        rows))
+    body += (f"\n\n{WORKERS} workers (tiny random-weight model, default tokenizer), "
+             f"{CLIENTS} clients, {total} requests, Zipf (s=1.1) over 100 grammars "
+             f"({distinct} distinct ones drawn: "
+             + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) +
+             f"). TTFT p99 ratio (shared / local): {figures['ttft_p99_ratio_vs_local']:.2f}. "
+             f"Shared side: {csum['prefetches']} prefetches, {csum['actor_hits']} actor hits, "
+             f"{csum['verdicts']} compile-locally verdicts, {csum['disk_hits']} disk hits, "
+             f"{cache['hot']} hot grammars, {cache['disk_hits']} actor disk hits. "
+             f"New worker: started in {warm['started_s']:.1f} s, replicated {warm['prefetches']}"
+             f" grammars in {warm['replicated_s']:.1f} s; its first request for each of "
+             f"{warm['known']} known grammars: time to first chunk p50 "
+             f"{figures['warm_worker_first_hit_ms_p50']:.0f} ms, {warm['waited']} waited for "
+             "a grammar.")
+    return body, figures
 
 
 if __name__ == "__main__":
