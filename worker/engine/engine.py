@@ -280,9 +280,11 @@ class LLMEngine:
             seq.closing_estimate = (0, len(found.tokens))
             return None
         if found.tokens is None:
-            if not found.exhausted:
-                return None  # the search gave up: we do not know, so we do not refuse
             more = self.guided.closer.shortest(matcher, max(4 * budget, 256))
+            if not found.exhausted and (more.tokens is None or len(more.tokens) <= 2 * budget):
+                # the search gave up within the budget and what it found later is not far
+                # above it: we do not know, so we do not refuse
+                return None
             found = more if more.tokens is not None else found
         need = (f"at least {len(found.tokens)}" if found.tokens is not None
                 else f"more than {budget}")
