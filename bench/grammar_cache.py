@@ -316,7 +316,10 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
         # the local side routes on load alone (a negative margin: no worker qualifies)
         scheduler={"load_poll_interval_s": 0.25,
                    "affinity_margin_tokens": 2048 if shared else -1})
+    t = time.perf_counter()
     handles = launch.up(config)
+    print(f"{'shared' if shared else 'local'} side up in {time.perf_counter() - t:.1f} s",
+          file=sys.stderr, flush=True)
     client = RuntimeClient()
     ttft: list[float] = []
     errors: list[str] = []
@@ -339,9 +342,12 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
         while queue:
             await one(mix[queue.pop()][1])
 
+    async def clients():
+        await asyncio.wait_for(asyncio.gather(*(worker_loop() for _ in range(CLIENTS))),
+                               timeout=1500)
+
     t0 = time.perf_counter()
-    asyncio.run(asyncio.wait_for(asyncio.gather(*(worker_loop() for _ in range(CLIENTS))),
-                                 timeout=1500))
+    asyncio.run(clients())
     wall = time.perf_counter() - t0
     logs = [e for w in handles["workers"] for e in ray.get(w.grammar_requests.remote())]
     loads = ray.get([w.load.remote() for w in handles["workers"]])
