@@ -51,8 +51,9 @@ class GrammarCacheConfig(BaseModel):
     # the disk tier: compiled grammars (envelopes) persist per node under disk_dir (default
     # $RAYGUIDE_CACHE_DIR/grammars, else ~/.cache/rayguide/grammars), keyed by xgrammar
     # version, tokenizer fingerprint and spec key; oldest evicted past disk_max_bytes
-    # ($RAYGUIDE_GRAMMAR_CACHE_DIR, when set, is the folder itself)
-    disk: bool = True
+    # ($RAYGUIDE_GRAMMAR_CACHE_DIR, when set, is the folder itself; RAYGUIDE_GRAMMAR_DISK=0
+    # makes off the default, for processes that must start cold: tests of the actor path)
+    disk: bool = Field(default_factory=lambda: os.environ.get("RAYGUIDE_GRAMMAR_DISK") != "0")
     disk_dir: str | None = None
     disk_max_bytes: int = Field(2 * 2**30, ge=0)
 

@@ -25,8 +25,10 @@ from grammar_cache.spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
 
-# the disk tier of this module's caches (and of the actors' processes, which inherit the
-# environment at ray.init): a folder of its own, so every run starts cold
+# these tests count compiles and actor hits: the disk tier (tests/test_grammar_replication.py)
+# is off by default here, in this process and in the Ray processes (they inherit the
+# environment at ray.init); a folder of its own for any cache that turns it on
+os.environ["RAYGUIDE_GRAMMAR_DISK"] = "0"
 os.environ["RAYGUIDE_GRAMMAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rayguide-grammars-")
 
 VOCAB = ["<eos>", "{", "}", '"', "a", "b", ":", ",", " ", "1", "2", "true", "false", "[", "]",

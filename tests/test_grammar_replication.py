@@ -37,7 +37,7 @@ def tiny_cache(tmp_path, **config):
     # than they compile, and would be sent as verdicts)
     config.setdefault("local_verdict_factor", float("inf"))
     config.setdefault("compile_processes", 1)
-    cache = GrammarCache(GrammarCacheConfig(disk_dir=str(tmp_path), **config))
+    cache = GrammarCache(GrammarCacheConfig(disk=True, disk_dir=str(tmp_path), **config))
     info = xgr.TokenizerInfo(VOCAB, stop_token_ids=[0])
     fp = tokenizer_fingerprint(info)
     cache.register_tokenizer(fp, info.serialize_json())
@@ -148,7 +148,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=2,
         worker={"num_cpus": 0.25, "num_threads": 1}, engine={"num_kv_blocks": 128},
-        grammar_cache={"disk_dir": str(disk), "replicate_interval_s": 0.2,
+        grammar_cache={"disk": True, "disk_dir": str(disk), "replicate_interval_s": 0.2,
                        "hot_specs": [{"kind": "json_schema", "source": HOT}]},
         scheduler={"load_poll_interval_s": 0.2})
     handles = launch.up(config)
