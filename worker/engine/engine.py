@@ -129,13 +129,19 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens, more than the KV cache "
                              f"holds ({self.blocks.num_blocks * self.blocks.block_size}); "
                              "shorten the prompt or raise kv_cache_gb")
+        resumed = self._check_resume(request, prompt_ids)
         seed = request.params.seed
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(seed if seed is not None else self._rng.getrandbits(63))
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=request.params.stop)
+        # a continuation's text goes on after the tokens it resumes, never repeating them
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids + resumed,
+                                       stop=request.params.stop)
         if request.grammar is not None and self.guided is None:
             raise ValueError("guided decoding is disabled in this engine (EngineConfig.guided)")
         seq = Sequence(request, prompt_ids, detok, generator)
+        seq.token_ids.extend(resumed)  # output already streamed: KV recomputed, not re-emitted
+        if resumed:  # what the caller already has, for validating the whole output
+            seq.resumed_text = self.tokenizer.decode(resumed, skip_special_tokens=True)
         self.seqs[seq.request_id] = seq
         if seq.grammar is not None:
             seq.grammar_future = self.guided.get_grammar(seq.grammar)
@@ -144,6 +150,23 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
         return seq
+
+    def _check_resume(self, request: GenerationRequest, prompt_ids: list[int]) -> list[int]:
+        """The tokens a continuation resumes, checked (a ValueError says why it cannot be
+        resumed here)."""
+        resumed = list(request.resume_token_ids or ())
+        if not resumed:
+            return resumed
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in resumed):
+            raise ValueError("cannot resume: resume_token_ids are outside the vocabulary")
+        if len(resumed) >= request.params.max_new_tokens:
+            raise ValueError("cannot resume: the request had already used its max_new_tokens")
+        total = len(prompt_ids) + len(resumed)
+        if total >= self.max_model_len or not self.scheduler.can_ever_fit(total + 1):
+            raise ValueError(f"cannot resume: prompt and streamed output ({total} tokens) no "
+                             "longer fit this worker's context or KV cache")
+        return resumed
 
     def encode_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -243,6 +266,8 @@ class LLMEngine:
                 compiled = fut.result()
                 matcher = self.guided.add_matcher(seq.matcher_key, compiled)
                 seq.compiled = compiled
+                if seq.num_output and not self._advance_resumed(seq, matcher, outputs):
+                    continue
                 too_small = self._budget_too_small(seq, matcher)
                 if too_small is not None:
                     outputs.append(self._finish(seq, "error", error=too_small,
@@ -259,6 +284,21 @@ class LLMEngine:
                     "(compiling it, or the grammar cache, is too slow right now); retry, "
                     "or simplify the grammar"), error_kind=ErrorKind.GRAMMAR_UNAVAILABLE))
         return outputs
+
+    def _advance_resumed(self, seq: Sequence, matcher, outputs: list) -> bool:
+        """A continuation's matcher is advanced over the output it resumes. False (the
+        request finished) when the grammar refuses that output, or it already completes
+        the grammar."""
+        for token in seq.output_ids:
+            if not matcher.accept_token(token):
+                outputs.append(self._finish(seq, "error", error=(
+                    "cannot resume: the grammar does not accept the output streamed before "
+                    "the worker died; resend the request"), error_kind=ErrorKind.WORKER_DIED))
+                return False
+        if matcher.is_terminated():
+            outputs.append(self._finish(seq, "stop"))
+            return False
+        return True
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens the request may still generate: its max_new_tokens, or the context."""
@@ -413,7 +453,7 @@ class LLMEngine:
         out.approximated = approximated_keywords(schema) if schema else []
         if seq.validation == "off":
             return
-        error = validate_json(schema, seq.detokenizer.text)
+        error = validate_json(schema, seq.resumed_text + seq.detokenizer.text)
         self.counters["validated"] += 1
         out.validation = "valid" if error is None else "invalid"
         if error is not None:

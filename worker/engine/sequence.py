@@ -35,6 +35,11 @@ class GenerationRequest:
     # and report on the final chunk), "retry" (the same here; the caller resamples an
     # invalid non-streamed answer), "off" (do not validate)
     validation: str = "flag"
+    # a continuation after a worker died mid-stream: the tokens the request had already
+    # generated and streamed. They count as output (and against max_new_tokens), their KV
+    # is recomputed and the grammar matcher advanced over them, and they are not emitted
+    # again: the caller's stream goes on where it stopped.
+    resume_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.validation not in VALIDATION_MODES:
@@ -133,6 +138,7 @@ class Sequence:
         self.closing_estimate: tuple[int, int] | None = None
         self.closing_failed = False  # no completion fits the budget: not searched again
         self.detokenizer = detokenizer
+        self.resumed_text = ""  # a continuation's output streamed before its worker died
         self.generator = generator
         self.cached_tokens = 0
         self.arrival = time.monotonic()
