@@ -14,10 +14,14 @@
    xgrammar's HF logits processor, one request at a time (as many replicas as we have
    workers, one torch thread each, like our workers). Same model, same requests (a JSON
    schema that completes), 16 concurrent clients. Throughput and validity on both sides.
+4. A worker killed under load (tiny model, 2 workers, 32 clients, 60% streaming): requests
+   failed (mid-stream ones continue on the other worker), the longest pause a client saw,
+   and how soon a new request succeeds. ``--quick`` runs the same with fewer requests.
 
     python bench/cluster.py [--quick] [--json] [--no-record]
 
-JSON keys: ratio_vs_baseline_16_clients, ratio_guided_stack, plus the overhead figures.
+JSON keys: ratio_vs_baseline_16_clients, ratio_guided_stack, failed_requests_worker_kill,
+longest_pause_worker_kill_s, recovery_worker_kill_s, plus the overhead figures.
 """
 
 from __future__ import annotations
@@ -354,6 +358,62 @@ def stack(quick: bool) -> tuple[str, dict]:
     return body, figs
 
 
+# 4. a worker killed under load --------------------------------------------------------
+
+def fault(quick: bool, model: str) -> tuple[str, dict]:
+    """32 clients (streaming and not, guided) against 2 workers with the tiny model; worker
+    0 is killed 2 s in. Mid-stream requests continue on the other worker (failover)."""
+    import threading
+
+    import openai
+
+    from deploy import service
+    from deploy.loadtest import LoadConfig, LoadTest
+
+    port = 8000 + (int(time.time()) + 500) % 1000
+    svc = service.start(ClusterConfig(model=model, num_workers=2,
+                                      worker={"num_cpus": 0.1, "num_threads": 1},
+                                      engine={"num_kv_blocks": 1024},
+                                      scheduler={"load_poll_interval_s": 0.5}), port=port)
+    try:
+        box: dict = {}
+        cfg = LoadConfig(url=svc.url, clients=32, requests=64 if quick else 192,
+                         duration_s=300, max_tokens=48, stream_share=0.6, session_share=0.2,
+                         request_timeout_s=60.0, leak_timeout_s=30.0)
+        th = threading.Thread(target=lambda: box.update(r=asyncio.run(LoadTest(cfg).run())))
+        th.start()
+        time.sleep(2.0)
+        ray.kill(launch.handles()["workers"][0], no_restart=False)
+        killed_at = time.monotonic()
+        client = openai.OpenAI(base_url=svc.url + "/v1", api_key="none", max_retries=0,
+                               timeout=30)
+        while True:  # until a new request succeeds
+            try:
+                client.chat.completions.create(
+                    model=client.models.list().data[0].id, max_tokens=4,
+                    messages=[{"role": "user", "content": "hi"}],
+                    extra_body={"guided_choice": ["a", "b"]})
+                break
+            except openai.APIError:
+                time.sleep(0.2)
+        recovery = time.monotonic() - killed_at
+        th.join()
+        r = box["r"]
+    finally:
+        service.stop(svc)
+    body = table(["a worker killed at 32 clients (tiny model, 2 workers)", "value"], [
+        ["requests failed / total", f"{r['failed']} / {r['requests']}"],
+        ["guided outputs valid", f"{r['guided_valid']} / {r['guided_checked']}"],
+        ["longest pause a client saw in its stream", f"{r['longest_pause_s'] * 1e3:.0f} ms"
+         if r["longest_pause_s"] is not None else "-"],
+        ["a new request succeeded after", f"{recovery:.2f} s"],
+        ["leak-free afterwards", str(bool(r["leaks"] and r["leaks"]["leak_free"]))]])
+    return body, {"failed_requests_worker_kill": r["failed"],
+                  "longest_pause_worker_kill_s": r["longest_pause_s"],
+                  "recovery_worker_kill_s": round(recovery, 3),
+                  "valid_share_worker_kill": r["valid_share"]}
+
+
 def main() -> None:
     args = parser(__doc__.split("\n\n")[0]).parse_args()
     ray.init(address="local", namespace="rayguide", num_cpus=8, include_dashboard=False,
@@ -361,6 +421,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp))
         rows, figs = overhead(args.quick, model)
+        fault_body, fault_figs = fault(args.quick, model)
+        figs.update(fault_figs)
     body = table(["workers", "route() p50 / p99 ms", "per token via Ray ms",
                   "per token in-process ms", "Ray hop per token ms",
                   "broadcast msgs / 1,000 ends", "release after last end ms"], rows)
@@ -369,7 +431,8 @@ def main() -> None:
     ray.shutdown()
     body = ("Runtime overhead (tiny random-weight model):\n\n" + body +
             "\n\nThrough the whole stack (HTTP, Serve, scheduler, 2 workers, default model):"
-            "\n\n" + stack_body)
+            "\n\n" + stack_body + "\n\nA worker killed under load (mid-stream failover):\n\n"
+            + fault_body)
     finish("cluster", body, figs, args)
 
 

@@ -324,6 +324,8 @@ class LoadTest:
             "output_tokens": tokens,
             "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
+            # the longest wait between two chunks any client saw (a failover's pause)
+            "longest_pause_s": round(max(itl), 4) if itl else None,
             "guided_checked": len(guided), "guided_valid": sum(r.valid for r in guided),
             "valid_share": (round(sum(r.valid for r in guided) / len(guided), 4)
                             if guided else None),
@@ -378,7 +380,8 @@ def format_report(r: dict) -> str:
         f"| requests/s | {r['requests_per_s']:.2f} |",
         f"| output tokens/s | {r['output_tokens_per_s']:.1f} |",
         f"| TTFT p50 / p99 | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} |",
-        f"| inter-token p50 / p99 | {ms(r['itl_p50_s'])} / {ms(r['itl_p99_s'])} |",
+        f"| inter-token p50 / p99 / longest | {ms(r['itl_p50_s'])} / {ms(r['itl_p99_s'])} / "
+        f"{ms(r['longest_pause_s'])} |",
         f"| guided outputs valid | {r['guided_valid']} / {r['guided_checked']} |",
         f"| finished by length | {r['length_truncated']} |",
         f"| errors by kind | {json.dumps(r['errors']) if r['errors'] else 'none'} |",

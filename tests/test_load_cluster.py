@@ -6,9 +6,10 @@ not the model) and the real tokenizer.
 Pass: no failed request under plain load; every finished guided output valid; after
 every run the workers' matchers, sessions, running requests and KV blocks back to zero.
 Faults during load (a worker, the grammar cache, the scheduler killed; a whole node
-removed): every request completes or ends with a clear error (never a hang, never a
-silently truncated stream), the runtime serves again within seconds, nothing leaks. What
-each fault cost is printed.
+removed): no request fails (a worker's mid-stream requests continue on another worker, the
+scheduler's callers route on their own while it restarts), never a hang or a silently
+truncated stream, the runtime serves again within seconds, nothing leaks. What each fault
+cost (failed requests, the longest pause in a stream, time to a new success) is printed.
 
 RAYGUIDE_LOAD_SCALE (default 1) multiplies the request counts: `make load-test` runs 5x.
 """
@@ -125,7 +126,9 @@ def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dic
     r = box["r"]
     r["recovery_s"] = round(recovery, 2)
     show(name, r)
-    print(f"[{name}] cost {r['failed']} of {r['requests']} requests; a new request "
+    pause = r["longest_pause_s"]
+    print(f"[{name}] cost {r['failed']} of {r['requests']} requests; longest pause in a "
+          f"stream {pause if pause is None else round(pause * 1000)} ms; a new request "
           f"succeeded {recovery:.1f} s after the fault")
     unclear = {k: v for k, v in r["errors"].items() if k not in CLEAR_ERRORS}
     assert not unclear, (unclear, r["error_examples"])  # no timeout, no truncation
@@ -138,7 +141,8 @@ def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dic
 
 def test_fault_worker_killed(stack):
     victim = launch.handles()["workers"][0]
-    under_fault(stack, "worker killed", lambda: ray.kill(victim, no_restart=False))
+    r = under_fault(stack, "worker killed", lambda: ray.kill(victim, no_restart=False))
+    assert r["failed"] == 0, r["error_examples"]  # mid-stream requests fail over
 
 
 def test_fault_grammar_cache_killed(stack):
@@ -153,8 +157,8 @@ def test_fault_grammar_cache_killed(stack):
 def test_fault_scheduler_killed(stack):
     sched = launch.handles()["scheduler"]
     r = under_fault(stack, "scheduler killed", lambda: ray.kill(sched, no_restart=False))
-    assert r["failed"] == 0  # callers wait for the restarted scheduler; tokens never flowed
-    # through it
+    assert r["failed"] == 0  # callers route on their own while it restarts; tokens never
+    # flowed through it
 
 
 def test_fault_node_removed(stack):
@@ -173,7 +177,8 @@ def test_fault_node_removed(stack):
         stack["nodes"].remove(node)
         stack["nodes"].append(stack["cluster"].add_node(num_cpus=2))  # room to restart
 
-    under_fault(stack, "node removed", remove)
+    r = under_fault(stack, "node removed", remove)
+    assert r["failed"] == 0, r["error_examples"]  # mid-stream requests fail over
     deadline = time.monotonic() + 60
     while asyncio.run(read_worker_gauges(stack["svc"].url))["workers"] < 3:
         assert time.monotonic() < deadline, "the lost worker did not come back"
