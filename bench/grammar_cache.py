@@ -123,7 +123,8 @@ def main() -> None:
         cbody, cfigures = cluster_run(args.quick)
         body = (body + "\n\n" + cbody).strip()
         figures.update(cfigures)
-    finish("grammar_cache", body, figures, args)
+    # the cluster run alone records a section of its own (the per-grammar table stays)
+    finish("grammar_cache_cluster" if args.no_micro else "grammar_cache", body, figures, args)
 
 
 def micro(args) -> tuple[str, dict]:
@@ -465,6 +466,9 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
         "grammar_wait_share": round(share, 4),
         "grammar_wait_share_local": round(share_local, 4),
         "compiles_per_distinct_grammar": round(cache["compiles_per_distinct_grammar"], 3),
+        # a compile-locally verdict is compiled again in each worker that uses it: counted
+        "compiles_per_distinct_grammar_with_verdicts": round(
+            (cache["compiles"] + csum["verdicts"]) / max(1, cache["distinct_grammars"]), 3),
         "compiles_per_distinct_grammar_local": round(local_compiles / distinct, 3),
         "ttft_p99_ratio_vs_local": round(p99 / p99_local, 3),
         "ttft_p50_ms": round(pct(shared["ttft"], 0.5) * 1e3, 1),
@@ -477,7 +481,9 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
         "cluster_errors_local": len(local["errors"]),
         **{f"cluster_{k}": v for k, v in csum.items()}}
     if csum["local_fallbacks"] or csum["actor_failures"]:
-        raise SystemExit(f"workers compiled without the cache actor: {csum}")
+        # reported, not fatal: on an overloaded machine the client's 2 s ping can time out
+        # (each failure skips the actor for 5 s); the table says so
+        print(f"WARNING: workers compiled without the cache actor: {csum}", file=sys.stderr)
     rows = [["shared cache + affinity + replication", total, late, f"{share:.3f}",
              f"{cache['compiles']} / {cache['distinct_grammars']}",
              f"{figures['ttft_p50_ms']:.0f}", f"{figures['ttft_p99_ms']:.0f}",
@@ -496,8 +502,12 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
              + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) +
              f"). TTFT p99 ratio (shared / local): {figures['ttft_p99_ratio_vs_local']:.2f}. "
              f"Shared side: {csum['prefetches']} prefetches, {csum['actor_hits']} actor hits, "
-             f"{csum['verdicts']} compile-locally verdicts, {csum['disk_hits']} disk hits, "
-             f"{cache['hot']} hot grammars, {cache['disk_hits']} actor disk hits. "
+             f"{csum['verdicts']} compile-locally verdicts (each compiled in the worker: "
+             f"{figures['compiles_per_distinct_grammar_with_verdicts']:.2f} compiles per distinct "
+             f"grammar counting them), {csum['disk_hits']} disk hits, "
+             f"{cache['hot']} hot grammars, {cache['disk_hits']} actor disk hits, "
+             f"{csum['local_fallbacks']} local fallbacks after {csum['actor_failures']} "
+             "actor failures (ping or RPC timeouts). "
              f"New worker: started in {warm['started_s']:.1f} s, replicated {warm['prefetches']}"
              f" grammars in {warm['replicated_s']:.1f} s; its first request for each of "
              f"{warm['known']} known grammars: time to first chunk p50 "
