@@ -36,18 +36,23 @@ class Replicator:
     def __init__(self, config: GrammarCacheConfig, fingerprint: str, *,
                  actor: Callable[[], object], prefetch: Callable[[GrammarSpec], Future],
                  holds: Callable[[GrammarSpec], bool], held_bytes: Callable[[], int],
-                 on_held: Callable[[GrammarSpec], None] = lambda spec: None):
+                 on_held: Callable[[GrammarSpec], None] = lambda spec: None,
+                 busy: Callable[[], bool] = lambda: False):
         """``actor()``: the cache actor's handle (may raise while it is missing).
         ``prefetch(spec)``: a concurrent Future of the compiled grammar. ``holds(spec)``:
-        whether it is ready locally. ``held_bytes()``: bytes in the local LRU."""
+        whether it is ready locally. ``held_bytes()``: bytes in the local LRU. ``busy()``:
+        requests here are waiting for their own grammars (they go first: prefetching
+        pauses, the rest of the list is taken up at the next poll)."""
         self.config = config
         self.fingerprint = fingerprint
         self._actor, self._prefetch, self._holds = actor, prefetch, holds
-        self._held_bytes, self._on_held = held_bytes, on_held
+        self._held_bytes, self._on_held, self._busy = held_bytes, on_held, busy
+        self._pending: list[GrammarSpec] = []  # hot grammars not yet looked at
         self.cursor = 0
         self._uses: dict[str, list] = {}  # key -> [requests, spec]
         self._sent: set[str] = set()  # keys whose spec the actor already has from us
         self.counts = {"prefetches": 0, "prefetch_failures": 0, "prefetch_skipped_budget": 0,
+                       "prefetch_deferred": 0,
                        "prefetch_s": 0.0, "replication_polls": 0, "replication_poll_failures": 0}
         self._task: asyncio.Task | None = None
 
@@ -100,7 +105,12 @@ class Replicator:
         if not self.config.replicate:
             return 0
         done = 0
-        for spec in specs:
+        self._pending.extend(specs)
+        while self._pending:
+            if self._busy():
+                self.counts["prefetch_deferred"] += 1
+                break
+            spec = self._pending.pop(0)
             if self._holds(spec):
                 self._on_held(spec)
                 continue
