@@ -403,6 +403,9 @@ def fault(quick: bool, model: str) -> tuple[str, dict]:
         service.stop(svc)
     body = table(["a worker killed at 32 clients (tiny model, 2 workers)", "value"], [
         ["requests failed / total", f"{r['failed']} / {r['requests']}"],
+        ["errors by kind (examples)", (json.dumps(r["errors"]) + " "
+                                       + "; ".join(r["error_examples"])[:300])
+         if r["errors"] else "none"],
         ["guided outputs valid", f"{r['guided_valid']} / {r['guided_checked']}"],
         ["longest pause a client saw in its stream", f"{r['longest_pause_s'] * 1e3:.0f} ms"
          if r["longest_pause_s"] is not None else "-"],
