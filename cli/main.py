@@ -66,6 +66,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="Ray address: 'auto' or 'ray://host:10001' (default: a local instance)")
     p.add_argument("--workers", type=int, default=None, help="number of worker actors")
     p.add_argument("--model", default=None, help="HF dir, .gguf file or hub id")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "int8"],
+                   help="weights: fp32 (CPU default), bf16 (CUDA default), int8 (weight-only int8 "
+                   "Linear layers on CPU, faster decode; see README 'Precision')")
+
+
+def _with_dtype(config, dtype):
+    """The config with ``engine.dtype`` set from --dtype (YAML's other engine keys kept)."""
+    if dtype is None:
+        return config
+    return dataclasses.replace(config, engine={**config.engine, "dtype": dtype})
 
 
 def run_cluster_command(args) -> int:
@@ -79,6 +89,7 @@ def run_cluster_command(args) -> int:
             overrides = dict(address=args.address, num_workers=args.workers, model=args.model)
             config = (ClusterConfig.from_yaml(args.config, **overrides) if args.config else
                       ClusterConfig(**{k: v for k, v in overrides.items() if v is not None}))
+            config = _with_dtype(config, args.dtype)
             if config.address is None:
                 record = launch.recorded_head()
                 if record is None or not launch.head_alive(record):
@@ -142,6 +153,7 @@ def run_serve(args) -> int:
         overrides = dict(address=args.address, num_workers=args.workers, model=args.model)
         config = (ClusterConfig.from_yaml(args.config, **overrides) if args.config else
                   ClusterConfig(**{k: v for k, v in overrides.items() if v is not None}))
+        config = _with_dtype(config, args.dtype)
     except (ValueError, OSError) as exc:
         print(f"rayguide: {exc}", file=sys.stderr)
         return 2
@@ -206,6 +218,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lark", metavar="FILE", help="a Lark grammar file")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "int8"],
+                   help="weights: fp32 (CPU default), bf16 (CUDA default), int8 (weight-only int8 "
+                   "Linear layers on CPU, faster decode; see README 'Precision')")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -223,7 +238,7 @@ def run_generate(args) -> int:
     except (ValueError, OSError) as exc:
         print(f"rayguide: {exc}", file=sys.stderr)
         return 2
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                                     num_threads=args.threads, progress=not args.quiet))
 
     def prompt_of(text: str):

@@ -62,6 +62,11 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+# ``dtype=torch.int8`` asks for weight-only int8 Linear layers (worker/models/quant.py);
+# everything else then computes in fp32.
+QUANTIZED_DTYPES = (torch.int8,)
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU (this kind of CPU has no fast bf16); bf16 on CUDA where supported."""
     if device.type == "cuda":
@@ -77,9 +82,16 @@ def load_model(
     progress: bool = True,
 ) -> LlamaForCausalLM:
     """Builds the model on the meta device, materializes it on ``device`` and copies the
-    safetensors weights in (memory-mapped reads, one tensor at a time)."""
+    safetensors weights in (memory-mapped reads, one tensor at a time). ``dtype=torch.int8``
+    loads fp32, then quantizes the Linear layers (weight-only, CPU only)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
+    quantize = dtype in QUANTIZED_DTYPES
+    if quantize:
+        if device.type != "cpu":
+            raise ValueError("dtype int8 (weight-only int8) runs on the CPU only; on CUDA use "
+                             "bfloat16 (the default there)")
+        dtype = torch.float32
     config = load_config(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -89,6 +101,10 @@ def load_model(
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {str(model_dir)!r}")
     model.load_weights(_iter_safetensors(files, progress))
+    if quantize:
+        from worker.models.quant import quantize_model_
+
+        quantize_model_(model)
     return model.eval()
 
 

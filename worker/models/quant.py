@@ -1,0 +1,249 @@
+"""Weight-only int8 for the Linear layers on CPU (``EngineConfig.dtype = "int8"``).
+
+Each Linear weight [N, K] becomes int8 with one fp32 scale per output channel (symmetric,
+``scale[n] = max_k |w[n, k]| / 127``); activations, norms, RoPE, attention, the KV cache
+and the embedding lookup stay fp32. The logits projection gets its own int8 copy of the
+(tied) embedding, since at batch 1 it is a fifth of all the weight bytes a step reads.
+
+Why our own kernel: on this kind of CPU (AVX2, no AVX-512) torch's
+``aten._weight_int8pack_mm`` runs a scalar path, 5-10x *slower* than the fp32 matmul it
+would replace, and bf16 weights are slower than fp32 too (docs/benchmarks.md, "int8
+kernels"). Decode is bound by reading weights, so ``kernels/int8_linear_cpu.c`` reads one
+byte per weight and widens it in registers. It is compiled once per machine with the
+system C compiler into the rayguide cache and called through ctypes (which releases the
+GIL). Batches above ``DEQUANT_MIN_ROWS`` rows (prefill chunks) dequantize the weight into
+a reused fp32 buffer and use torch's sgemm, which is compute-bound there anyway. Without a
+C compiler everything takes the dequantize path: correct, not faster than fp32.
+
+Semantics (the reference the kernel is tested against):
+
+    y = x @ (weight_q.float() * scale[:, None]).T + bias     # x: [M, K], y: [M, N]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+# Above this many rows the fp32 sgemm on a dequantized copy is faster than widening the
+# int8 weights once per 4 rows (measured: docs/benchmarks.md, "int8 kernels").
+DEQUANT_MIN_ROWS = 32
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (int8 [N, K], fp32 scale [N]), symmetric per output channel."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
+    return q.contiguous(), scale.contiguous()
+
+
+def reference_linear(x, weight_q, scale, bias=None) -> torch.Tensor:
+    """Plain torch; the definition the kernel is tested against."""
+    return torch.nn.functional.linear(x.float(), weight_q.float() * scale[:, None], bias)
+
+
+class Int8Linear(nn.Module):
+    """A Linear layer whose weight is int8 with per-output-channel fp32 scales."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        q, scale = quantize_weight(weight)
+        self.out_features, self.in_features = q.shape
+        # buffers, not parameters: nothing trains them, and the engine reads the model's
+        # compute dtype from its first parameter (the fp32 embedding)
+        self.register_buffer("weight_q", q)  # [N, K] int8
+        self.register_buffer("scale", scale)  # [N] fp32
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        m = x2.shape[0]
+        kernel = _kernel() if self._kernel_fits(x2) else None
+        if kernel is None or m >= DEQUANT_MIN_ROWS:
+            y = torch.nn.functional.linear(x2, self._dequantized(kernel), self.bias)
+        else:
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            y = x2.new_empty(m, self.out_features)  # [M, N]
+            failed = kernel.linear(x2.data_ptr(), x2.stride(0), self.weight_q.data_ptr(),
+                          self.scale.data_ptr(),
+                          None if self.bias is None else self.bias.data_ptr(),
+                          y.data_ptr(), y.stride(0), m, self.out_features, self.in_features,
+                          torch.get_num_threads())
+            if failed:
+                raise MemoryError(f"int8 linear: no memory for {m} x {self.in_features} rows")
+        return y.view(*lead, self.out_features)
+
+    def _kernel_fits(self, x2: torch.Tensor) -> bool:
+        return (x2.device.type == "cpu" and x2.dtype == torch.float32
+                and self.out_features % 4 == 0 and self.in_features % 16 == 0)
+
+    def _dequantized(self, kernel) -> torch.Tensor:
+        """The fp32 weight [N, K] in a per-thread buffer shared by all layers of its size
+        (a fresh multi-MB tensor per call costs page faults)."""
+        n, k = self.weight_q.shape
+        out = _scratch(n * k).view(n, k)
+        if kernel is None or self.weight_q.device.type != "cpu":
+            torch.mul(self.weight_q.float(), self.scale[:, None], out=out)
+        else:
+            kernel.dequant(self.weight_q.data_ptr(), self.scale.data_ptr(), out.data_ptr(),
+                           n, k, torch.get_num_threads())
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8 per-channel")
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    bufs = getattr(_scratch_local, "bufs", None)
+    if bufs is None:
+        bufs = _scratch_local.bufs = {}
+    if numel not in bufs:
+        bufs[numel] = torch.empty(numel)
+    return bufs[numel]
+
+
+def quantize_model_(model) -> None:
+    """Replaces every nn.Linear of a LlamaForCausalLM with Int8Linear, in place, and gives
+    it an int8 logits projection (a quantized copy when the embedding is tied)."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = Int8Linear.from_linear(attn.qkv_proj)
+        attn.o_proj = Int8Linear.from_linear(attn.o_proj)
+        mlp.gate_up_proj = Int8Linear.from_linear(mlp.gate_up_proj)
+        mlp.down_proj = Int8Linear.from_linear(mlp.down_proj)
+    head = model.embed_tokens.weight if model.tie_word_embeddings else model.lm_head.weight
+    model.lm_head = Int8Linear(head)
+    model.quantization = "int8"
+
+
+# --- the C kernel ------------------------------------------------------------------------
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL):
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.linear = lib.int8_linear_f32
+        self.linear.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, i64]
+        self.linear.restype = ctypes.c_int  # 1: out of memory for the int16 rows
+        self.dequant = lib.int8_dequant_f32
+        self.dequant.argtypes = [p, p, p, i64, i64, i64]
+        self.dequant.restype = None
+
+
+_kernel_obj: _Kernel | None = None
+_kernel_failed = False
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("RAYGUIDE_CACHE_DIR")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "rayguide"
+    return root / "kernels"
+
+
+def _cpu_model() -> str:
+    """The model name and flags lines: a kernel built with -march=native is tied to both."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [next((ln for ln in lines if ln.startswith(key)), "") for key in ("model name", "flags")]
+    return "\n".join(keep)
+
+
+def _has_avx2_fma() -> bool:
+    flags = _cpu_model().rpartition("\n")[2].split()
+    return "avx2" in flags and "fma" in flags
+
+
+def _build() -> Path:
+    source = _SOURCE.read_bytes()
+    tag = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.machine().encode()
+                         + _cpu_model().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"int8_linear_cpu-{tag}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+        os.close(fd)
+        cc = os.environ.get("CC", "cc")
+        subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(tmp, out)  # atomic: a concurrent build never loads a half-written file
+    return out
+
+
+def _kernel() -> _Kernel | None:
+    """The compiled kernel, built on first use; None where it cannot be built (no C
+    compiler, not x86-64 with AVX2)."""
+    global _kernel_obj, _kernel_failed
+    if _kernel_obj is None and not _kernel_failed:
+        with _lock:
+            if _kernel_obj is None and not _kernel_failed:
+                try:
+                    if platform.machine() not in ("x86_64", "AMD64") or not _has_avx2_fma():
+                        raise RuntimeError("the kernel needs x86-64 with AVX2 and FMA")
+                    torch.empty(1).add_(1)  # make sure torch's OpenMP runtime is loaded first
+                    _kernel_obj = _Kernel(ctypes.CDLL(str(_build())))
+                except Exception as exc:
+                    _kernel_failed = True
+                    logger.warning("could not build the int8 CPU kernel (%s); int8 weights "
+                                   "are dequantized per call (correct, not faster)", exc)
+    return _kernel_obj
+
+
+def kernel_available() -> bool:
+    """Builds / loads the kernel now; whether the fast path is in use."""
+    return _kernel() is not None
+
+
+# --- quality ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def greedy_tokens(model, ids: list[int], chunk: int = 16, block_size: int = 16) -> torch.Tensor:
+    """Teacher-forced next-token argmax at every position of ``ids`` ([len(ids)] int64),
+    fed through the paged-attention path in chunks of ``chunk`` tokens (small chunks keep
+    an int8 model on its decode kernel rather than the dequantized prefill path)."""
+    from worker.models.paged_attention import AttentionBatch
+
+    n = len(ids)
+    num_blocks = -(-n // block_size)
+    shape = (num_blocks * block_size, model.num_kv_heads, model.head_dim)  # [slots, Hkv, D]
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.layers]
+    table = list(range(num_blocks))
+    out = []
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        batch = AttentionBatch.build([], [(table, hi, hi - lo)], block_size)
+        hidden = model(torch.tensor(ids[lo:hi]), torch.arange(lo, hi), caches, batch)
+        out.append(model.compute_logits(hidden).argmax(-1))
+    return torch.cat(out)
+
+
+def top1_agreement(reference, model, ids: list[int], chunk: int = 16) -> float:
+    """Share of positions where ``model``'s greedy next token equals ``reference``'s."""
+    a, b = greedy_tokens(reference, ids, chunk), greedy_tokens(model, ids, chunk)
+    return (a == b).float().mean().item()
