@@ -49,7 +49,7 @@ class RuntimeClient:
     it waits for the scheduler, up to ``scheduler_wait_s``."""
 
     def __init__(self, scheduler=None, *, max_attempts: int = 3,
-                 scheduler_wait_s: float = 30.0, route_timeout_s: float = 0.5,
+                 scheduler_wait_s: float = 30.0, route_timeout_s: float = 1.0,
                  max_remembered_sessions: int = 100_000, max_failovers: int = 2):
         # a scheduler found by name is found again when it died for good and was rebuilt
         # (rayguide serve's self-healing starts a new actor under the same name)
