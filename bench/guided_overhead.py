@@ -8,7 +8,10 @@ long the step still waited for it after the forward, mask apply time and accept 
 Also, at batch 1: HF transformers generate() with xgrammar's HF logits processor on the
 same schema, what a user would otherwise run.
 
-    python bench/guided_overhead.py [--quick] [--json] [--no-record]
+    python bench/guided_overhead.py [--quick] [--json] [--no-record] [--dtype int8]
+
+``--dtype int8`` runs the engine with int8 weights: shorter steps, so the mask's share of a
+step is larger there; its table is recorded as its own section (guided_overhead_int8).
 """
 
 from __future__ import annotations
@@ -103,13 +106,15 @@ def hf_guided_b1(hf, tokenizer, engine: LLMEngine, new_tokens: int) -> float:
 
 def main() -> None:
     ap = parser(__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default=None, choices=["fp32", "int8"],
+                    help="engine weights (default fp32)")
     args = ap.parse_args()
     batches = (1, 8, 32)
     # many short rounds: this VM's speed drifts over minutes, so the sides alternate often
     new_tokens = 12 if args.quick else 24
     rounds = 1 if args.quick else 8
 
-    engine = LLMEngine(EngineConfig(progress=False))
+    engine = LLMEngine(EngineConfig(progress=False, dtype=args.dtype))
     bitmask.warmup()
     figures, rows = {}, []
     for batch in batches:
@@ -161,7 +166,9 @@ def main() -> None:
              f"{figures['apply_us_per_row_b32']:.1f} us per row (vocab 49152). Step times are "
              f"medians of decode steps paired by step index at full occupancy; "
              f"{new_tokens} new tokens, {rounds} rounds.")
-    finish("guided_overhead", body, figures, args)
+    name = "guided_overhead" if args.dtype in (None, "fp32") else f"guided_overhead_{args.dtype}"
+    figures["dtype"] = args.dtype or "fp32"
+    finish(name, body, figures, args)
 
 
 if __name__ == "__main__":
