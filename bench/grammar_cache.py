@@ -357,7 +357,13 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
     out = {"ttft": ttft, "errors": errors, "logs": logs, "wall_s": wall, "loads": loads,
            "cache": ray.get(handles["cache"].stats.remote()) if shared else None}
     if shared:
-        out["warm"] = warm_worker(config, handles, mix, schedule, quick)
+        try:
+            out["warm"] = warm_worker(config, handles, mix, schedule, quick)
+        except ray.exceptions.RayError as exc:  # e.g. Ray's memory monitor killed it
+            print(f"WARNING: the new worker failed: {exc}", file=sys.stderr)
+            out["warm"] = {"first_hit_s": [], "waited": -1, "known": 0, "prefetches": 0,
+                           "started_s": 0.0, "replicated_s": 0.0, "hot": 0,
+                           "error": f"{type(exc).__name__}"}
     del client, handles
     launch.down()
     deadline = time.monotonic() + 60
