@@ -26,7 +26,9 @@ class Limits(BaseModel):
     default_max_tokens: int = Field(256, ge=1)
     max_n: int = Field(16, ge=1)
     max_messages: int = Field(1024, ge=1)
-    max_prompt_chars: int = Field(1_000_000, ge=1)  # checked before any tokenization
+    # checked before any tokenization (which still runs on the engine thread): about 6x what
+    # fits the default model's 8192-token context, so a hostile prompt holds it well under 1 s
+    max_prompt_chars: int = Field(200_000, ge=1)
     max_stops: int = Field(16, ge=0)
     max_stop_chars: int = Field(256, ge=1)
     max_stop_token_ids: int = Field(64, ge=0)

@@ -87,3 +87,32 @@ def test_end_session_aborts_its_stream(aengine):
         assert stats.live_sessions == 0 and stats.free_blocks == stats.total_blocks
 
     asyncio.run(main())
+
+
+def test_a_step_that_raises_fails_its_requests_instead_of_hanging(aengine):
+    engine = aengine.engine
+    real = engine.scheduler.schedule
+    calls = {"n": 0}
+
+    def broken():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real()
+
+    engine.scheduler.schedule = broken
+
+    async def main():
+        return await asyncio.wait_for(collect(aengine, GenerationRequest(
+            chat("Hello"), SamplingParams(max_new_tokens=16))), timeout=60)
+
+    chunks = asyncio.run(main())
+    last = chunks[-1]
+    assert last.finished and last.finish_reason == "error" and "boom" in last.error
+    assert last.error_kind.value == "internal"
+    engine.scheduler.schedule = real
+    assert engine.stats().running == 0 and engine.stats().live_processors == 0
+    # and the engine goes on serving
+    chunks = asyncio.run(collect(aengine, GenerationRequest(chat("Hi"),
+                                                            SamplingParams(max_new_tokens=4))))
+    assert chunks[-1].finish_reason in ("stop", "length")

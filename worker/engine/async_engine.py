@@ -84,9 +84,10 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception:  # keep serving: step() already fails requests it can name
-                logger.exception("engine step raised")
-                continue
+            except Exception as exc:  # a bug: fail what is in flight, keep serving
+                logger.exception("engine step raised; failing the requests in flight")
+                outputs = self.engine.fail_all(f"the engine step failed ({type(exc).__name__}: "
+                                               f"{exc}); this is a bug in rayguide")
             for out in outputs:
                 self._deliver(out)
 

@@ -193,6 +193,23 @@ class LLMEngine:
             raise ValueError("prompt is empty after tokenization")
         return ids
 
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Ends every request in the engine with an INTERNAL error (after a step raised
+        where it should not have: no request may be left waiting for a chunk that never
+        comes). Their blocks and matchers are released."""
+        outs = []
+        for seq in list(self.seqs.values()):
+            try:
+                outs.append(self._finish(seq, "error", error=error,
+                                         error_kind=ErrorKind.INTERNAL, keep_session=False))
+            except Exception:  # its state is broken too: still tell the caller
+                logger.exception("failing request %s", seq.request_id)
+                self.seqs.pop(seq.request_id, None)
+                outs.append(RequestOutput(seq.request_id, finished=True,
+                                          finish_reason="error", error=error,
+                                          error_kind=ErrorKind.INTERNAL))
+        return outs
+
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its blocks; returns its final chunk (None if unknown)."""
         seq = self.seqs.get(request_id)
