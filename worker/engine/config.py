@@ -11,7 +11,7 @@ import torch
 class EngineConfig:
     model: str | None = None  # None: the default model (see worker/models/loader.py)
     device: str = "cpu"
-    dtype: torch.dtype | None = None  # None: fp32 on CPU, bf16 on CUDA
+    dtype: torch.dtype | None = None  # None: fp32 on CPU, bf16 on CUDA; "int8": int8 weights
     block_size: int = 16  # tokens per KV block
     kv_cache_gb: float = 1.0  # KV cache size when num_kv_blocks is not given
     num_kv_blocks: int | None = None
@@ -38,7 +38,9 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.dtype, str):
             names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+                     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+                     # weight-only int8 Linear layers on CPU, fp32 compute (worker/models/quant.py)
+                     "int8": torch.int8}
             if self.dtype not in names:
                 raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(names)}")
             self.dtype = names[self.dtype]
