@@ -461,3 +461,18 @@ def test_batch_job_via_ray_job_submit(ray_head, tiny_model_dir, tmp_path):
     code, log, summary = submit(ray_head, args)
     assert code == 0 and summary == {"done": 0, "skipped": 10, "errors": 0}, log[-4000:]
     assert "starting one" not in log and out.read_text() == text
+
+
+@pytest.mark.unit
+def test_one_deeply_nested_line_fails_alone():
+    """A line nested past Python's recursion limit, or a schema nested past the schema depth
+    limit, is that line's error; the job goes on."""
+    deep_text = '{"prompt": "x", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    item = parse(deep_text, line=3)
+    assert item.request is None and "nested too deeply" in item.error
+    schema = {"type": "object"}
+    for _ in range(200):
+        schema = {"type": "object", "properties": {"a": schema}}
+    item = parse({"prompt": "x", "schema": schema}, line=4)
+    assert item.request is None and "nested deeper" in item.error
+    assert parse({"prompt": "fine"}, line=5).error is None
