@@ -138,7 +138,7 @@ def test_restarted_scheduler_rebuilds_its_tables(runtime):
 def test_restarted_worker_registers_again(runtime):
     client = RuntimeClient()
     first = run(client.complete(req("phoenix")))
-    wid = first["worker_id"]
+    wid = first.worker_id
     handle = ray.get_actor(f"rayguide_worker_{wid[1:]}", namespace="rayguide")
     before = ray.get(client.scheduler.stats.remote())["registrations"]
     ray.kill(handle, no_restart=False)  # Ray restarts it (max_restarts=-1)
@@ -147,7 +147,7 @@ def test_restarted_worker_registers_again(runtime):
         assert time.monotonic() < deadline, "the restarted worker did not register again"
         time.sleep(0.3)
     again = run(client.complete(req("phoenix", text="back?")))
-    assert again["worker_id"] == wid and again["cached_tokens"] == 0  # KV was lost
+    assert again.worker_id == wid and again.cached_tokens == 0  # KV was lost
     run(client.end_session("phoenix"))
     wait_released()
 
@@ -165,12 +165,15 @@ def test_worker_death_mid_stream_and_before_streaming(runtime):
         return chunks
 
     chunks = run(mid_stream())
-    victim = chunks[0]["worker_id"]
-    assert chunks[-1].finish_reason == "error" and "died while streaming" in chunks[-1].error
+    victim = chunks[0].worker_id
+    # the stream went on from another worker where it stopped (failover), no error
+    assert chunks[-1].finish_reason in ("stop", "length"), chunks[-1]
+    assert client.failovers == 1 and {c.worker_id for c in chunks[4:]} - {victim}
+    assert sum(len(c.token_ids) for c in chunks) == chunks[-1].completion_tokens
     assert victim not in ray.get(client.scheduler.stats.remote())["workers"]  # dropped at once
     # a session pinned to a worker that dies before streaming anything is retried elsewhere
     pinned = run(client.complete(req("pinned")))
-    target = pinned["worker_id"]
+    target = pinned.worker_id
     doomed = ray.get_actor(f"rayguide_worker_{target[1:]}", namespace="rayguide")
     ray.kill(doomed, no_restart=True)
     with pytest.raises(ray.exceptions.RayActorError):  # the kill is asynchronous: wait for it
