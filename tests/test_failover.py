@@ -65,8 +65,10 @@ def runtime(tiny_model_dir):
                            worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 256, "max_model_len": 1024},
                            scheduler={"load_poll_interval_s": 0.3})
-    yield launch.up(config)
-    ray.shutdown()
+    try:  # a start that fails must not leave Ray up for the next module
+        yield launch.up(config)
+    finally:
+        ray.shutdown()
 
 
 @pytest.mark.integration

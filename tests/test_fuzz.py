@@ -42,12 +42,13 @@ def svc(tiny_model_dir):
                            worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 128, "max_model_len": 256},
                            scheduler={"load_poll_interval_s": 0.3})
-    s = service.start(config, port=free_port(), api_key=KEY,
-                      app_args={"max_body_bytes": 200_000, "default_max_tokens": 8})
-    yield s
     from ray import serve
-    serve.shutdown()
-    ray.shutdown()
+    try:  # a start that fails must not leave Ray up for the next module
+        yield service.start(config, port=free_port(), api_key=KEY,
+                            app_args={"max_body_bytes": 200_000, "default_max_tokens": 8})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def post(svc, path, headers=None, **kw):

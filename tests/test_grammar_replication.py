@@ -151,9 +151,11 @@ def cluster(tiny_model_dir, tmp_path_factory):
         grammar_cache={"disk": True, "disk_dir": str(disk), "replicate_interval_s": 0.2,
                        "hot_specs": [{"kind": "json_schema", "source": HOT}]},
         scheduler={"load_poll_interval_s": 0.2})
-    handles = launch.up(config)
-    yield config, handles
-    ray.shutdown()
+    try:  # a start that fails must not leave Ray up for the next module
+        handles = launch.up(config)
+        yield config, handles
+    finally:
+        ray.shutdown()
 
 
 def guided(schema, max_tokens=24):

@@ -43,12 +43,13 @@ def svc(tiny_model_dir):
                            engine={"num_kv_blocks": 256, "max_model_len": 512},
                            scheduler={"load_poll_interval_s": 0.3,
                                       "session_idle_timeout_s": 5.0})
-    s = service.start(config, port=free_port(), api_key=KEY,
-                      app_args={"max_body_bytes": 1_000_000, "max_prompt_chars": 50_000})
-    yield s
     from ray import serve
-    serve.shutdown()
-    ray.shutdown()
+    try:  # a start that fails must not leave Ray up for the next module
+        yield service.start(config, port=free_port(), api_key=KEY,
+                            app_args={"max_body_bytes": 1_000_000, "max_prompt_chars": 50_000})
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def ask(text):
