@@ -80,7 +80,7 @@ def json_schema(schema: Any, param: str = "json_schema", **options) -> GrammarSp
         try:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as exc:
-            raise DialectError(f"invalid json_schema grammar in {param}: not valid JSON: {exc}",
+            raise DialectError(f"invalid grammar in {param} (json_schema): not valid JSON: {exc}",
                                param) from None
     check_depth(schema, param)
     if isinstance(schema, dict) and "schema" in schema and ("name" in schema
