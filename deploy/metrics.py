@@ -78,7 +78,8 @@ class Metrics:
                                                      ("worker",), registry=reg)
                             gauges[name].labels(wid).set(value)
             for name in ("routes", "rejected", "sessions_ended", "broadcast_messages",
-                         "workers_dropped", "broadcast_failures", "affinity_routes"):
+                         "workers_dropped", "workers_suspected", "broadcast_failures",
+                         "affinity_routes"):
                 Gauge(f"rayguide_scheduler_{name}", f"scheduler: {name} so far",
                       registry=reg).set(status.get(name, 0))
         return generate_latest(reg).decode()

@@ -5,8 +5,10 @@ restarts them). ``route(session)`` answers with a worker handle; tokens then flo
 between the caller and the worker, never through here. Session ends are collected for a
 few milliseconds and sent as one ``end_sessions([...])`` message per live worker, so a
 burst of ends costs a handful of messages, not one per session and worker. A background
-loop polls each worker's load (which also detects dead workers, dropped at once) and ends
-sessions idle past the timeout. After a restart the scheduler finds the workers by name
+loop polls each worker's load and ends sessions idle past the timeout. A worker Ray reports
+dead is dropped at once; one that is only slow to answer (a long step, a busy machine) is
+marked suspect and routed around until it answers again, never dropped: dropping live
+workers on a slow poll once turned a busy cluster into "no worker is alive". After a restart the scheduler finds the workers by name
 and rebuilds its tables from their reports.
 """
 
@@ -17,6 +19,7 @@ import logging
 from dataclasses import asdict, dataclass
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from scheduler.routing import RoutingTable
 
@@ -34,7 +37,7 @@ class SchedulerConfig:
     session_idle_timeout_s: float = 600.0
     broadcast_interval_s: float = 0.005  # session ends are batched this long
     load_poll_interval_s: float = 0.5
-    rpc_timeout_s: float = 10.0  # a worker that does not answer a load poll is dropped
+    rpc_timeout_s: float = 10.0  # a worker that does not answer a load poll is suspect
     # a guided request goes to a worker holding its grammar when that worker's queued
     # tokens are within this margin of the least-loaded worker's
     affinity_margin_tokens: int = 2048
@@ -53,7 +56,8 @@ class SchedulerActor:
         self._started: asyncio.Task | None = None
         self._broadcast_lock = asyncio.Lock()
         self.counts = {"routes": 0, "sessions_ended": 0, "broadcast_messages": 0,
-                       "workers_dropped": 0, "rejected": 0, "registrations": 0,
+                       "workers_dropped": 0, "workers_suspected": 0, "rejected": 0,
+                       "registrations": 0,
                        "broadcast_failures": 0}
 
     async def _ensure_started(self) -> None:
@@ -121,8 +125,20 @@ class SchedulerActor:
         self.counts["sessions_ended"] += len(session_ids)
 
     async def worker_failed(self, worker_id: str) -> list[str]:
-        """A caller saw the worker die: stop routing to it now. Returns orphaned sessions."""
-        return self._drop(worker_id)
+        """A caller saw a call to the worker fail: stop routing to it now. Dropped (and its
+        orphaned sessions returned) when Ray confirms it dead; only suspect when it may just
+        be unreachable for a moment."""
+        entry = self.table.workers.get(worker_id)
+        if entry is None:
+            return []
+        self.table.suspect(worker_id)
+        try:
+            await asyncio.wait_for(entry.handle.load.remote(), 1.0)
+        except ActorDiedError:
+            return self._drop(worker_id)
+        except Exception:  # slow or restarting: the load poll decides
+            pass
+        return []
 
     async def stats(self) -> dict:
         await self._ensure_started()
@@ -177,16 +193,27 @@ class SchedulerActor:
             await asyncio.sleep(self.config.broadcast_interval_s)
             await self._broadcast()
 
+    async def _poll_one(self, entry) -> None:
+        try:
+            load = await asyncio.wait_for(entry.handle.load.remote(), self.config.rpc_timeout_s)
+        except ActorDiedError:  # gone for good (a restarted worker registers again)
+            self._drop(entry.worker_id)
+        except Exception:  # slow, restarting or unreachable: route around it meanwhile
+            if entry.worker_id in self.table.workers and not entry.suspect:
+                self.counts["workers_suspected"] += 1
+                logger.warning("worker %s did not answer a load poll in %.1f s; routing "
+                               "around it until it does", entry.worker_id,
+                               self.config.rpc_timeout_s)
+            self.table.suspect(entry.worker_id)
+        else:
+            if self.table.workers.get(entry.worker_id) is entry:
+                self.table.update_load(entry.worker_id, load)
+
     async def _poll_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.load_poll_interval_s)
-            for entry in list(self.table.workers.values()):
-                try:
-                    load = await asyncio.wait_for(entry.handle.load.remote(),
-                                                  self.config.rpc_timeout_s)
-                    self.table.update_load(entry.worker_id, load)
-                except Exception:  # dead, restarting or hung: stop routing to it
-                    self._drop(entry.worker_id)
+            # concurrently: one slow worker must not delay the others' reports
+            await asyncio.gather(*(self._poll_one(e) for e in list(self.table.workers.values())))
             idle = self.table.idle_sessions()
             if idle:
                 await self.end_sessions(idle)
@@ -197,7 +224,7 @@ def _shown(entry) -> dict:
     as a count (plain data for JSON and metrics)."""
     load = {k: v for k, v in entry.load.items() if k != "grammar_families"}
     load["grammars_held"] = len(entry.load.get("grammar_families", ()))
-    return {"node_id": entry.node_id, **load}
+    return {"node_id": entry.node_id, "suspect": entry.suspect, **load}
 
 
 def get_or_create_scheduler(config: SchedulerConfig | None = None, *, detached: bool = False,

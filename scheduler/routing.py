@@ -37,6 +37,9 @@ class WorkerEntry:
     routed_since_report: int = 0  # tokens routed here since the last load report
     last_report: float = 0.0
     families_since_report: set = field(default_factory=set)  # grammars sent here since
+    # missed a load poll, or a caller saw a call fail, and the worker is not known dead:
+    # new work goes elsewhere while any other worker answers; the next report clears it
+    suspect: bool = False
 
     def holds(self, family: str) -> bool:
         return family in self.families_since_report or family in self.load.get(
@@ -72,12 +75,20 @@ class RoutingTable:
             del self.sessions[s]
         return orphans
 
+    def suspect(self, worker_id: str) -> None:
+        """The worker did not answer in time (busy, or dying): routed around until its next
+        load report, but kept, with its sessions: a slow worker is not a dead one."""
+        entry = self.workers.get(worker_id)
+        if entry is not None:
+            entry.suspect = True
+
     def update_load(self, worker_id: str, load: dict) -> None:
         entry = self.workers.get(worker_id)
         if entry is not None:
             if "grammar_families" in load:  # a set: membership tests on every route
                 load = {**load, "grammar_families": frozenset(load["grammar_families"])}
             entry.load = load
+            entry.suspect = False
             entry.routed_since_report = 0
             entry.families_since_report = set()
             entry.last_report = time.monotonic()
@@ -88,15 +99,18 @@ class RoutingTable:
         if session_id is not None and session_id in self.sessions:
             worker_id, _ = self.sessions[session_id]
             entry = self.workers.get(worker_id)
-            if entry is not None:
+            if entry is not None and not entry.suspect:
                 self.sessions[session_id] = (worker_id, now)
                 entry.routed_since_report += expected_tokens
                 return entry
         if not self.workers:
             raise NoWorkers("no worker is alive; the runtime is starting or every worker died")
-        best = min(self.workers.values(), key=lambda w: (w.queued_tokens, w.worker_id))
+        # suspects only when no worker answers: a slow worker beats a 503
+        live = [w for w in self.workers.values() if not w.suspect] or list(
+            self.workers.values())
+        best = min(live, key=lambda w: (w.queued_tokens, w.worker_id))
         if grammar_family is not None and not best.holds(grammar_family):
-            holders = [w for w in self.workers.values() if w.holds(grammar_family)
+            holders = [w for w in live if w.holds(grammar_family)
                        and w.queued_tokens <= best.queued_tokens + self.affinity_margin_tokens]
             if holders:
                 best = min(holders, key=lambda w: (w.queued_tokens, w.worker_id))

@@ -51,6 +51,21 @@ def test_dead_worker_orphans_its_sessions():
     assert t.route("s").worker_id != w  # re-routed (its KV is recomputed there)
 
 
+def test_slow_worker_is_routed_around_not_dropped():
+    t = table(2)
+    w = t.route("s").worker_id
+    other = next(x for x in t.workers if x != w)
+    t.suspect(w)
+    assert w in t.workers  # kept: slow is not dead
+    assert t.route("new").worker_id == other
+    assert t.route("s").worker_id == other  # its session moves while it does not answer
+    t.suspect(other)
+    assert t.route(None).worker_id in t.workers  # every worker slow: still no 503
+    t.update_load(w, {"running_tokens": 0})  # answered again
+    assert not t.workers[w].suspect
+    assert t.route("later").worker_id == w
+
+
 def test_idle_sessions_and_restore():
     t = table(1, session_idle_timeout_s=0.05)
     t.route("old")

@@ -13,7 +13,11 @@ The search works for every grammar kind because it only uses the matcher:
               the string the grammar forces from here, tokenized by the real tokenizer
     search  = uniform-cost (Dijkstra) up to ``limit`` tokens and ``max_expansions`` nodes
 
-Two reductions keep it to a few milliseconds. Candidates are the single-byte tokens, the
+Every search is bounded twice: by ``max_expansions`` nodes and by ``time_limit_s`` of wall
+time (a mask fill costs 50 us in most states, but 4 ms deep inside free-form JSON, where 400
+nodes once took 90 s on the engine thread). A search cut short answers "not found, not
+exhausted", which the engine treats as "do not know" (engine.py retries it a few tokens
+later, a few times). Two reductions keep it to a few milliseconds. Candidates are the single-byte tokens, the
 short structural tokens of JSON (``"}``, ``", "``, ``": ``...) and JSON's literals; within a
 class (lowercase, uppercase, digits, other letters) only two representatives are tried when
 the grammar allows many of them (free text: any letter does; a grammar that needs a
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,10 +63,13 @@ class CompletionSearch:
 
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo",
                  encode: Callable[[str], list[int]] | None = None, *,
-                 max_expansions: int = 400, reps_per_class: int = 2):
+                 max_expansions: int = 400, reps_per_class: int = 2,
+                 time_limit_s: float = 0.05):
         self.info = tokenizer_info
         self.encode = encode
         self.max_expansions = max_expansions
+        self.time_limit_s = time_limit_s
+        self._deadline = float("inf")
         self.reps = reps_per_class
         vocab = self.vocab = list(tokenizer_info.decoded_vocab)  # (slow property: once)
         stop = self.stop = (set(tokenizer_info.stop_token_ids)
@@ -82,7 +90,7 @@ class CompletionSearch:
         self._word = self.cand >> 5
         self._bit = (self.cand & 31).to(torch.int32)
         self._mask = xgr.allocate_token_bitmask(1, tokenizer_info.vocab_size)
-        self.stats = {"searches": 0, "expansions": 0}
+        self.stats = {"searches": 0, "expansions": 0, "timeouts": 0}
 
     # the search ---------------------------------------------------------------------------
 
@@ -96,14 +104,15 @@ class CompletionSearch:
         self.stats["searches"] += 1
         if matcher.is_completed():
             return Completion([], True)
+        self._deadline = time.perf_counter() + self.time_limit_s
         if not exact:  # a greedy dive first: milliseconds, and usually (near) the shortest
             dived = self._dive(matcher, limit)
-            if dived is not None:
-                return Completion(dived, False)
+            if dived is not None:  # re-encoded like the search's: its steps are often
+                return Completion(self._compact(matcher, dived), False)  # single characters
         # then the search, first with equal masks merged whatever their depth (fast; right for JSON), then,
         # if that finds nothing, with the depth in the key (counters such as [a-z]{40})
         found = self._search(matcher, limit, by_depth=False)
-        if found.tokens is None:
+        if found.tokens is None and time.perf_counter() < self._deadline:
             found = self._search(matcher, limit, by_depth=True)
         return found
 
@@ -119,7 +128,7 @@ class CompletionSearch:
             cost, _, m, path, hist, ctx = heapq.heappop(heap)
             if m.is_completed():
                 return Completion(self._compact(matcher, list(path)), True)
-            if expansions >= self.max_expansions:
+            if expansions >= self.max_expansions or self._late():
                 return Completion(None, False)
             expansions += 1
             self.stats["expansions"] += 1
@@ -127,6 +136,8 @@ class CompletionSearch:
                 c = cost + len(tokens)
                 if c > limit:
                     continue
+                if self._late():
+                    break
                 child = m.fork()
                 if not all(child.accept_token(t) for t in tokens):
                     continue
@@ -150,12 +161,14 @@ class CompletionSearch:
         def go(m, path, hist, ctx):
             if m.is_completed():
                 return path
-            if len(path) >= limit or budget[0] <= 0:
+            if len(path) >= limit or budget[0] <= 0 or self._late():
                 return None
             budget[0] -= 1
             for tokens in sorted(self._edges(m), key=self._closing_rank):
                 if len(path) + len(tokens) > limit:
                     continue
+                if self._late():
+                    return None
                 child = m.fork()
                 if not all(child.accept_token(t) for t in tokens):
                     continue
@@ -173,6 +186,14 @@ class CompletionSearch:
         root = matcher.fork()
         return go(root, [], (self._mask_hash(root),), None)
 
+    def _late(self) -> bool:
+        if time.perf_counter() < self._deadline:
+            return False
+        if self._deadline != -1.0:
+            self.stats["timeouts"] += 1
+            self._deadline = -1.0  # counted once; late from now on
+        return True
+
     def _closing_rank(self, tokens: list[int]) -> int:
         if len(tokens) > 1:
             return 0  # the forced string
@@ -183,6 +204,8 @@ class CompletionSearch:
             return 2
         if raw[:1].isdigit():  # a value, but never worth continuing a number with
             return 4
+        if raw.isspace() or raw == b"-":  # never close anything: last, or a dive pads
+            return 5  # values with blanks and signs
         return 3
 
     def _mask_hash(self, m: "xgr.GrammarMatcher") -> int:
@@ -230,10 +253,12 @@ class CompletionSearch:
                 toks = self.encode(forced)
                 if toks:
                     edges.append(toks)
+        mid_char = set(per_class) == {5}  # only high bytes: inside a multi-byte character
         for cls, toks in per_class.items():
             if cls >= 1 and len(toks) > 4:  # a free choice among many: any will do
-                # (not a multi-byte character's first byte: its continuations cost tokens)
-                toks = [] if cls == 5 else toks[:self.reps]
+                # (a multi-byte character's first byte only when nothing else is allowed:
+                # its continuations cost tokens)
+                toks = [] if cls == 5 and not mid_char else toks[:self.reps]
             edges.extend([t] for t in toks)
         return edges
 

@@ -69,6 +69,7 @@ class EngineStats:
     validated: int = 0
     invalid: int = 0
     runaway: int = 0
+    closing_giveups: int = 0  # completion searches that hit their node cap
 
 
 class LLMEngine:
@@ -113,7 +114,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.num_steps = 0
         self.last_timings = StepTimings()
-        self.counters = {"closed_early": 0, "validated": 0, "invalid": 0, "runaway": 0}
+        self.counters = {"closed_early": 0, "validated": 0, "invalid": 0, "runaway": 0,
+                         "closing_giveups": 0}
 
     # requests ---------------------------------------------------------------------------
 
@@ -292,6 +294,10 @@ class LLMEngine:
                     continue
                 if seq.params.stop:  # a stop string only where the grammar may end
                     seq.detokenizer.stop_check = _grammar_accepts(compiled)
+                closed = self._close_at_start(seq, matcher)
+                if closed is not None:
+                    outputs.append(closed)
+                    continue
                 self.waiting_for_grammar.remove(seq)
                 seq.status = SeqStatus.WAITING
                 self.scheduler.add(seq)
@@ -317,6 +323,26 @@ class LLMEngine:
             return False
         return True
 
+    def _close_at_start(self, seq: Sequence, matcher) -> RequestOutput | None:
+        """A budget already down to the grammar's shortest output (plus ``closing_margin``)
+        gets that output, without sampling: one sampled token could leave no room to close.
+        The final chunk, or None when the request runs normally."""
+        path, seq.closing_start = seq.closing_start, None
+        if path is None or self._remaining(seq) > len(path) + self.config.closing_margin:
+            return None
+        probe = matcher.fork()  # the real matcher takes the path only if all of it fits
+        if not all(probe.accept_token(t) for t in path):
+            return None
+        for t in path:
+            matcher.accept_token(t)
+        seq.token_ids.extend(path)
+        seq.closed_early = bool(path)
+        text = seq.detokenizer.add_tokens(path)
+        reason = "stop" if not path or seq.detokenizer.stopped is not None else "length"
+        text += seq.detokenizer.flush()
+        lps = [None] * len(path) if seq.params.logprobs is not None else None
+        return self._finish(seq, reason, text=text, new_tokens=path, logprobs=lps)
+
     def _remaining(self, seq: Sequence) -> int:
         """Tokens the request may still generate: its max_new_tokens, or the context."""
         return min(seq.params.max_new_tokens - seq.num_output,
@@ -335,6 +361,7 @@ class LLMEngine:
             found = self.guided.closer.shortest(matcher, _search_limit(budget), exact=True)
         if found.tokens is not None and len(found.tokens) <= budget:
             seq.closing_estimate = (0, len(found.tokens))
+            seq.closing_start = found.tokens
             return None
         if found.tokens is None:
             more = self.guided.closer.shortest(matcher, max(4 * budget, 256))
@@ -358,6 +385,8 @@ class LLMEngine:
         left = self._remaining(seq)
         if not cfg.closing_window or left > cfg.closing_window or seq.closing_failed:
             return None
+        if seq.num_output < seq.closing_retry_at:
+            return None
         est = seq.closing_estimate
         if est is not None:
             # one token grows the shortest completion by a few tokens at most (it can open
@@ -373,8 +402,15 @@ class LLMEngine:
             found = self.guided.closer.shortest(matcher, _search_limit(left), exact=True)
         if found.tokens is None or len(found.tokens) > left:
             # no completion fits: stop searching once that is certain (the shortest only
-            # grows as the budget shrinks); a search that gave up is tried again
-            seq.closing_failed = found.tokens is not None or found.exhausted
+            # grows as the budget shrinks); a search that gave up is tried again a few
+            # tokens later, at most _GIVEUPS times
+            if found.tokens is None and not found.exhausted:
+                seq.closing_giveups += 1
+                seq.closing_retry_at = seq.num_output + 2 ** (seq.closing_giveups - 1)
+                seq.closing_failed = seq.closing_giveups >= _GIVEUPS
+                self.counters["closing_giveups"] += 1
+            else:
+                seq.closing_failed = True
             return None
         seq.closing_estimate = (seq.num_output, len(found.tokens))
         if left > len(found.tokens) + cfg.closing_margin:
@@ -526,6 +562,7 @@ class LLMEngine:
         )
 
 
+_GIVEUPS = 4  # searches that hit their node cap before a request stops searching
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
 
 

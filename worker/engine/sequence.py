@@ -137,6 +137,11 @@ class Sequence:
         # budget-aware closing: (output length when computed, shortest completion length)
         self.closing_estimate: tuple[int, int] | None = None
         self.closing_failed = False  # no completion fits the budget: not searched again
+        # a search that gave up (node cap) is tried again after 1, 2, 4 tokens, then never:
+        # its cost (up to a second on 2 cores) must not be paid on every token
+        self.closing_giveups = 0
+        self.closing_start: list[int] | None = None  # shortest output found at admission
+        self.closing_retry_at = 0
         self.detokenizer = detokenizer
         self.resumed_text = ""  # a continuation's output streamed before its worker died
         self.generator = generator
