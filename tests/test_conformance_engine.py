@@ -157,3 +157,23 @@ def test_validation_catches_what_the_grammar_lets_through(make_engine):
     else:
         assert flagged.validation == "valid"
     assert engine.stats().validated >= 1
+
+
+@pytest.mark.parametrize("lead, ok", [(b"\xe0", range(0xA0, 0xC0)), (b"\xed", range(0x80, 0xA0)),
+                                      (b"\xf0", range(0x90, 0xC0)), (b"\xc3", range(0x80, 0xC0))])
+def test_closing_finishes_a_started_character_with_valid_utf8(make_engine, lead, ok):
+    # xgrammar takes any continuation byte after a lead byte; the completion must be
+    # valid UTF-8 all the same (E0 80 is overlong, ED A0 a surrogate: U+FFFD in the text)
+    engine = make_engine()
+    search = engine.guided.closer
+    by_bytes = {v: i for i, v in enumerate(search.vocab) if len(v) == 1}
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"s": {"type": "string"}},
+                                    "required": ["s"]}, whitespace="compact")
+    m = xgr.GrammarMatcher(engine.guided.get_grammar(spec).result(timeout=60))
+    assert m.accept_string('{"s":"') and m.accept_token(by_bytes[lead])
+    pending = search.pending_bytes([by_bytes[lead]])
+    assert pending == lead
+    found = search.shortest(m, 16, pending=pending)
+    data = lead + b"".join(search.vocab[t] for t in found.tokens)
+    assert data[1] in ok
+    json.loads(('{"s":"' + data.decode("utf-8")))  # strict: raises on invalid UTF-8

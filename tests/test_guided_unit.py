@@ -234,7 +234,7 @@ def test_grammar_cache_is_bounded_by_bytes():
 def test_shortest_completion(manager, spec, prefix, completion):
     from worker.engine.closing import CompletionSearch
 
-    search = CompletionSearch(manager.tokenizer_info)
+    search = CompletionSearch(manager.tokenizer_info, time_limit_s=60)  # node caps only
     m = xgr.GrammarMatcher(compile(manager, spec))
     assert m.accept_string(prefix)
     dived = search.shortest(m, 32)  # the greedy dive: valid, maybe a little longer
@@ -250,6 +250,17 @@ def test_shortest_completion(manager, spec, prefix, completion):
     short.accept_string(prefix)
     tight = search.shortest(short, len(found.tokens) - 1, exact=True)  # one too few: none
     assert tight.tokens is None and tight.exhausted
+
+
+def test_search_cut_short_by_the_clock_is_not_exhausted(manager):
+    from worker.engine.closing import CompletionSearch
+
+    search = CompletionSearch(manager.tokenizer_info, time_limit_s=0.0)
+    m = xgr.GrammarMatcher(compile(manager, GrammarSpec.regex("a[0-9]{3}b")))
+    for exact in (False, True):
+        found = search.shortest(m, 32, exact=exact)
+        assert found.tokens is None and not found.exhausted  # "do not know", never "none"
+    assert search.stats["timeouts"] >= 2
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -374,3 +385,4 @@ def test_failed_fetch_does_not_poison_the_spec():
         m.get_grammar(spec).result(timeout=30)
     assert m.get_grammar(spec).result(timeout=30) is not None
     assert len(calls) == 2
+

@@ -64,12 +64,13 @@ class CompletionSearch:
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo",
                  encode: Callable[[str], list[int]] | None = None, *,
                  max_expansions: int = 400, reps_per_class: int = 2,
-                 time_limit_s: float = 0.05):
+                 time_limit_s: float = 0.1):
         self.info = tokenizer_info
         self.encode = encode
         self.max_expansions = max_expansions
         self.time_limit_s = time_limit_s
         self._deadline = float("inf")
+        self._first_byte = (0x80, 0xBF)
         self.reps = reps_per_class
         vocab = self.vocab = list(tokenizer_info.decoded_vocab)  # (slow property: once)
         stop = self.stop = (set(tokenizer_info.stop_token_ids)
@@ -94,8 +95,13 @@ class CompletionSearch:
 
     # the search ---------------------------------------------------------------------------
 
+    def pending_bytes(self, token_ids: list[int]) -> bytes:
+        """The unfinished UTF-8 character at the end of these tokens' bytes (b"" if none):
+        what ``shortest(pending=...)`` needs to finish it with valid bytes."""
+        return _unfinished_char(b"".join(self.vocab[t] for t in token_ids[-4:]))
+
     def shortest(self, matcher: "xgr.GrammarMatcher", limit: int, *,
-                 exact: bool = False) -> Completion:
+                 exact: bool = False, pending: bytes = b"") -> Completion:
         """The shortest completion of ``matcher``'s output within ``limit`` tokens:
         ``Completion(tokens, ...)``, or ``Completion(None, exhausted)`` when none was found
         (``exhausted``: the search covered every state it considers within the limit).
@@ -104,6 +110,10 @@ class CompletionSearch:
         self.stats["searches"] += 1
         if matcher.is_completed():
             return Completion([], True)
+        # xgrammar accepts any continuation byte after a lead byte; UTF-8 does not (E0 80
+        # is overlong, ED A0 a surrogate): the first byte the search adds must fit
+        self._first_byte = _NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
+            0x80, 0xBF)
         self._deadline = time.perf_counter() + self.time_limit_s
         if not exact:  # a greedy dive first: milliseconds, and usually (near) the shortest
             dived = self._dive(matcher, limit)
@@ -132,7 +142,7 @@ class CompletionSearch:
                 return Completion(None, False)
             expansions += 1
             self.stats["expansions"] += 1
-            for tokens in self._edges(m):
+            for tokens in self._edges(m, first=not path):
                 c = cost + len(tokens)
                 if c > limit:
                     continue
@@ -149,7 +159,7 @@ class CompletionSearch:
                 seen.add(key)
                 heapq.heappush(heap, (c, next(tie), child, path + tuple(tokens), hist + (h,),
                                       child_ctx))
-        return Completion(None, True)
+        return Completion(None, not self._late())  # cut short by the clock: not exhausted
 
     def _dive(self, matcher, limit: int) -> list[int] | None:
         """Depth-first, closing edges first (the forced string, then tokens made of
@@ -164,7 +174,7 @@ class CompletionSearch:
             if len(path) >= limit or budget[0] <= 0 or self._late():
                 return None
             budget[0] -= 1
-            for tokens in sorted(self._edges(m), key=self._closing_rank):
+            for tokens in sorted(self._edges(m, first=not path), key=self._closing_rank):
                 if len(path) + len(tokens) > limit:
                     continue
                 if self._late():
@@ -230,9 +240,10 @@ class CompletionSearch:
 
     # helpers ------------------------------------------------------------------------------
 
-    def _edges(self, m: "xgr.GrammarMatcher") -> list[list[int]]:
+    def _edges(self, m: "xgr.GrammarMatcher", first: bool = False) -> list[list[int]]:
         """Token paths to try from ``m``: the jump-forward string (tokenized) first, then
-        the allowed candidates (a few per class when many are allowed)."""
+        the allowed candidates (a few per class when many are allowed). ``first``: ``m``
+        is the search's root (its unfinished character's next byte has a narrower range)."""
         m.fill_next_token_bitmask(self._mask)
         row = self._mask[0]
         allowed = ((row[self._word] >> self._bit) & 1).bool()
@@ -254,6 +265,9 @@ class CompletionSearch:
                 if toks:
                     edges.append(toks)
         mid_char = set(per_class) == {5}  # only high bytes: inside a multi-byte character
+        if mid_char:
+            lo, hi = self._first_byte if first else (0x80, 0xBF)
+            per_class[5] = [t for t in per_class[5] if lo <= self.vocab[t][0] <= hi]
         for cls, toks in per_class.items():
             if cls >= 1 and len(toks) > 4:  # a free choice among many: any will do
                 # (a multi-byte character's first byte only when nothing else is allowed:
@@ -278,6 +292,23 @@ class CompletionSearch:
         if all(probe.accept_token(t) for t in again) and probe.is_completed():
             return again
         return path
+
+
+# the allowed range of the byte after a lead byte, where it is narrower than 80..BF
+_NEXT_BYTE = {b"\xe0": (0xA0, 0xBF), b"\xed": (0x80, 0x9F), b"\xf0": (0x90, 0xBF),
+              b"\xf4": (0x80, 0x8F)}
+
+
+def _unfinished_char(data: bytes) -> bytes:
+    """The trailing bytes of ``data`` that begin a UTF-8 character not yet complete."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 == 0x80:  # a continuation byte: look further back for the lead
+            continue
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 \
+            else 1
+        return data[-back:] if back < need else b""
+    return b""
 
 
 def _class_of(raw: bytes) -> int | None:

@@ -34,6 +34,9 @@ class EngineConfig:
     # tokens kept in hand above the shortest completion when deciding to close: one
     # sampled token can open up to a few brackets at once
     closing_margin: int = 3
+    # wall-time cap of one shortest-completion search (it runs on the engine thread; a
+    # search cut short is retried a few tokens later, see closing.py)
+    closing_search_ms: float = 100.0
 
     def __post_init__(self):
         if isinstance(self.dtype, str):

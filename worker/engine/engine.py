@@ -107,6 +107,7 @@ class LLMEngine:
                 tokenizer, model.config.vocab_size, sorted(self.eos_ids),
                 max_batch_size=config.max_num_seqs, grammar_fetch=grammar_fetch,
                 cache_bytes=config.grammar_cache_bytes)
+            self.guided.closer.time_limit_s = config.closing_search_ms / 1000
             if self.runner.device.type == "cpu":  # compile the mask kernel off the hot path
                 threading.Thread(target=bitmask.warmup, daemon=True).start()
         self.seqs: dict[str, Sequence] = {}
@@ -356,15 +357,19 @@ class LLMEngine:
             return None
         # the search counts single-character steps before re-encoding its answer, so it
         # looks further than the budget and compares the final (re-encoded) length
-        found = self.guided.closer.shortest(matcher, _search_limit(budget))
+        closer = self.guided.closer
+        pending = closer.pending_bytes(seq.output_ids)  # a continuation may stop mid-character
+        found = closer.shortest(matcher, _search_limit(budget), pending=pending)
         if found.tokens is not None and len(found.tokens) > budget:  # the dive's: make sure
-            found = self.guided.closer.shortest(matcher, _search_limit(budget), exact=True)
+            found = closer.shortest(matcher, _search_limit(budget), exact=True, pending=pending)
         if found.tokens is not None and len(found.tokens) <= budget:
             seq.closing_estimate = (0, len(found.tokens))
             seq.closing_start = found.tokens
             return None
         if found.tokens is None:
-            more = self.guided.closer.shortest(matcher, max(4 * budget, 256))
+            more = closer.shortest(matcher, max(4 * budget, 256), pending=pending)
+            if more.tokens is not None and len(more.tokens) <= budget:
+                return None  # the first search was cut short; this one fits
             if not found.exhausted and (more.tokens is None or len(more.tokens) <= 2 * budget):
                 # the search gave up within the budget and what it found later is not far
                 # above it: we do not know, so we do not refuse
@@ -397,9 +402,11 @@ class LLMEngine:
         matcher = self.guided.matchers.get(seq.matcher_key)
         if matcher is None:
             return None
-        found = self.guided.closer.shortest(matcher, _search_limit(left))
+        closer = self.guided.closer
+        pending = closer.pending_bytes(seq.output_ids)
+        found = closer.shortest(matcher, _search_limit(left), pending=pending)
         if found.tokens is not None and len(found.tokens) > left:  # the dive's: make sure
-            found = self.guided.closer.shortest(matcher, _search_limit(left), exact=True)
+            found = closer.shortest(matcher, _search_limit(left), exact=True, pending=pending)
         if found.tokens is None or len(found.tokens) > left:
             # no completion fits: stop searching once that is certain (the shortest only
             # grows as the budget shrinks); a search that gave up is tried again a few
