@@ -364,8 +364,6 @@ def readme_curl_bodies() -> list[dict]:
     return bodies
 
 
-@pytest.mark.slow  # out of CI for now: one README request timed out (120 s) at defaults on
-# 2026-11-22; issue 12/15 must make this pass before it returns to CI
 def test_readme_examples_give_valid_answers_at_defaults(svc):
     """Every curl in the README, sent as written (server defaults for everything it leaves
     out), answers with output that conforms to what it asked for."""

@@ -129,20 +129,20 @@ class CompletionSearch:
     def _search(self, matcher, limit: int, by_depth: bool) -> Completion:
         tie = itertools.count()
         root = matcher.fork()
-        h = self._mask_hash(root)
-        # a node: (cost, tie, matcher, path, masks on the path, mask before this run)
-        heap = [(0, next(tie), root, (), (h,), None)]
+        h, row = self._fill(root)
+        # a node: (cost, tie, matcher, path, masks on the path, mask before this run, mask)
+        heap = [(0, next(tie), root, (), (h,), None, row)]
         seen = {self._key(root, h, (), None, 0, by_depth)}
         expansions = 0
         while heap:
-            cost, _, m, path, hist, ctx = heapq.heappop(heap)
+            cost, _, m, path, hist, ctx, row = heapq.heappop(heap)
             if m.is_completed():
                 return Completion(self._compact(matcher, list(path)), True)
             if expansions >= self.max_expansions or self._late():
                 return Completion(None, False)
             expansions += 1
             self.stats["expansions"] += 1
-            for tokens in self._edges(m, first=not path):
+            for tokens in self._edges(m, row, first=not path):
                 c = cost + len(tokens)
                 if c > limit:
                     continue
@@ -151,30 +151,30 @@ class CompletionSearch:
                 child = m.fork()
                 if not all(child.accept_token(t) for t in tokens):
                     continue
-                h = self._mask_hash(child)
+                h, child_row = self._fill(child)
                 child_ctx = ctx if h == hist[-1] else hist[-1]
                 key = self._key(child, h, hist, child_ctx, c, by_depth)
                 if key in seen:
                     continue
                 seen.add(key)
                 heapq.heappush(heap, (c, next(tie), child, path + tuple(tokens), hist + (h,),
-                                      child_ctx))
+                                      child_ctx, child_row))
         return Completion(None, not self._late())  # cut short by the clock: not exhausted
 
     def _dive(self, matcher, limit: int) -> list[int] | None:
         """Depth-first, closing edges first (the forced string, then tokens made of
-        closing characters, then literals and digits, then the rest), with the fast pass's
-        state merging and a node cap. A completion, or None."""
+        closing characters, then literals and digits, then the rest), states merged by mask
+        and depth, with a node cap. A completion, or None."""
         seen: set = set()
         budget = [self.max_expansions // 4]
 
-        def go(m, path, hist, ctx):
+        def go(m, row, path, hist, ctx):
             if m.is_completed():
                 return path
             if len(path) >= limit or budget[0] <= 0 or self._late():
                 return None
             budget[0] -= 1
-            for tokens in sorted(self._edges(m, first=not path), key=self._closing_rank):
+            for tokens in sorted(self._edges(m, row, first=not path), key=self._closing_rank):
                 if len(path) + len(tokens) > limit:
                     continue
                 if self._late():
@@ -182,19 +182,23 @@ class CompletionSearch:
                 child = m.fork()
                 if not all(child.accept_token(t) for t in tokens):
                     continue
-                h = self._mask_hash(child)
+                h, child_row = self._fill(child)
                 child_ctx = ctx if h == hist[-1] else hist[-1]
-                key = self._key(child, h, hist, child_ctx, 0, False)
+                # states merged by mask AND depth: a mask repeats at every level of a
+                # nesting being closed ("}" after "}"), so merging by mask alone (the fast
+                # pass's rule) would cut the dive off after three levels
+                key = self._key(child, h, hist, child_ctx, len(path) + len(tokens), True)
                 if key in seen:
                     continue
                 seen.add(key)
-                found = go(child, path + tokens, hist + (h,), child_ctx)
+                found = go(child, child_row, path + tokens, hist + (h,), child_ctx)
                 if found is not None:
                     return found
             return None
 
         root = matcher.fork()
-        return go(root, [], (self._mask_hash(root),), None)
+        h, row = self._fill(root)
+        return go(root, row, [], (h,), None)
 
     def _late(self) -> bool:
         if time.perf_counter() < self._deadline:
@@ -218,9 +222,12 @@ class CompletionSearch:
             return 5  # values with blanks and signs
         return 3
 
-    def _mask_hash(self, m: "xgr.GrammarMatcher") -> int:
+    def _fill(self, m: "xgr.GrammarMatcher") -> tuple[int, torch.Tensor]:
+        """The next-token mask of ``m`` (a copy: one fill per node, the costly part) and
+        its hash."""
         m.fill_next_token_bitmask(self._mask)
-        return hash(self._mask.numpy().tobytes())
+        row = self._mask[0].clone()
+        return hash(row.numpy().tobytes()), row
 
     def _key(self, m, h: int, hist: tuple, ctx, cost: int, by_depth: bool) -> tuple:
         """Which states count as one. Fast pass: the next-token mask, the mask in force
@@ -240,12 +247,11 @@ class CompletionSearch:
 
     # helpers ------------------------------------------------------------------------------
 
-    def _edges(self, m: "xgr.GrammarMatcher", first: bool = False) -> list[list[int]]:
+    def _edges(self, m: "xgr.GrammarMatcher", row: torch.Tensor,
+               first: bool = False) -> list[list[int]]:
         """Token paths to try from ``m``: the jump-forward string (tokenized) first, then
         the allowed candidates (a few per class when many are allowed). ``first``: ``m``
         is the search's root (its unfinished character's next byte has a narrower range)."""
-        m.fill_next_token_bitmask(self._mask)
-        row = self._mask[0]
         allowed = ((row[self._word] >> self._bit) & 1).bool()
         per_class: dict[int, list[int]] = {}
         for i in allowed.nonzero().flatten().tolist():
