@@ -6,7 +6,6 @@ Real Ray (a local instance), real child-process compiles."""
 import asyncio
 import os
 import signal
-import tempfile
 import threading
 import time
 import uuid
@@ -25,11 +24,7 @@ from grammar_cache.spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
 
-# these tests count compiles and actor hits: the disk tier (tests/test_grammar_replication.py)
-# is off by default here, in this process and in the Ray processes (they inherit the
-# environment at ray.init); a folder of its own for any cache that turns it on
-os.environ["RAYGUIDE_GRAMMAR_DISK"] = "0"
-os.environ["RAYGUIDE_GRAMMAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rayguide-grammars-")
+# the disk tier is off in tests (tests/conftest.py): these count compiles and actor hits
 
 VOCAB = ["<eos>", "{", "}", '"', "a", "b", ":", ",", " ", "1", "2", "true", "false", "[", "]",
          "x", "y", "z", "0", "-"] + [chr(c) for c in range(ord("c"), ord("w"))]

@@ -62,7 +62,11 @@ def test_serve_clean_log_and_down_status_leave_it_alone(tiny_model_dir, tmp_path
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
-        # one line per start stage, with its time
+        # one line per start stage, with its time (the last is printed just after the app
+        # answers: wait for it)
+        deadline = time.monotonic() + 30
+        while "app ready" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
         text = log_path.read_text()
         for stage in ("Ray ready", "grammar cache ready", "worker(s) loaded the model",
                       "registered with the scheduler", "Serve controller", "app ready"):

@@ -46,7 +46,7 @@ import xgrammar as xgr
 
 _JSON_PUNCT = set(b'{}[]",: ')
 _REPEATS = 3
-_CLOSERS = set(b'"}]')
+_CLOSERS = set(b'"}])')
 _FEW_WORDS = 4  # masks with at most this many non-zero 32-bit words: try every token
 _LITERALS = (b"null", b"true", b"false", b" null", b" true", b" false")
 
@@ -112,7 +112,7 @@ class CompletionSearch:
             return Completion([], True)
         # xgrammar accepts any continuation byte after a lead byte; UTF-8 does not (E0 80
         # is overlong, ED A0 a surrogate): the first byte the search adds must fit
-        self._first_byte = _NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
+        self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
             0x80, 0xBF)
         self._deadline = time.perf_counter() + self.time_limit_s
         if not exact:  # a greedy dive first: milliseconds, and usually (near) the shortest
@@ -184,10 +184,12 @@ class CompletionSearch:
                     continue
                 h, child_row = self._fill(child)
                 child_ctx = ctx if h == hist[-1] else hist[-1]
-                # states merged by mask AND depth: a mask repeats at every level of a
-                # nesting being closed ("}" after "}"), so merging by mask alone (the fast
-                # pass's rule) would cut the dive off after three levels
-                key = self._key(child, h, hist, child_ctx, len(path) + len(tokens), True)
+                # a closing edge keeps its depth in the state's key: the mask repeats at
+                # every level of a nesting being closed ("}" after "}"), and merging by
+                # mask alone would cut the dive off after three levels; other edges merge
+                # by mask (the fast pass's rule), or a dive would spell letters to its limit
+                closing = self._closing_rank(tokens) <= 1
+                key = self._key(child, h, hist, child_ctx, len(path) + len(tokens), closing)
                 if key in seen:
                     continue
                 seen.add(key)
@@ -301,7 +303,7 @@ class CompletionSearch:
 
 
 # the allowed range of the byte after a lead byte, where it is narrower than 80..BF
-_NEXT_BYTE = {b"\xe0": (0xA0, 0xBF), b"\xed": (0x80, 0x9F), b"\xf0": (0x90, 0xBF),
+NEXT_BYTE = {b"\xe0": (0xA0, 0xBF), b"\xed": (0x80, 0x9F), b"\xf0": (0x90, 0xBF),
               b"\xf4": (0x80, 0x8F)}
 
 

@@ -259,6 +259,11 @@ class LLMEngine:
             s.seq.num_computed += s.num_tokens
         if sampling:
             result = self.sampler(logits, inputs.rows, proc)
+            for i, seq in enumerate(sampling):
+                if seq.forced_path:  # closing from the start (see _plan_close_at_start)
+                    result.token_ids[i] = seq.forced_path[0]
+                    if result.logprobs:
+                        result.logprobs[i] = None  # forced: not sampled from the model
             status = proc.accept_token(result.token_ids)
             outputs += [self._append_token(seq, tok, lp, status.get(i))
                         for i, (seq, tok, lp) in enumerate(
@@ -295,10 +300,7 @@ class LLMEngine:
                     continue
                 if seq.params.stop:  # a stop string only where the grammar may end
                     seq.detokenizer.stop_check = _grammar_accepts(compiled)
-                closed = self._close_at_start(seq, matcher)
-                if closed is not None:
-                    outputs.append(closed)
-                    continue
+                self._plan_close_at_start(seq, matcher)
                 self.waiting_for_grammar.remove(seq)
                 seq.status = SeqStatus.WAITING
                 self.scheduler.add(seq)
@@ -324,25 +326,17 @@ class LLMEngine:
             return False
         return True
 
-    def _close_at_start(self, seq: Sequence, matcher) -> RequestOutput | None:
+    def _plan_close_at_start(self, seq: Sequence, matcher) -> None:
         """A budget already down to the grammar's shortest output (plus ``closing_margin``)
-        gets that output, without sampling: one sampled token could leave no room to close.
-        The final chunk, or None when the request runs normally."""
+        gets that output: one freely sampled token could leave no room to close. The
+        prompt still runs (a session keeps its KV); its first token is the path's first,
+        and the rest follows at once (``_maybe_close``)."""
         path, seq.closing_start = seq.closing_start, None
-        if path is None or self._remaining(seq) > len(path) + self.config.closing_margin:
-            return None
-        probe = matcher.fork()  # the real matcher takes the path only if all of it fits
-        if not all(probe.accept_token(t) for t in path):
-            return None
-        for t in path:
-            matcher.accept_token(t)
-        seq.token_ids.extend(path)
-        seq.closed_early = bool(path)
-        text = seq.detokenizer.add_tokens(path)
-        reason = "stop" if not path or seq.detokenizer.stopped is not None else "length"
-        text += seq.detokenizer.flush()
-        lps = [None] * len(path) if seq.params.logprobs is not None else None
-        return self._finish(seq, reason, text=text, new_tokens=path, logprobs=lps)
+        if not path or self._remaining(seq) > len(path) + self.config.closing_margin:
+            return
+        probe = matcher.fork()
+        if all(probe.accept_token(t) for t in path):
+            seq.forced_path = path
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens the request may still generate: its max_new_tokens, or the context."""
@@ -386,6 +380,9 @@ class LLMEngine:
         """Budget-aware closing (see closing.py). When the tokens left are down to the
         grammar's shortest completion (plus ``closing_margin``), returns that completion,
         already accepted by the request's matcher, and the finish reason; else None."""
+        if seq.forced_path is not None:  # its first token was just taken: the rest now
+            path, seq.forced_path = seq.forced_path[1:], None
+            return self._force(seq, path)
         cfg = self.config
         left = self._remaining(seq)
         if not cfg.closing_window or left > cfg.closing_window or seq.closing_failed:
@@ -424,16 +421,22 @@ class LLMEngine:
             return None
         if not found.tokens and self.guided.only_stop_allowed(matcher):
             return [], "stop"  # complete, and the grammar allows nothing more
-        for i, t in enumerate(found.tokens):  # the real matcher checks every forced token
-            if not matcher.accept_token(t):
+        return self._force(seq, found.tokens)
+
+    def _force(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str]:
+        """Feeds a closing path to the request's matcher (which checks every token)."""
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        for i, t in enumerate(tokens):
+            if matcher is None or not matcher.accept_token(t):
                 logger.error("closing: the grammar refused forced token %d", t)
-                return found.tokens[:i], "length"
-        return found.tokens, "length"
+                return tokens[:i], "length"
+        return tokens, "length"
 
     def _append_token(self, seq: Sequence, token: int, logprob,
                       status: RowStatus | None = None) -> RequestOutput:
         p = seq.params
-        lps = [logprob] if logprob is not None else None
+        # None in the list: a forced token (not sampled), still one entry per token
+        lps = [logprob] if logprob is not None or p.logprobs is not None else None
         if status is not None and status.error:
             seq.token_ids.append(token)
             return self._finish(seq, "error", new_tokens=[token], logprobs=lps,

@@ -28,7 +28,7 @@ import xgrammar as xgr
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace
-from worker.engine.closing import CompletionSearch
+from worker.engine.closing import NEXT_BYTE, CompletionSearch
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class GuidedDecodingManager:
         self.stats = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "evictions": 0}
         self._encode = encode
         self._closer: CompletionSearch | None = None
+        self._utf8_bans: dict[bytes, torch.Tensor] = {}
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
@@ -94,6 +95,25 @@ class GuidedDecodingManager:
         if self._closer is None:
             self._closer = CompletionSearch(self.tokenizer_info, self._encode)
         return self._closer
+
+    def utf8_bans(self, output_ids: list[int]) -> torch.Tensor | None:
+        """Token ids that would continue the output's unfinished character with a byte
+        UTF-8 forbids there, or None. xgrammar accepts any continuation byte after a lead
+        byte, but E0 80 is overlong, ED A0 a surrogate, F0 80 and F4 90 out of range: the
+        text would carry U+FFFD where the grammar counted one character."""
+        if not output_ids:
+            return None
+        pending = self.closer.pending_bytes(output_ids)
+        if pending not in NEXT_BYTE:
+            return None
+        bans = self._utf8_bans.get(pending)
+        if bans is None:
+            lo, hi = NEXT_BYTE[pending]
+            bans = self._utf8_bans[pending] = torch.tensor(
+                [t for t, raw in enumerate(self.closer.vocab)
+                 if raw and 0x80 <= raw[0] <= 0xBF and not lo <= raw[0] <= hi],
+                dtype=torch.long)
+        return bans
 
     # grammars ---------------------------------------------------------------------------
 

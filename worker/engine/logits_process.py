@@ -4,8 +4,9 @@
     proc.prepare()            # before the forward: looks up each guided row's matcher and
                               # starts filling the batch bitmask on a worker thread
     logits = model(...)       # the fill runs meanwhile (xgrammar releases the GIL)
-    sampler(logits, rows, proc)   # proc(logits): penalties, join the fill, mask in place,
-                                  # NaN -> -inf; proc.guard(tokens): never a masked token
+    sampler(logits, rows, proc)   # proc(logits): penalties, join the fill, mask in place
+                                  # (and no byte UTF-8 forbids mid-character), NaN -> -inf;
+                                  # proc.guard(tokens): never a masked token
     proc.accept_token(tokens)     # advances each guided row's matcher
 
 One bitmask tensor serves the batch (the manager's, allocated once); bitmask row i is
@@ -102,9 +103,18 @@ class FusedLogitsProcessor:
             t1 = time.perf_counter()
             self._allow_stop_ids()
             self.manager.apply_bitmask(logits, max(self._rows) + 1)
+            self._ban_invalid_utf8(logits)
             self.timings.fill_wait_us = (t1 - t) * 1e6
             self.timings.apply_us = (time.perf_counter() - t1) * 1e6
         return logits
+
+    def _ban_invalid_utf8(self, logits: torch.Tensor) -> None:
+        """Rows in the middle of a character: no byte UTF-8 forbids there (the grammar's
+        mask allows any continuation byte; see GuidedDecodingManager.utf8_bans)."""
+        for row in self._rows:
+            bans = self.manager.utf8_bans(self.inputs.rows[row].output_ids)
+            if bans is not None:
+                logits[row, bans.to(logits.device)] = float("-inf")
 
     def _allow_stop_ids(self) -> None:
         """Unmasks each guided row's stop token ids where its grammar may end."""
