@@ -70,6 +70,7 @@ class EngineStats:
     invalid: int = 0
     runaway: int = 0
     closing_giveups: int = 0  # completion searches that hit their node cap
+    closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
 
 
 class LLMEngine:
@@ -116,7 +117,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_timings = StepTimings()
         self.counters = {"closed_early": 0, "validated": 0, "invalid": 0, "runaway": 0,
-                         "closing_giveups": 0}
+                         "closing_giveups": 0, "closing_steered": 0}
 
     # requests ---------------------------------------------------------------------------
 
@@ -261,7 +262,11 @@ class LLMEngine:
             result = self.sampler(logits, inputs.rows, proc)
             for i, seq in enumerate(sampling):
                 if seq.forced_path:  # closing from the start (see _plan_close_at_start)
-                    result.token_ids[i] = seq.forced_path[0]
+                    forced = seq.forced_path[0]
+                else:
+                    forced = self._keep_closable(seq, result.token_ids[i])
+                if forced is not None and forced != result.token_ids[i]:
+                    result.token_ids[i] = forced
                     if result.logprobs:
                         result.logprobs[i] = None  # forced: not sampled from the model
             status = proc.accept_token(result.token_ids)
@@ -418,10 +423,38 @@ class LLMEngine:
             return None
         seq.closing_estimate = (seq.num_output, len(found.tokens))
         if left > len(found.tokens) + cfg.closing_margin:
+            # near the end, the next sampled token is checked against this path: one
+            # token can cost many (", " in an array opens a whole object)
+            seq.closing_path = (seq.num_output, found.tokens)
             return None
         if not found.tokens and self.guided.only_stop_allowed(matcher):
             return [], "stop"  # complete, and the grammar allows nothing more
         return self._force(seq, found.tokens)
+
+    def _keep_closable(self, seq: Sequence, token: int) -> int | None:
+        """Within ``_GUARD_ZONE`` tokens of the closing path found for this very state: the
+        sampled token if the output can still close after it within the budget, else the
+        path's first token (which can). None: not checked."""
+        at_path = seq.closing_path
+        if at_path is None or at_path[0] != seq.num_output or not at_path[1]:
+            return None
+        path = at_path[1]
+        left = self._remaining(seq) - 1  # after this token
+        if token == path[0] or left > len(path) + _GUARD_ZONE:
+            return None
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        if matcher is None:
+            return None
+        probe = matcher.fork()
+        if not probe.accept_token(token):
+            return None  # not the grammar's: the guard in the sampler handles it
+        closer = self.guided.closer
+        found = closer.shortest(probe, _search_limit(left),
+                                pending=closer.pending_bytes(seq.output_ids + [token]))
+        if found.tokens is not None and len(found.tokens) <= left:
+            return None
+        self.counters["closing_steered"] += 1
+        return path[0]
 
     def _force(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str]:
         """Feeds a closing path to the request's matcher (which checks every token)."""
@@ -572,6 +605,7 @@ class LLMEngine:
         )
 
 
+_GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
 _GIVEUPS = 4  # searches that hit their node cap before a request stops searching
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
 
