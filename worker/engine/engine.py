@@ -69,7 +69,7 @@ class EngineStats:
     validated: int = 0
     invalid: int = 0
     runaway: int = 0
-    closing_giveups: int = 0  # completion searches that hit their node cap
+    closing_giveups: int = 0  # completion searches cut short (node cap or closing_search_ms)
     closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
 
 
