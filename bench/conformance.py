@@ -9,7 +9,8 @@ Reports the share valid (parses and passes full-schema validation) overall, amon
 and among "length"; the share closed early; the runaway share (ended at the budget without
 closing); mean output tokens; validation time per request. ``--json`` keys:
 valid_share_all, valid_share_stop, valid_share_length, runaway_share, closed_early_share,
-mean_output_tokens, validation_us_p50, wall_s, requests.
+mean_output_tokens, validation_us_p50, wall_s, requests, refused (budget below the
+grammar's shortest output: a 400 naming it, left out of the shares).
 
 ``run(engine, cases)`` is importable, and ``cases()`` can be sent through any other path
 (an HTTP run uses the same schemas and prompts).
@@ -87,6 +88,7 @@ def run(engine, items, *, spec_options: dict | None = None, seed: int = 0) -> di
     from worker.engine.sampling import SamplingParams
     from worker.engine.sequence import GenerationRequest
     from worker.engine.validation import validate_json
+    from grammar_cache.errors import ErrorKind
 
     reqs, meta = [], []
     for i, (name, schema, prompt, temp, budget) in enumerate(items):
@@ -104,9 +106,21 @@ def run(engine, items, *, spec_options: dict | None = None, seed: int = 0) -> di
         t = time.perf_counter()
         error = validate_json(schema, out.text)
         val_us.append((time.perf_counter() - t) * 1e6)
+        refused = out.error_kind == ErrorKind.BUDGET_TOO_SMALL
         rows.append(dict(name=name, temp=temp, budget=budget, reason=out.finish_reason,
                          valid=error is None, closed=bool(out.closed_early),
-                         tokens=out.completion_tokens, text=out.text))
+                         tokens=out.completion_tokens, text=out.text, refused=refused,
+                         error=out.error))
+    return summarize(rows, wall, val_us)
+
+
+def summarize(rows: list[dict], wall: float, val_us: list[float]) -> dict:
+    """The bench's figures from one row per request (name, budget, reason, valid, closed,
+    tokens, text, refused). A request refused before generating because its budget is
+    below the grammar's shortest output (a 400 naming the minimum) is the right answer,
+    not an invalid one: it is counted apart and left out of the valid shares."""
+    refused = [r for r in rows if r["refused"]]
+    rows = [r for r in rows if not r["refused"]]
     stop = [r for r in rows if r["reason"] == "stop"]
     length = [r for r in rows if r["reason"] == "length"]
 
@@ -114,12 +128,13 @@ def run(engine, items, *, spec_options: dict | None = None, seed: int = 0) -> di
         return round(sum(1 for x in xs if x[key]) / len(xs), 4) if xs else None
 
     return dict(
-        requests=len(rows), wall_s=round(wall, 1),
+        requests=len(rows) + len(refused), wall_s=round(wall, 1),
+        refused=len(refused), refused_examples=sorted({r["error"] for r in refused})[:3],
         valid_share_all=share(rows), valid_share_stop=share(stop),
         valid_share_length=share(length),
         runaway_share=round(sum(1 for r in length if not r["closed"]) / len(rows), 4),
         closed_early_share=share(rows, "closed"),
-        errors=sum(1 for r in rows if r["reason"] == "error"),
+        errors=sum(1 for r in rows if r["reason"] == "error"),  # counted invalid too
         mean_output_tokens=round(statistics.mean(r["tokens"] for r in rows), 1),
         validation_us_p50=round(statistics.median(val_us), 1),
         by_budget={b: share([r for r in rows if r["budget"] == b])
@@ -154,7 +169,7 @@ def main(argv=None) -> None:
     figures = run(engine, list(cases(args.quick)), spec_options=opts)
     figures["config"] = dict(closing_window=engine.config.closing_window, **opts)
     if args.json:
-        print(json.dumps(figures, indent=1))
+        print(json.dumps(figures))  # one object, the last line
         return
     for k, v in figures.items():
         print(f"{k:22s} {v}")

@@ -55,7 +55,7 @@ class GrammarSpec:
     any_order: bool = False
     max_int_digits: int = 15
     max_frac_digits: int = 10
-    max_exp_digits: int = 3
+    max_exp_digits: int = 2
 
     def __post_init__(self):
         kind = ALIASES.get(self.kind, self.kind)

@@ -16,6 +16,7 @@ from grammar_cache.spec import GrammarSpec
 from worker.engine.sampling import SamplingParams
 from worker.engine.sequence import GenerationRequest
 from worker.engine.validation import validate_json
+from worker.engine.validation import validate_json
 
 pytestmark = pytest.mark.integration
 
@@ -132,7 +133,13 @@ def test_budget_below_the_minimum_is_refused_before_generating(make_engine):
     [out] = run(engine, [GenerationRequest(chat("A person"), params(4),
                                            grammar=GrammarSpec.json_schema(PERSON))])
     assert out.finish_reason == "error" and out.error_kind == ErrorKind.BUDGET_TOO_SMALL
-    assert out.completion_tokens == 0 and "at least" in out.error and "max_tokens" in out.error
+    assert out.completion_tokens == 0 and "max_tokens" in out.error
+    assert re.search(r"needs (at least|about) \d+ tokens", out.error), out.error
+    # a fixed-length field (36 characters of uuid) needs more than the budget: refused too,
+    # though the search cannot prove its minimum (it would otherwise end invalid)
+    [out] = run(engine, [GenerationRequest(chat("A record"), params(24),
+                                           grammar=GrammarSpec.json_schema(FORMATS))])
+    assert out.error_kind == ErrorKind.BUDGET_TOO_SMALL, (out.error, out.text)
 
 
 def test_validation_catches_what_the_grammar_lets_through(make_engine):
@@ -205,3 +212,38 @@ def test_sampling_never_breaks_a_character(make_engine):
         assert token == by_bytes[b"\xa4"]  # E0 A4: the start of a valid character
     finally:
         guided.remove_matcher(key)
+
+
+FORMATS = {"type": "object", "properties": {
+    "email": {"type": "string", "format": "email"}, "id": {"type": "string", "format": "uuid"},
+    "zip": {"type": "string", "pattern": "^[0-9]{5}$"}, "day": {"type": "string", "format": "date"}},
+    "required": ["email", "id", "zip", "day"]}
+UUID = re.compile(r'"id": ?"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-'
+                  r'[0-9a-fA-F]{12}"')
+
+
+@pytest.mark.parametrize("spec, prefix, check", [
+    # a fixed-length field opened late: the rest of its 36 characters, then the rest
+    (GrammarSpec.json_schema(FORMATS), '{"email": "a@b.co", "id": "12',
+     lambda t: validate_json(FORMATS, t) is None and UUID.search(t)),
+    # an e-mail's local part needs "@", which no class of letters stands for
+    (GrammarSpec.json_schema(FORMATS), '{"email": "ab',
+     lambda t: validate_json(FORMATS, t) is None and UUID.search(t)),
+    (GrammarSpec.regex("[a-z]*q[0-9]{6}"), "abc", lambda t: re.fullmatch("[a-z]*q[0-9]{6}", t)),
+])
+def test_closing_search_finds_fixed_lengths_and_rare_characters(make_engine, spec, prefix,
+                                                                 check):
+    # the dive within the engine's own time cap (closing_search_ms); the exact search,
+    # which only runs when the dive's answer does not fit, given more time
+    engine = make_engine()
+    search = engine.guided.closer
+    m = xgr.GrammarMatcher(engine.guided.get_grammar(spec).result(timeout=60))
+    assert m.accept_string(prefix)
+    for exact in (False, True):
+        search.time_limit_s = 2.0 if exact else engine.config.closing_search_ms / 1000
+        found = search.shortest(m, 120, exact=exact)
+        assert found.tokens is not None, (exact, search.stats)
+        text = prefix + engine.tokenizer.decode(found.tokens)
+        assert check(text), text
+    fit = search.fitting(m, 60)  # the budget-facing call: the shorter of the two, re-encoded
+    assert fit.tokens is not None and len(fit.tokens) <= 60

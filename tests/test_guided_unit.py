@@ -44,6 +44,8 @@ def accepts(manager, spec, text: str) -> bool:
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
           "required": ["a", "b"]}
 
+NUM = {"type": "object", "properties": {"n": {"type": "number"}}, "required": ["n"]}
+
 # xgrammar 0.2.8 lets raw control characters into strings with maxLength; we do not
 SHORT = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5}},
          "required": ["s"]}
@@ -69,6 +71,16 @@ CASES = [
     (GrammarSpec.json_schema(SCHEMA, max_whitespace=2), '{"a":    1, "b": false}', False),
     (GrammarSpec.json_schema(SCHEMA, whitespace="indent", indent=1),
      '{\n "a": 1,\n "b": true\n}', True),
+    # runaway guards on numbers: 15 integer digits, 10 fraction digits, 2 exponent digits
+    # (every number a finite double: 402.00E488 overflowed with 3)
+    (GrammarSpec.json_schema(NUM, whitespace="compact"), '{"n":123456789012345}', True),
+    (GrammarSpec.json_schema(NUM, whitespace="compact"), '{"n":1234567890123456}', False),
+    (GrammarSpec.json_schema(NUM, whitespace="compact", max_int_digits=0),
+     '{"n":1234567890123456}', True),
+    (GrammarSpec.json_schema(NUM, whitespace="compact"), '{"n":402.00E99}', True),
+    (GrammarSpec.json_schema(NUM, whitespace="compact"), '{"n":402.00E488}', False),
+    (GrammarSpec.json_schema(NUM, whitespace="compact"), '{"n":1.01234567890}', False),
+    (GrammarSpec.json_object(), '{"n": 1e-308}', False),
     (GrammarSpec.json_object(), '{"ab": [1, 2]}', True),
     (GrammarSpec.json_object(), '[1]', False),
     (GrammarSpec.regex(r"(yes|no)-[0-9]+"), "yes-120", True),

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -91,6 +92,8 @@ class CompletionSearch:
         self._word = self.cand >> 5
         self._bit = (self.cand & 31).to(torch.int32)
         self._mask = xgr.allocate_token_bitmask(1, tokenizer_info.vocab_size)
+        letters = self.cand[[i for i, c in enumerate(self.cand_class) if c == 2]]
+        self._letter_word, self._letter_bit = letters >> 5, (letters & 31).to(torch.int32)
         self.stats = {"searches": 0, "expansions": 0, "timeouts": 0}
 
     # the search ---------------------------------------------------------------------------
@@ -115,19 +118,43 @@ class CompletionSearch:
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
             0x80, 0xBF)
         self._deadline = time.perf_counter() + self.time_limit_s
+        self._reps_memo: dict = {}
         if not exact:  # a greedy dive first: milliseconds, and usually (near) the shortest
             dived = self._dive(matcher, limit)
             if dived is not None:  # re-encoded like the search's: its steps are often
                 return Completion(self._compact(matcher, dived), False)  # single characters
-        # then the search, first with equal masks merged whatever their depth (fast; right for JSON), then,
-        # if that finds nothing, with the depth in the key (counters such as [a-z]{40})
-        found = self._search(matcher, limit, by_depth=False)
+        # then the uniform-cost search, states told apart by mask and parser state: first
+        # without blank-only tokens where anything else is allowed (a JSON layout's blanks
+        # multiply the states twelvefold per place and never help to close), then with them
+        found = self._search(matcher, limit, "no_blanks")
         if found.tokens is None and time.perf_counter() < self._deadline:
-            found = self._search(matcher, limit, by_depth=True)
+            found = self._search(matcher, limit, "all")
+        if found.tokens is None and found.exhausted and not _parse_state(matcher):
+            # no parser state to read (another xgrammar): the mask and the depth
+            found = self._search(matcher, limit, "by_depth")
         return found
 
-    def _search(self, matcher, limit: int, by_depth: bool) -> Completion:
+    def fitting(self, matcher: "xgr.GrammarMatcher", budget: int, *,
+                pending: bytes = b"") -> Completion:
+        """A completion for a budget of ``budget`` tokens: the dive's, and where that does
+        not fit, the exact search's when it is shorter. The search counts single-character
+        steps before re-encoding its answer, so it looks further than the budget (the
+        caller compares the final length). ``exhausted`` is the exact search's: a
+        completion that does not fit is certain only then."""
+        # the dive may look further still: a path of single characters (a uuid of 36)
+        # often re-encodes to far fewer tokens, and a dive is cheap
+        found = self.shortest(matcher, 4 * budget + 16, pending=pending)
+        if found.tokens is None or len(found.tokens) <= budget:
+            return found
+        exact = self.shortest(matcher, 2 * budget + 8, exact=True, pending=pending)
+        if exact.tokens is not None and len(exact.tokens) < len(found.tokens):
+            return exact
+        return Completion(found.tokens, exact.exhausted)
+
+    def _search(self, matcher, limit: int, mode: str) -> Completion:
         tie = itertools.count()
+        by_depth = mode == "by_depth"
+        pruned = False  # a blank-only edge was left out: "none found" is not "none exists"
         root = matcher.fork()
         h, row = self._fill(root)
         # a node: (cost, tie, matcher, path, masks on the path, mask before this run, mask)
@@ -142,7 +169,12 @@ class CompletionSearch:
                 return Completion(None, False)
             expansions += 1
             self.stats["expansions"] += 1
-            for tokens in self._edges(m, row, first=not path):
+            edges = self._edges(m, row, first=not path)
+            if mode == "no_blanks":
+                kept = [e for e in edges if not self._blank(e)]
+                if kept and len(kept) < len(edges):
+                    edges, pruned = kept, True
+            for tokens in edges:
                 c = cost + len(tokens)
                 if c > limit:
                     continue
@@ -153,13 +185,19 @@ class CompletionSearch:
                     continue
                 h, child_row = self._fill(child)
                 child_ctx = ctx if h == hist[-1] else hist[-1]
-                key = self._key(child, h, hist, child_ctx, c, by_depth)
+                # as in the dive: a closing edge keeps its depth (nesting closed level by level)
+                key = self._key(child, h, hist, child_ctx, c,
+                                by_depth or self._closes(m, row, child, tokens))
                 if key in seen:
                     continue
                 seen.add(key)
                 heapq.heappush(heap, (c, next(tie), child, path + tuple(tokens), hist + (h,),
                                       child_ctx, child_row))
-        return Completion(None, not self._late())  # cut short by the clock: not exhausted
+        # cut short by the clock, or blanks left out: not exhausted
+        return Completion(None, not self._late() and not pruned)
+
+    def _blank(self, tokens: list[int]) -> bool:
+        return len(tokens) == 1 and self.vocab[tokens[0]].isspace()
 
     def _dive(self, matcher, limit: int) -> list[int] | None:
         """Depth-first, closing edges first (the forced string, then tokens made of
@@ -168,13 +206,23 @@ class CompletionSearch:
         seen: set = set()
         budget = [self.max_expansions // 4]
 
-        def go(m, row, path, hist, ctx):
+        def go(m, row, path, hist, ctx, states):
             if m.is_completed():
                 return path
             if len(path) >= limit or budget[0] <= 0 or self._late():
                 return None
             budget[0] -= 1
-            for tokens in sorted(self._edges(m, row, first=not path), key=self._closing_rank):
+            edges = self._edges(m, row, first=not path)
+            if self._in_text(row):  # in text, a character that leads somewhere new first
+                here = _parse_state(m)
+                states = states | {here}
+                fresh = self._fresh(m, edges, states)
+                def order(ts, fresh=fresh):
+                    rank = self._closing_rank(ts, True)
+                    return (rank > 1, ts not in fresh, rank)
+            else:
+                order = self._closing_rank
+            for tokens in sorted(edges, key=order):
                 if len(path) + len(tokens) > limit:
                     continue
                 if self._late():
@@ -188,19 +236,30 @@ class CompletionSearch:
                 # every level of a nesting being closed ("}" after "}"), and merging by
                 # mask alone would cut the dive off after three levels; other edges merge
                 # by mask (the fast pass's rule), or a dive would spell letters to its limit
-                closing = self._closing_rank(tokens) <= 1
-                key = self._key(child, h, hist, child_ctx, len(path) + len(tokens), closing)
+                key = self._key(child, h, hist, child_ctx, len(path) + len(tokens),
+                                self._closes(m, row, child, tokens))
                 if key in seen:
                     continue
                 seen.add(key)
-                found = go(child, child_row, path + tokens, hist + (h,), child_ctx)
+                found = go(child, child_row, path + tokens, hist + (h,), child_ctx, states)
                 if found is not None:
                     return found
             return None
 
         root = matcher.fork()
         h, row = self._fill(root)
-        return go(root, row, [], (h,), None)
+        return go(root, row, [], (h,), None, frozenset())
+
+    def _fresh(self, m, edges: list[list[int]], states: frozenset) -> list[list[int]]:
+        """The single-token edges that lead to a parser state not in ``states`` (tried on
+        one scratch matcher and rolled back)."""
+        probe, fresh = m.fork(), []
+        for tokens in edges:
+            if len(tokens) == 1 and probe.accept_token(tokens[0]):
+                if _parse_state(probe) not in states:
+                    fresh.append(tokens)
+                probe.rollback(1)
+        return fresh
 
     def _late(self) -> bool:
         if time.perf_counter() < self._deadline:
@@ -210,13 +269,30 @@ class CompletionSearch:
             self._deadline = -1.0  # counted once; late from now on
         return True
 
-    def _closing_rank(self, tokens: list[int]) -> int:
+    def _closes(self, parent, parent_row: torch.Tensor, child, tokens: list[int]) -> bool:
+        """Whether ``tokens`` closed something: a closing edge taken where no letter could
+        come instead (a ``"}"`` inside a string or an e-mail address is only a character)
+        and after which the outermost open rule began earlier than before."""
+        return (self._closing_rank(tokens) <= 1 and not self._in_text(parent_row)
+                and _outermost(child) < _outermost(parent))
+
+    def _in_text(self, row: torch.Tensor) -> bool:
+        """Whether a letter may come next (inside a string or free text)."""
+        return bool(((row[self._letter_word] >> self._letter_bit) & 1).any())
+
+    def _closing_rank(self, tokens: list[int], text: bool = False) -> int:
+        """The dive's order: the forced string, closers, literals, other text, digits,
+        blanks and '-'. In ``text`` (a letter may come next) only a quote closes: a
+        bracket there is a character like any other, and punctuation comes after letters
+        (``ab@c``, not ``ab}}}.}@c``)."""
         if len(tokens) > 1:
             return 0  # the forced string
         raw = self.vocab[tokens[0]]
-        if raw and all(b in _CLOSERS for b in raw):
+        if raw and all(b in _CLOSERS for b in raw) and (not text or b'"' in raw):
             return 1
-        if raw in _LITERALS:
+        if text and len(raw) == 1 and not raw.isalnum() and not raw.isspace():
+            return 4 if raw != b"-" else 5
+        if raw in _LITERALS and not text:
             return 2
         if raw[:1].isdigit():  # a value, but never worth continuing a number with
             return 4
@@ -231,16 +307,16 @@ class CompletionSearch:
         row = self._mask[0].clone()
         return hash(row.numpy().tobytes()), row
 
-    def _key(self, m, h: int, hist: tuple, ctx, cost: int, by_depth: bool) -> tuple:
-        """Which states count as one. Fast pass: the next-token mask, the mask in force
-        before the current run of equal masks (inside a string every character keeps the
-        mask; the string's place in the grammar is told by what came before it), and how
-        often (up to ``_REPEATS``) the mask occurred on the path (a counter such as
-        minItems: ``[`` and ``["", `` expect the same next token). Exact pass: the mask
-        plus the depth (a ``[a-z]{40}`` needs 40 distinct states)."""
-        if by_depth:
-            return (m.is_completed(), h, cost)
-        return (m.is_completed(), h, ctx, min(hist.count(h), _REPEATS))
+    def _key(self, m, h: int, hist: tuple, ctx, cost: int, with_depth: bool) -> tuple:
+        """Which states count as one: the next-token mask, the parser state (where in
+        which rules; see ``_parse_state``), the mask in force before the current run of
+        equal masks (inside a string every character keeps the mask; the string's place in
+        the grammar is told by what came before it), and how often (up to ``_REPEATS``) the
+        mask occurred on the path (a counter such as minItems: ``[`` and ``["", `` expect
+        the same next token). ``with_depth``: the cost too (nesting being closed repeats
+        mask and parser state at every level)."""
+        key = (m.is_completed(), h, _parse_state(m), ctx, min(hist.count(h), _REPEATS))
+        return key + (cost,) if with_depth else key
 
     def min_tokens(self, matcher: "xgr.GrammarMatcher", limit: int) -> int | None:
         """Length of the shortest completion within ``limit``, None if none was found."""
@@ -277,12 +353,36 @@ class CompletionSearch:
             lo, hi = self._first_byte if first else (0x80, 0xBF)
             per_class[5] = [t for t in per_class[5] if lo <= self.vocab[t][0] <= hi]
         for cls, toks in per_class.items():
-            if cls >= 1 and len(toks) > 4:  # a free choice among many: any will do
-                # (a multi-byte character's first byte only when nothing else is allowed:
-                # its continuations cost tokens)
-                toks = [] if cls == 5 and not mid_char else toks[:self.reps]
+            if cls == 5 and len(toks) > 4:  # a multi-byte character's first byte only when
+                # nothing else is allowed (its continuations cost tokens); then any will do
+                toks = toks[:self.reps] if mid_char else []
+            elif cls >= 1 and len(toks) > self.reps:  # many allowed: one per next state
+                toks = self._distinct(m, row, toks)
             edges.extend([t] for t in toks)
         return edges
+
+    def _distinct(self, m: "xgr.GrammarMatcher", row: torch.Tensor,
+                  toks: list[int]) -> list[int]:
+        """One token for each parser state that ``toks`` lead to from ``m`` (inside a free
+        string every letter leads to the same state; an e-mail's local part needs "@" and
+        a regex ``[a-z]*q`` needs "q", which sampling a class would miss). Each token is
+        tried on one scratch matcher and rolled back (microseconds; a fork costs 100 us),
+        and the answer is remembered per (mask, parser state) for the search."""
+        key = (hash(row.numpy().tobytes()), _parse_state(m), tuple(toks))
+        got = self._reps_memo.get(key)
+        if got is not None:
+            return got
+        probe, states, keep = m.fork(), set(), []
+        for t in toks:
+            if not probe.accept_token(t):
+                continue
+            state = probe._debug_print_internal_state().rsplit("Last step", 1)[-1]
+            probe.rollback(1)
+            if state not in states:
+                states.add(state)
+                keep.append(t)
+        self._reps_memo[key] = keep
+        return keep
 
     def _compact(self, matcher: "xgr.GrammarMatcher", path: list[int]) -> list[int]:
         """The path, or the tokenizer's own encoding of its text when that is shorter and
@@ -317,6 +417,30 @@ def _unfinished_char(data: bytes) -> bytes:
             else 1
         return data[-back:] if back < need else b""
     return b""
+
+
+_PARSER_STATE = re.compile(r"rule_id=(\d+), sequence_id=(\d+), element_id=(\d+), "
+                           r"rule_start_pos=(-?\d+), sub_element_id=(\d+)")
+
+
+def _parse_state(m: "xgr.GrammarMatcher") -> tuple:
+    """The matcher's parser states at its last step, without their positions: where in
+    which rules it stands (a repetition such as ``[0-9a-f]{8}`` or ``ws{0,12}`` is unrolled,
+    so each place in it is a state of its own; a string's characters all share one). Only
+    whether a rule began at the root is kept of the positions, or every path would be a
+    state of its own. xgrammar 0.2.8 has no public form of it: its debug text is parsed,
+    and a text that does not parse gives () (the mask alone then tells states apart)."""
+    return tuple((int(r), int(q), int(e), int(s), p == "-1") for r, q, e, p, s in _states(m))
+
+
+def _outermost(m: "xgr.GrammarMatcher") -> int:
+    """Where the outermost rule open at the matcher's last step began (-1: the root)."""
+    return min((int(p) for _, _, _, p, _ in _states(m)), default=-1)
+
+
+def _states(m: "xgr.GrammarMatcher") -> list[tuple]:
+    text = m._debug_print_internal_state()
+    return _PARSER_STATE.findall(text.rsplit("Last step", 1)[-1])
 
 
 def _class_of(raw: bytes) -> int | None:

@@ -354,13 +354,9 @@ class LLMEngine:
         budget = self._remaining(seq)
         if not self.config.closing_window or budget > self.config.closing_window:
             return None
-        # the search counts single-character steps before re-encoding its answer, so it
-        # looks further than the budget and compares the final (re-encoded) length
         closer = self.guided.closer
         pending = closer.pending_bytes(seq.output_ids)  # a continuation may stop mid-character
-        found = closer.shortest(matcher, _search_limit(budget), pending=pending)
-        if found.tokens is not None and len(found.tokens) > budget:  # the dive's: make sure
-            found = closer.shortest(matcher, _search_limit(budget), exact=True, pending=pending)
+        found = closer.fitting(matcher, budget, pending=pending)
         if found.tokens is not None and len(found.tokens) <= budget:
             seq.closing_estimate = (0, len(found.tokens))
             seq.closing_start = found.tokens
@@ -369,13 +365,18 @@ class LLMEngine:
             more = closer.shortest(matcher, max(4 * budget, 256), pending=pending)
             if more.tokens is not None and len(more.tokens) <= budget:
                 return None  # the first search was cut short; this one fits
-            if not found.exhausted and (more.tokens is None or len(more.tokens) <= 2 * budget):
-                # the search gave up within the budget and what it found later is not far
-                # above it: we do not know, so we do not refuse
-                return None
-            found = more if more.tokens is not None else found
-        need = (f"at least {len(found.tokens)}" if found.tokens is not None
-                else f"more than {budget}")
+            if more.tokens is None and not more.exhausted:
+                return None  # nothing found in time: we do not know, so we do not refuse
+            found = more
+        # the searches are heuristic: refuse what they prove (exhausted), or where the
+        # shortest they found is well over the budget (a field of 36 fixed characters
+        # opened at max_tokens=32: the output could only end invalid)
+        if (found.tokens is not None and not found.exhausted
+                and len(found.tokens) <= budget + budget // 4):
+            return None
+        need = (f"more than {budget}" if found.tokens is None else
+                f"at least {len(found.tokens)}" if found.exhausted else
+                f"about {len(found.tokens)}")
         which = ("max_tokens" if budget == seq.params.max_new_tokens
                  else "the context left after the prompt")
         return (f"the {seq.grammar.kind} grammar's shortest output needs {need} tokens, but "
@@ -406,14 +407,12 @@ class LLMEngine:
             return None
         closer = self.guided.closer
         pending = closer.pending_bytes(seq.output_ids)
-        found = closer.shortest(matcher, _search_limit(left), pending=pending)
-        if found.tokens is not None and len(found.tokens) > left:  # the dive's: make sure
-            found = closer.shortest(matcher, _search_limit(left), exact=True, pending=pending)
+        found = closer.fitting(matcher, left, pending=pending)
         if found.tokens is None or len(found.tokens) > left:
             # no completion fits: stop searching once that is certain (the shortest only
             # grows as the budget shrinks); a search that gave up is tried again a few
             # tokens later, at most _GIVEUPS times
-            if found.tokens is None and not found.exhausted:
+            if not found.exhausted:
                 seq.closing_giveups += 1
                 seq.closing_retry_at = seq.num_output + 2 ** (seq.closing_giveups - 1)
                 seq.closing_failed = seq.closing_giveups >= _GIVEUPS
@@ -449,7 +448,7 @@ class LLMEngine:
         if not probe.accept_token(token):
             return None  # not the grammar's: the guard in the sampler handles it
         closer = self.guided.closer
-        found = closer.shortest(probe, _search_limit(left),
+        found = closer.shortest(probe, 2 * left + 8,
                                 pending=closer.pending_bytes(seq.output_ids + [token]))
         if found.tokens is not None and len(found.tokens) <= left:
             return None
@@ -610,10 +609,6 @@ _GIVEUPS = 4  # searches that hit their node cap before a request stops searchin
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
 
 
-def _search_limit(budget: int) -> int:
-    """How far the completion search looks for a budget (its steps are often single
-    characters that the final re-encoding merges)."""
-    return 2 * budget + 8
 
 
 def _grammar_accepts(compiled):
