@@ -4,6 +4,7 @@
     python -m bench.conformance --quick --json          # a few minutes on 2 cores
     python -m bench.conformance --closing-window 0 --no-guards --whitespace bounded
                                                        # "before": no closing, no guards
+    python -m bench.conformance --http --quick --json   # the same through HTTP and Serve
 
 Reports the share valid (parses and passes full-schema validation) overall, among "stop"
 and among "length"; the share closed early; the runaway share (ended at the budget without
@@ -143,6 +144,71 @@ def summarize(rows: list[dict], wall: float, val_us: list[float]) -> dict:
     )
 
 
+def run_http(items, *, concurrency: int = 16, threads: int = 2) -> dict:
+    """The same cases through the whole stack: `rayguide serve`'s service (Ray, Serve, the
+    scheduler, one worker with the default model, the server's defaults for the layout and
+    guards), the real `openai` client, ``concurrency`` requests in flight. A 400 naming
+    the budget is a refusal (see ``summarize``); any other error counts as invalid."""
+    import asyncio
+    import socket
+
+    import openai
+
+    from cluster.config import ClusterConfig
+    from deploy import service
+    from worker.engine.validation import validate_json
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    svc = service.start(ClusterConfig(num_workers=1, worker={"num_threads": threads}),
+                        port=port)
+    try:
+        client = openai.AsyncOpenAI(base_url=svc.url + "/v1", api_key="none",
+                                    max_retries=0, timeout=900)
+        gate = asyncio.Semaphore(concurrency)
+        val_us: list[float] = []
+
+        async def one(i, item):
+            name, schema, prompt, temp, budget = item
+            row = dict(name=name, temp=temp, budget=budget, refused=False, error=None,
+                       closed=False, tokens=0, text="", valid=False, reason="error")
+            async with gate:
+                try:
+                    r = await client.chat.completions.create(
+                        model="SmolLM2-135M-Instruct", max_tokens=budget, temperature=temp,
+                        seed=i, messages=[{"role": "user", "content": prompt}],
+                        response_format={"type": "json_schema", "json_schema": {
+                            "name": name, "schema": schema}})
+                except openai.BadRequestError as exc:
+                    row.update(refused="max_tokens" in str(exc), error=str(exc)[:200])
+                    return row
+                except openai.APIError as exc:
+                    row.update(error=str(exc)[:200])
+                    return row
+            c = r.choices[0]
+            text = c.message.content or ""
+            t = time.perf_counter()
+            error = validate_json(schema, text)
+            val_us.append((time.perf_counter() - t) * 1e6)
+            guided = (r.model_extra or {}).get("guided") or (
+                c.model_extra or {}).get("guided") or {}
+            row.update(reason=c.finish_reason, valid=error is None, text=text,
+                       closed=bool(guided.get("closed_early")),
+                       tokens=r.usage.completion_tokens)
+            return row
+
+        async def all_of():
+            return await asyncio.gather(*(one(i, it) for i, it in enumerate(items)))
+
+        t0 = time.perf_counter()
+        rows = asyncio.run(all_of())
+        wall = time.perf_counter() - t0
+    finally:
+        service.stop(svc)
+    return summarize(rows, wall, val_us or [0.0])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -152,7 +218,14 @@ def main(argv=None) -> None:
     ap.add_argument("--no-guards", action="store_true", help="numbers unbounded")
     ap.add_argument("--whitespace", default=None, help="GrammarSpec whitespace layout")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--http", action="store_true",
+                    help="through the whole stack (rayguide serve's service, openai client)")
     args = ap.parse_args(argv)
+    if args.http:
+        figures = run_http(list(cases(args.quick)), threads=args.threads)
+        figures["config"] = {"path": "http"}
+        print(json.dumps(figures) if args.json else figures)
+        return
 
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine

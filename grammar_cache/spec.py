@@ -33,12 +33,12 @@ KEY_VERSION = 1
 class GrammarSpec:
     """kind: one of KINDS. source: canonical text (JSON for json_schema, choice and
     structural_tag; "" for json_object). JSON options (json_schema / json_object):
-    whitespace "bounded" (default: at most ``max_whitespace`` whitespace characters in a
-    row, so a model cannot run away emitting blanks), "any", "compact" (no whitespace:
+    whitespace "spaced" (default: json.dumps' layout on one line, ``{"a": 1, "b": [1, 2]}``,
+    ", " and ": ", no other blanks; chosen by measurement, docs/benchmarks.md), "bounded"
+    (any blanks, at most ``max_whitespace`` in a row), "any", "compact" (no whitespace:
     ``{"a":1}``) or "indent" (``indent`` spaces, json.dumps style); ``strict``: properties
     not in the schema are forbidden unless it allows them; ``any_order``: properties may
-    come in any order (default: the schema's order); "spaced" is json.dumps' default
-    layout on one line (``{"a": 1, "b": [1, 2]}``: ", " and ": ", no newlines).
+    come in any order (default: the schema's order).
 
     Runaway guards (JSON kinds and the JSON inside structural tags), on by default and
     part of the key: where the schema sets no bound, a number has at most
@@ -48,7 +48,7 @@ class GrammarSpec:
 
     kind: str
     source: str = ""
-    whitespace: str = "bounded"
+    whitespace: str = "spaced"
     max_whitespace: int = 12
     indent: int = 2
     strict: bool = True

@@ -68,7 +68,11 @@ CASES = [
     (GrammarSpec.json_schema(SCHEMA, whitespace="compact", any_order=True),
      '{"b":true,"a":1}', True),
     (GrammarSpec.json_schema(SCHEMA), '{"a": 1, "b": false}', True),
-    (GrammarSpec.json_schema(SCHEMA, max_whitespace=2), '{"a":    1, "b": false}', False),
+    (GrammarSpec.json_schema(SCHEMA, whitespace="bounded", max_whitespace=2),
+     '{"a":    1, "b": false}', False),
+    (GrammarSpec.json_schema(SCHEMA, whitespace="bounded"), '{"a":\n 1 , "b": false}', True),
+    (GrammarSpec.json_schema(SCHEMA), '{"a":\n 1, "b": false}', False),  # default: spaced
+    (GrammarSpec.json_schema(SCHEMA), '{"a":1, "b": false}', False),
     (GrammarSpec.json_schema(SCHEMA, whitespace="indent", indent=1),
      '{\n "a": 1,\n "b": true\n}', True),
     # runaway guards on numbers: 15 integer digits, 10 fraction digits, 2 exponent digits

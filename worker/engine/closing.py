@@ -277,8 +277,9 @@ class CompletionSearch:
                 and _outermost(child) < _outermost(parent))
 
     def _in_text(self, row: torch.Tensor) -> bool:
-        """Whether a letter may come next (inside a string or free text)."""
-        return bool(((row[self._letter_word] >> self._letter_bit) & 1).any())
+        """Whether letters may come next (inside a string or free text): more than the
+        few a JSON value allows (``e`` after a number; ``t``, ``f``, ``n`` of literals)."""
+        return int(((row[self._letter_word] >> self._letter_bit) & 1).sum()) > 3
 
     def _closing_rank(self, tokens: list[int], text: bool = False) -> int:
         """The dive's order: the forced string, closers, literals, other text, digits,

@@ -399,8 +399,11 @@ class LLMEngine:
         if est is not None:
             # one token grows the shortest completion by a few tokens at most (it can open
             # a string, an object and a key at once): skip the search while far from it
+            # (within _GUARD_ZONE of it, every step searches: the guard in _keep_closable
+            # needs this step's path, and one token such as ', {"' can add more than that)
             at, need = est
-            if left > need + _GROWTH * (seq.num_output - at) + cfg.closing_margin:
+            if left > max(need + _GROWTH * (seq.num_output - at),
+                          need + _GUARD_ZONE) + cfg.closing_margin:
                 return None
         matcher = self.guided.matchers.get(seq.matcher_key)
         if matcher is None:
