@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
+import httpx2 as httpx  # the HTTP client the openai package ships with
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
