@@ -1,6 +1,7 @@
 """AsyncEngine: concurrent streams, validation errors, abort on early exit, session end."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -53,6 +54,26 @@ def test_bad_request_raises_before_streaming(aengine):
         assert ok[-1].finished
 
     asyncio.run(main())
+
+
+def test_prompts_are_tokenized_off_the_engine_loop(aengine):
+    # a long prompt tokenized on the engine loop held every other request's next token
+    engine = aengine.engine
+    threads, encode = [], engine.encode_prompt
+
+    def spy(prompt):
+        threads.append(threading.current_thread().name)
+        return encode(prompt)
+    engine.encode_prompt = spy
+
+    async def main():
+        out = await collect(aengine, GenerationRequest(chat("hi"), SamplingParams(max_new_tokens=4)))
+        assert out[-1].finished
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await collect(aengine, GenerationRequest("", SamplingParams()))
+
+    asyncio.run(main())
+    assert len(threads) == 2 and "engine-loop" not in threads, threads
 
 
 def test_leaving_early_aborts_and_frees(aengine):

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from worker.engine.engine import EngineStats, LLMEngine
@@ -28,6 +29,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -36,10 +38,14 @@ class AsyncEngine:
         raises ValueError before anything is yielded. If the caller stops iterating early
         (client gone), the request is aborted and its blocks freed."""
         loop = asyncio.get_running_loop()
+        # tokenized here, on a thread of its own, never on the engine loop (a long prompt
+        # held every other request's next token while it was tokenized there)
+        prompt_ids = await loop.run_in_executor(self._tokenizer_pool,
+                                                self.engine.encode_prompt, request.prompt)
         chunks: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
         self._streams[request.request_id] = (loop, chunks)
-        self._post(("add", request, (loop, done)))
+        self._post(("add", (request, prompt_ids), (loop, done)))
         finished = False
         try:
             await done  # raises the validation error, if any
@@ -68,6 +74,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._tokenizer_pool.shutdown(wait=False)
 
     # engine thread ----------------------------------------------------------------------
 
@@ -98,11 +105,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
+                request, prompt_ids = arg
                 try:
-                    self.engine.add_request(arg)
+                    self.engine.add_request(request, prompt_ids=prompt_ids)
                     _resolve(reply, None)
                 except Exception as exc:
-                    self._streams.pop(arg.request_id, None)
+                    self._streams.pop(request.request_id, None)
                     _resolve(reply, exc)
             elif kind == "abort":
                 out = self.engine.abort(arg)

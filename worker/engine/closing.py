@@ -17,16 +17,23 @@ Every search is bounded twice: by ``max_expansions`` nodes and by ``time_limit_s
 time (a mask fill costs 50 us in most states, but 4 ms deep inside free-form JSON, where 400
 nodes once took 90 s on the engine thread). A search cut short answers "not found, not
 exhausted", which the engine treats as "do not know" (engine.py retries it a few tokens
-later, a few times). Two reductions keep it to a few milliseconds. Candidates are the single-byte tokens, the
-short structural tokens of JSON (``"}``, ``", "``, ``": ``...) and JSON's literals; within a
-class (lowercase, uppercase, digits, other letters) only two representatives are tried when
-the grammar allows many of them (free text: any letter does; a grammar that needs a
-particular letter allows few, and then all are tried). And states whose next-token masks
-are equal are treated as one (the first reached, at the lowest cost, is kept): inside a
-string, every letter leads to the same state. That merge is a heuristic (two different
-parse states may share a mask), so a found path is always replayed on the real matcher
-token by token before it is emitted, and "no path" is only ever taken as "cannot close",
-never as a reason to emit anything.
+later, a few times). Two reductions keep it to a few milliseconds. Candidates are the
+single-byte tokens, the short structural tokens of JSON (``"}``, ``", "``, ``": ``...) and
+JSON's literals; where many of one class are allowed, each is tried on one scratch matcher
+and rolled back (microseconds) and one token is kept per distinct next parser state
+(inside free text every letter leads to the same state; an e-mail's local part needs its
+``@``). And states are merged by a key: the next-token mask, xgrammar's parser state at
+the last step without positions (a repetition such as ``[0-9a-f]{8}`` or ``ws{0,12}`` is
+unrolled, so each place in it is its own state; ``_parse_state``), the mask before the
+current run of equal masks, and (for a closing edge, where nesting repeats mask and state
+at every level) the depth. That merge is a heuristic, so a found path is always replayed
+on the real matcher token by token before it is emitted, and "no path" is only ever taken
+as "cannot close", never as a reason to emit anything.
+
+Order: a greedy dive first (closers first; in text, where letters may come, only a quote
+closes and characters leading to new states go first), then the uniform-cost search
+without blank-only tokens, then with them. ``fitting`` is what the engine calls: the dive,
+and where its answer does not fit the budget, the exact search's when shorter.
 
 The token count is that of the path found; the path's text is also re-encoded with the
 tokenizer and the shorter accepted version kept, so free text ("aaaa") is not charged one

@@ -121,11 +121,15 @@ class LLMEngine:
 
     # requests ---------------------------------------------------------------------------
 
-    def add_request(self, request: GenerationRequest) -> Sequence:
-        """Validates and queues a request; a bad request raises ValueError and changes nothing."""
+    def add_request(self, request: GenerationRequest, *,
+                    prompt_ids: list[int] | None = None) -> Sequence:
+        """Validates and queues a request; a bad request raises ValueError and changes nothing.
+        ``prompt_ids``: the prompt already tokenized by ``encode_prompt`` (AsyncEngine does
+        it off the engine loop)."""
         if request.request_id in self.seqs:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        prompt_ids = self.encode_prompt(request.prompt)
+        if prompt_ids is None:
+            prompt_ids = self.encode_prompt(request.prompt)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens but the model context is "
                              f"{self.max_model_len}; shorten the prompt")
