@@ -336,7 +336,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
             if first is None:
                 first = time.perf_counter() - t
             if chunk.error:
-                errors.append(chunk.error)
+                errors.append(f"{chunk.error_kind}: {chunk.error}"[:160])
         ttft.append(first)
 
     async def worker_loop():
@@ -498,6 +498,8 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
              f"{share_local:.3f}", f"{local_compiles} / {distinct}",
              f"{figures['ttft_p50_ms_local']:.0f}", f"{figures['ttft_p99_ms_local']:.0f}",
              f"{local['wall_s']:.1f}", len(local["errors"])]]
+    kinds_seen = sorted({e.split(":", 1)[0] for side in (shared, local)
+                         for e in side["errors"]})
     body = ("#### Cluster run\n\n" + table(
         ["side", "requests", "waited after first compile", "wait share",
          "compiles / distinct grammars", "TTFT p50 ms", "TTFT p99 ms", "wall s", "errors"],
@@ -506,7 +508,10 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
              f"{CLIENTS} clients, {total} requests, Zipf (s=1.1) over 100 grammars "
              f"({distinct} distinct ones drawn: "
              + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) +
-             f"). TTFT p99 ratio (shared / local): {figures['ttft_p99_ratio_vs_local']:.2f}. "
+             f"). Error kinds (both sides): {', '.join(kinds_seen) or 'none'} (each request "
+             "asks for 4 tokens: a grammar whose shortest output is longer is refused, as "
+             "it should be). "
+             f"TTFT p99 ratio (shared / local): {figures['ttft_p99_ratio_vs_local']:.2f}. "
              f"Shared side: {csum['prefetches']} prefetches, {csum['actor_hits']} actor hits, "
              f"{csum['verdicts']} compile-locally verdicts (each compiled in the worker: "
              f"{figures['compiles_per_distinct_grammar_with_verdicts']:.2f} compiles per distinct "

@@ -298,6 +298,14 @@ def test_client_errors(svc, client):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = http(svc, "POST", "/v1/chat/completions", json={"messages": ask("x" * 1_100_000)})
     assert r.status_code == 413
+
+    def chunked():  # no Content-Length: the limit must hold while the body is read
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(24):
+            yield b"x" * 65536
+        yield b'"}]}'
+    r = http(svc, "POST", "/v1/chat/completions", content=chunked())
+    assert r.status_code == 413 and "over the limit" in r.json()["error"]["message"], r.text
     big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "d" * 60}
                                             for i in range(4000)}}
     r = http(svc, "POST", "/v1/chat/completions",
