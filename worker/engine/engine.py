@@ -616,8 +616,6 @@ _GIVEUPS = 4  # searches that hit their node cap before a request stops searchin
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
 
 
-
-
 def _grammar_accepts(compiled):
     """text -> whether the grammar accepts exactly ``text`` (and may end there)."""
     def check(text: str) -> bool:
