@@ -102,6 +102,7 @@ class CompletionSearch:
         letters = self.cand[[i for i, c in enumerate(self.cand_class) if c == 2]]
         self._letter_word, self._letter_bit = letters >> 5, (letters & 31).to(torch.int32)
         self.stats = {"searches": 0, "expansions": 0, "timeouts": 0}
+        self._reps_memo: dict = {}  # per search: (mask, parser state, tokens) -> distinct
 
     # the search ---------------------------------------------------------------------------
 
@@ -125,7 +126,7 @@ class CompletionSearch:
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
             0x80, 0xBF)
         self._deadline = time.perf_counter() + self.time_limit_s
-        self._reps_memo: dict = {}
+        self._reps_memo = {}
         if not exact:  # a greedy dive first: milliseconds, and usually (near) the shortest
             dived = self._dive(matcher, limit)
             if dived is not None:  # re-encoded like the search's: its steps are often
