@@ -197,7 +197,7 @@ def test_actor_down_falls_back_then_back_in_use(actor_name):
         assert client.stats()["local_fallbacks"] == 0
         ray.kill(actor, no_restart=True)
         compiled = client.fetch(spec(1))  # still served: compiled locally
-        assert xgr.GrammarMatcher(compiled).accept_string('{"p1":1}')
+        assert xgr.GrammarMatcher(compiled).accept_string('{"p1": 1}')
         stats = client.stats()
         assert stats["local_fallbacks"] == 1 and stats["actor_failures"] == 1
         assert stats["actor_skipped"]
@@ -237,7 +237,7 @@ def test_local_verdict_compiles_in_process(actor_name):
     actor = new_actor(actor_name, local_verdict_factor=0.0)  # every grammar gets a verdict
     client = GrammarCacheClient(tiny_info(), name=actor_name)
     compiled = client.fetch(spec(3))
-    assert xgr.GrammarMatcher(compiled).accept_string('{"p3":12}')
+    assert xgr.GrammarMatcher(compiled).accept_string('{"p3": 12}')
     st = client.stats()
     assert (st["actor_hits"], st["verdicts"], st["local_fallbacks"]) == (0, 1, 0)
     stats = ray.get(actor.stats.remote())
@@ -263,7 +263,7 @@ def test_verdict_compile_in_process_is_bounded(actor_name, default_tokenizer):
         # while that compile still runs (xgrammar cannot stop it), another verdict does
         # not queue behind it in this process: it goes to the killable child process
         compiled = client.fetch(spec(4))
-        assert xgr.GrammarMatcher(compiled).accept_string('{"p4":1}')
+        assert xgr.GrammarMatcher(compiled).accept_string('{"p4": 1}')
         assert client.stats()["verdicts_in_child"] == 1
     finally:
         client.close()
@@ -406,7 +406,7 @@ def test_fallback_pool_honours_configured_limits(ray_local):
                                 name=f"absent-{uuid.uuid4().hex[:6]}")
     try:
         compiled = client.fetch(spec(6))
-        assert xgr.GrammarMatcher(compiled).accept_string('{"p6":1}')
+        assert xgr.GrammarMatcher(compiled).accept_string('{"p6": 1}')
         assert client.stats()["local_fallbacks"] == 1
         pool = client._local_pool()
         assert pool.config.compile_memory_mb == 1024 and pool.config.compile_timeout_s == 7
