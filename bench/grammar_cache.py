@@ -508,9 +508,7 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
              f"{CLIENTS} clients, {total} requests, Zipf (s=1.1) over 100 grammars "
              f"({distinct} distinct ones drawn: "
              + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) +
-             f"). Error kinds (both sides): {', '.join(kinds_seen) or 'none'} (each request "
-             "asks for 4 tokens: a grammar whose shortest output is longer is refused, as "
-             "it should be). "
+             f"). Error kinds (both sides): {', '.join(kinds_seen) or 'none'}. "
              f"TTFT p99 ratio (shared / local): {figures['ttft_p99_ratio_vs_local']:.2f}. "
              f"Shared side: {csum['prefetches']} prefetches, {csum['actor_hits']} actor hits, "
              f"{csum['verdicts']} compile-locally verdicts (each compiled in the worker: "
