@@ -27,7 +27,7 @@ from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
 from scheduler.routing import NoWorkers, Overloaded
-from worker.engine.sampling import SamplingParams
+from worker.engine.params import SamplingParams
 from worker.engine.sequence import GenerationRequest, RequestOutput
 
 __all__ = ["RuntimeClient", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
@@ -42,14 +42,20 @@ INFRASTRUCTURE_ERRORS = (*_WORKER_GONE, GetTimeoutError)
 
 
 class RuntimeClient:
-    """``route_timeout_s``: how long a route call may take before the client routes on its
-    own from what it last knew (a scheduler that is restarting does not answer for seconds;
-    callers do not wait for it: sessions stay on their workers, new requests go to the known
-    worker with the fewest of this client's requests in flight). With nothing known yet,
+    """While the scheduler restarts, callers do not wait for it: sessions stay on their
+    workers and new requests go to the known worker with the fewest of this client's
+    requests in flight. The client learns of a restart at once from a long poll it keeps
+    open on the scheduler (``watch``, which fails when the scheduler dies);
+    Ray reports a dead actor's pending calls only after about a second, so a route call also
+    has a timeout of its own: 8x the p99 of this client's recent route calls, between
+    ``min_route_timeout_s`` and ``route_timeout_s`` (a scheduler that is merely busy is given
+    time, a silent one is not waited on). After a timeout the client routes on its own for
+    ``skip_after_timeout_s`` before it asks the scheduler again. With no worker known yet,
     it waits for the scheduler, up to ``scheduler_wait_s``."""
 
     def __init__(self, scheduler=None, *, max_attempts: int = 3,
                  scheduler_wait_s: float = 30.0, route_timeout_s: float = 1.0,
+                 min_route_timeout_s: float = 0.25, skip_after_timeout_s: float = 1.0,
                  max_remembered_sessions: int = 100_000, max_failovers: int = 2):
         # a scheduler found by name is found again when it died for good and was rebuilt
         # (rayguide serve's self-healing starts a new actor under the same name)
@@ -58,8 +64,14 @@ class RuntimeClient:
         self.max_attempts = max_attempts
         self.scheduler_wait_s = scheduler_wait_s
         self.route_timeout_s = route_timeout_s
+        self.min_route_timeout_s = min_route_timeout_s
+        self.skip_after_timeout_s = skip_after_timeout_s
+        self._route_times: deque[float] = deque(maxlen=256)  # recent route call seconds
+        self._timeout_now = route_timeout_s
+        self._skip_until = 0.0
         self.retries = 0
         self.own_routes = 0  # routed without the scheduler (it was restarting)
+        self.route_timeouts = 0  # route calls given up after route_timeout_s
         self.max_failovers = max_failovers
         self.failovers = 0  # requests continued on another worker after a mid-stream death
         self.resumed_tokens = 0  # tokens those continuations did not have to generate again
@@ -68,6 +80,10 @@ class RuntimeClient:
         self._in_flight: dict[str, int] = {}  # worker id -> this client's open requests
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> worker id
         self._max_sessions = max_remembered_sessions
+        # set while the scheduler is known to be down: a long poll on it (watch) fails the
+        # moment it dies, and routes then go on from what this client knows, without waiting
+        self.scheduler_down_since: float | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def _call_scheduler(self, method: str, *args):
         """A scheduler call that rides out a scheduler restart: Ray restarts the actor
@@ -93,13 +109,62 @@ class RuntimeClient:
             except ValueError:
                 pass  # not rebuilt yet
 
+    def _ensure_watching(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._watcher is None or self._watcher.done() or self._watcher.get_loop() is not loop:
+            self._watcher = loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                await self.scheduler.watch.remote(0.0)  # answers once up and rebuilt
+                if self.scheduler_down_since is not None:
+                    logger.info("scheduler back after %.2f s",
+                                time.monotonic() - self.scheduler_down_since)
+                self.scheduler_down_since, delay = None, 0.05
+                await self.scheduler.watch.remote(30.0)
+            except _WORKER_GONE as exc:
+                if self.scheduler_down_since is None:
+                    self.scheduler_down_since = time.monotonic()
+                    logger.warning("scheduler unavailable (%s); routing from the last known "
+                                   "workers until it is back", type(exc).__name__)
+                if isinstance(exc, ActorDiedError):
+                    self._find_scheduler()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def route_timeout(self) -> float:
+        """The current route-call timeout (see the class docstring)."""
+        return self._timeout_now
+
+    def _took(self, seconds: float) -> None:
+        self._route_times.append(seconds)
+        if len(self._route_times) % 16 == 0 or len(self._route_times) < 16:
+            ranked = sorted(self._route_times)
+            p99 = ranked[min(len(ranked) - 1, int(len(ranked) * 0.99))]
+            self._timeout_now = min(self.route_timeout_s, max(self.min_route_timeout_s, 8 * p99))
+
     async def _route(self, session_id, expected: int, family) -> dict:
+        self._ensure_watching()
+        if self.scheduler_down_since is not None or time.monotonic() < self._skip_until:
+            route = self._own_route(session_id)
+            if route is not None:
+                return route
+        started = time.monotonic()
         try:
             route = await asyncio.wait_for(
-                self.scheduler.route.remote(session_id, expected, family), self.route_timeout_s)
+                self.scheduler.route.remote(session_id, expected, family), self._timeout_now)
+            self._took(time.monotonic() - started)
         except (*_WORKER_GONE, asyncio.TimeoutError) as exc:
             if isinstance(exc, ActorDiedError):
                 self._find_scheduler()
+            if isinstance(exc, asyncio.TimeoutError):
+                self.route_timeouts += 1
+                self._skip_until = time.monotonic() + self.skip_after_timeout_s
+                logger.warning("the scheduler did not route in %.2f s; routing from the "
+                               "last known workers for %.1f s", self._timeout_now,
+                               self.skip_after_timeout_s)
             route = self._own_route(session_id)
             if route is not None:
                 return route

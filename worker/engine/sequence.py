@@ -7,13 +7,14 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
-from worker.engine.sampling import SamplingParams
+from worker.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 Messages = list[dict[str, Any]]
 
