@@ -10,7 +10,8 @@ import pytest
 
 HEAVY = ("torch", "transformers", "xgrammar")
 LIGHT = ["worker.actor", "cluster.client", "scheduler.actor", "worker.engine.params",
-         "worker.engine.sequence"]
+         "worker.engine.sequence", "grammar_cache.actor", "cluster.launch", "deploy.service",
+         "deploy.serve_app", "cli.main"]
 
 
 @pytest.mark.parametrize("module", LIGHT)
