@@ -47,7 +47,7 @@ class RuntimeClient:
     requests in flight. The client learns of a restart at once from a long poll it keeps
     open on the scheduler (``watch``, which fails when the scheduler dies);
     Ray reports a dead actor's pending calls only after about a second, so a route call also
-    has a timeout of its own: 8x the p99 of this client's recent route calls, between
+    has a timeout of its own: 4x the p99 of this client's recent route calls, between
     ``min_route_timeout_s`` and ``route_timeout_s`` (a scheduler that is merely busy is given
     time, a silent one is not waited on). After a timeout the client routes on its own for
     ``skip_after_timeout_s`` before it asks the scheduler again. With no worker known yet,
@@ -55,7 +55,7 @@ class RuntimeClient:
 
     def __init__(self, scheduler=None, *, max_attempts: int = 3,
                  scheduler_wait_s: float = 30.0, route_timeout_s: float = 1.0,
-                 min_route_timeout_s: float = 0.25, skip_after_timeout_s: float = 1.0,
+                 min_route_timeout_s: float = 0.1, skip_after_timeout_s: float = 1.0,
                  max_remembered_sessions: int = 100_000, max_failovers: int = 2):
         # a scheduler found by name is found again when it died for good and was rebuilt
         # (rayguide serve's self-healing starts a new actor under the same name)
@@ -143,7 +143,7 @@ class RuntimeClient:
         if len(self._route_times) % 16 == 0 or len(self._route_times) < 16:
             ranked = sorted(self._route_times)
             p99 = ranked[min(len(ranked) - 1, int(len(ranked) * 0.99))]
-            self._timeout_now = min(self.route_timeout_s, max(self.min_route_timeout_s, 8 * p99))
+            self._timeout_now = min(self.route_timeout_s, max(self.min_route_timeout_s, 4 * p99))
 
     async def _route(self, session_id, expected: int, family) -> dict:
         self._ensure_watching()
@@ -211,6 +211,7 @@ class RuntimeClient:
         expected = request.params.max_new_tokens
         family = request.grammar.family if request.grammar is not None else None
         current, emitted, failovers, attempt = request, [], 0, 0
+        emitted_text: list[str] = []
         while attempt < self.max_attempts:
             attempt += 1
             route = await self._route(session_id, expected, family)
@@ -224,6 +225,7 @@ class RuntimeClient:
                     if current is not request:  # a continuation speaks for the original
                         chunk.request_id = request.request_id
                     emitted.extend(chunk.token_ids)
+                    emitted_text.append(chunk.text)
                     yield chunk
                 return
             except _WORKER_GONE as exc:
@@ -245,7 +247,7 @@ class RuntimeClient:
                     self.resumed_tokens += len(emitted)
                     current = dataclasses.replace(
                         request, request_id=f"{request.request_id}-f{failovers}",
-                        resume_token_ids=list(emitted))
+                        resume_token_ids=list(emitted), resume_text="".join(emitted_text))
                     self.failover_pauses.append(time.monotonic() - died_at)
                     logger.warning("worker %s died mid-stream; request %s continues on "
                                    "another worker after %d tokens", worker_id,
@@ -265,6 +267,17 @@ class RuntimeClient:
                         pass
         raise NoWorkers(f"the request failed on {self.max_attempts} workers in a row "
                         "(each died before answering)")
+
+    def stats(self) -> dict:
+        """This client's failover and routing counters (a front end's /metrics)."""
+        pauses = sorted(self.failover_pauses)
+        return {"retries": self.retries, "failovers": self.failovers,
+                "resumed_tokens": self.resumed_tokens,
+                "failover_pause_max_s": pauses[-1] if pauses else 0.0,
+                "failover_pause_p50_s": pauses[len(pauses) // 2] if pauses else 0.0,
+                "own_routes": self.own_routes, "route_timeouts": self.route_timeouts,
+                "route_timeout_s": self._timeout_now,
+                "scheduler_down": int(self.scheduler_down_since is not None)}
 
     async def _report_failed(self, worker_id: str) -> None:
         """Tells the scheduler (briefly: a restarting scheduler finds the dead worker by

@@ -292,11 +292,16 @@ def wait_cache_ready(cache, timeout_s: float = 120.0) -> None:
 
 
 def _wait_registered(scheduler, n: int, timeout_s: float = 120.0) -> None:
+    """Until ``n`` workers have registered and sent their first load report (what routing,
+    /health and /metrics read)."""
     deadline = time.monotonic() + timeout_s
-    while len(ray.get(scheduler.stats.remote())["workers"]) < n:
+    while True:
+        rows = ray.get(scheduler.stats.remote())["workers"].values()
+        if sum("total_blocks" in row for row in rows) >= n:
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"fewer than {n} workers registered with the scheduler")
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def handles() -> dict:

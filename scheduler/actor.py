@@ -54,6 +54,7 @@ class SchedulerActor:
         self._pending_ends: list[str] = []
         self._undelivered: dict[str, list[str]] = {}  # worker -> ends it has not confirmed
         self._tasks: list[asyncio.Task] = []
+        self._first_polls: set[asyncio.Task] = set()
         self._started: asyncio.Task | None = None
         self._broadcast_lock = asyncio.Lock()
         self.rebuild_s: float | None = None
@@ -113,6 +114,12 @@ class SchedulerActor:
             self.table.update_load(worker_id, info)
         self.counts["registrations"] += 1
         logger.info("worker %s registered (node %s)", worker_id, node_id)
+        # its first load report now, not at the next poll (it answers once its start ends)
+        entry = self.table.workers.get(worker_id)
+        if entry is not None:
+            task = asyncio.get_running_loop().create_task(self._poll_one(entry))
+            self._first_polls.add(task)  # kept referenced until done
+            task.add_done_callback(self._first_polls.discard)
 
     async def route(self, session_id: str | None = None, expected_tokens: int = 256,
                     grammar_family: str | None = None) -> dict:

@@ -41,6 +41,9 @@ class GenerationRequest:
     # is recomputed and the grammar matcher advanced over them, and they are not emitted
     # again: the caller's stream goes on where it stopped.
     resume_token_ids: list[int] = field(default_factory=list)
+    # the text the caller already has of those tokens (its chunks' text, concatenated);
+    # None: their decode, less an unfinished last character
+    resume_text: str | None = None
 
     def __post_init__(self):
         if self.validation not in VALIDATION_MODES:
