@@ -401,6 +401,9 @@ def fault(quick: bool, model: str) -> tuple[str, dict]:
         r = box["r"]
     finally:
         service.stop(svc)
+        # Serve stays up in a Ray instance the service did not start, with this section's
+        # proxy port: the next section's service.start would print another port
+        serve.shutdown()
     body = table(["a worker killed at 32 clients (tiny model, 2 workers)", "value"], [
         ["requests failed / total", f"{r['failed']} / {r['requests']}"],
         ["errors by kind (examples)", (json.dumps(r["errors"]) + " "

@@ -47,7 +47,7 @@ class RuntimeClient:
     requests in flight. The client learns of a restart at once from a long poll it keeps
     open on the scheduler (``watch``, which fails when the scheduler dies);
     Ray reports a dead actor's pending calls only after about a second, so a route call also
-    has a timeout of its own: 4x the p99 of this client's recent route calls, between
+    has a timeout of its own: 8x the p99 of this client's recent route calls, between
     ``min_route_timeout_s`` and ``route_timeout_s`` (a scheduler that is merely busy is given
     time, a silent one is not waited on). After a timeout the client routes on its own for
     ``skip_after_timeout_s`` before it asks the scheduler again. With no worker known yet,
@@ -55,7 +55,7 @@ class RuntimeClient:
 
     def __init__(self, scheduler=None, *, max_attempts: int = 3,
                  scheduler_wait_s: float = 30.0, route_timeout_s: float = 1.0,
-                 min_route_timeout_s: float = 0.1, skip_after_timeout_s: float = 1.0,
+                 min_route_timeout_s: float = 0.25, skip_after_timeout_s: float = 1.0,
                  max_remembered_sessions: int = 100_000, max_failovers: int = 2):
         # a scheduler found by name is found again when it died for good and was rebuilt
         # (rayguide serve's self-healing starts a new actor under the same name)
@@ -143,7 +143,7 @@ class RuntimeClient:
         if len(self._route_times) % 16 == 0 or len(self._route_times) < 16:
             ranked = sorted(self._route_times)
             p99 = ranked[min(len(ranked) - 1, int(len(ranked) * 0.99))]
-            self._timeout_now = min(self.route_timeout_s, max(self.min_route_timeout_s, 4 * p99))
+            self._timeout_now = min(self.route_timeout_s, max(self.min_route_timeout_s, 8 * p99))
 
     async def _route(self, session_id, expected: int, family) -> dict:
         self._ensure_watching()
@@ -162,9 +162,10 @@ class RuntimeClient:
             if isinstance(exc, asyncio.TimeoutError):
                 self.route_timeouts += 1
                 self._skip_until = time.monotonic() + self.skip_after_timeout_s
-                logger.warning("the scheduler did not route in %.2f s; routing from the "
-                               "last known workers for %.1f s", self._timeout_now,
-                               self.skip_after_timeout_s)
+                log = logger.warning if self.route_timeouts == 1 else logger.debug
+                log("the scheduler did not route in %.2f s; routing from the last known "
+                    "workers for %.1f s (logged once; counted in route_timeouts)",
+                    self._timeout_now, self.skip_after_timeout_s)
             route = self._own_route(session_id)
             if route is not None:
                 return route
