@@ -91,6 +91,7 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
     started_ray = not ray.is_initialized() and config.address is None
     if started_ray:
         need = config.num_workers * config.worker.num_cpus + 1
+        launch.fast_death_notice()
         # Token auth on, said explicitly: Ray turns it on for a new local instance anyway,
         # but warns that it did when RAY_AUTH_MODE is unset. A user's own setting wins.
         if "RAY_AUTH_MODE" not in os.environ:

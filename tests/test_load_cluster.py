@@ -44,6 +44,7 @@ CLEAR_ERRORS = {"http_503", "http_429", "APIError"}  # 503 worker died / 429 ove
 def stack(tiny_model_dir):
     # the front end, scheduler and cache stay on the head (as on a real cluster's CPU
     # head), so removing a worker node costs what losing a GPU node costs
+    launch.fast_death_notice()  # as rayguide serve / up set it
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 2, "resources": {"head": 1}})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
