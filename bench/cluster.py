@@ -422,6 +422,7 @@ def fault(quick: bool, model: str) -> tuple[str, dict]:
 
 def main() -> None:
     args = parser(__doc__.split("\n\n")[0]).parse_args()
+    launch.fast_death_notice()  # as rayguide serve / up set it for the Ray they start
     ray.init(address="local", namespace="rayguide", num_cpus=8, include_dashboard=False,
              log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
