@@ -46,16 +46,16 @@ class RuntimeClient:
     workers and new requests go to the known worker with the fewest of this client's
     requests in flight. The client learns of a restart at once from a long poll it keeps
     open on the scheduler (``watch``, which fails when the scheduler dies);
-    Ray reports a dead actor's pending calls only after about a second, so a route call also
-    has a timeout of its own: 8x the p99 of this client's recent route calls, between
-    ``min_route_timeout_s`` and ``route_timeout_s`` (a scheduler that is merely busy is given
-    time, a silent one is not waited on). After a timeout the client routes on its own for
-    ``skip_after_timeout_s`` before it asks the scheduler again. With no worker known yet,
+    A route call that hangs for another reason is given up after ``route_timeout_s``, and
+    the client then routes on its own for ``skip_after_timeout_s`` before it asks the
+    scheduler again. (A timeout tied to the scheduler's recent speed was tried: on a busy
+    machine it fired often, and routes made without the scheduler lose grammar affinity,
+    which doubled the grammar-cache bench's TTFT.) With no worker known yet,
     it waits for the scheduler, up to ``scheduler_wait_s``."""
 
     def __init__(self, scheduler=None, *, max_attempts: int = 3,
                  scheduler_wait_s: float = 30.0, route_timeout_s: float = 1.0,
-                 min_route_timeout_s: float = 0.25, skip_after_timeout_s: float = 1.0,
+                 skip_after_timeout_s: float = 1.0,
                  max_remembered_sessions: int = 100_000, max_failovers: int = 2):
         # a scheduler found by name is found again when it died for good and was rebuilt
         # (rayguide serve's self-healing starts a new actor under the same name)
@@ -64,10 +64,7 @@ class RuntimeClient:
         self.max_attempts = max_attempts
         self.scheduler_wait_s = scheduler_wait_s
         self.route_timeout_s = route_timeout_s
-        self.min_route_timeout_s = min_route_timeout_s
         self.skip_after_timeout_s = skip_after_timeout_s
-        self._route_times: deque[float] = deque(maxlen=256)  # recent route call seconds
-        self._timeout_now = route_timeout_s
         self._skip_until = 0.0
         self.retries = 0
         self.own_routes = 0  # routed without the scheduler (it was restarting)
@@ -134,28 +131,15 @@ class RuntimeClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    def route_timeout(self) -> float:
-        """The current route-call timeout (see the class docstring)."""
-        return self._timeout_now
-
-    def _took(self, seconds: float) -> None:
-        self._route_times.append(seconds)
-        if len(self._route_times) % 16 == 0 or len(self._route_times) < 16:
-            ranked = sorted(self._route_times)
-            p99 = ranked[min(len(ranked) - 1, int(len(ranked) * 0.99))]
-            self._timeout_now = min(self.route_timeout_s, max(self.min_route_timeout_s, 8 * p99))
-
     async def _route(self, session_id, expected: int, family) -> dict:
         self._ensure_watching()
         if self.scheduler_down_since is not None or time.monotonic() < self._skip_until:
             route = self._own_route(session_id)
             if route is not None:
                 return route
-        started = time.monotonic()
         try:
             route = await asyncio.wait_for(
-                self.scheduler.route.remote(session_id, expected, family), self._timeout_now)
-            self._took(time.monotonic() - started)
+                self.scheduler.route.remote(session_id, expected, family), self.route_timeout_s)
         except (*_WORKER_GONE, asyncio.TimeoutError) as exc:
             if isinstance(exc, ActorDiedError):
                 self._find_scheduler()
@@ -165,7 +149,7 @@ class RuntimeClient:
                 log = logger.warning if self.route_timeouts == 1 else logger.debug
                 log("the scheduler did not route in %.2f s; routing from the last known "
                     "workers for %.1f s (logged once; counted in route_timeouts)",
-                    self._timeout_now, self.skip_after_timeout_s)
+                    self.route_timeout_s, self.skip_after_timeout_s)
             route = self._own_route(session_id)
             if route is not None:
                 return route
@@ -277,7 +261,7 @@ class RuntimeClient:
                 "failover_pause_max_s": pauses[-1] if pauses else 0.0,
                 "failover_pause_p50_s": pauses[len(pauses) // 2] if pauses else 0.0,
                 "own_routes": self.own_routes, "route_timeouts": self.route_timeouts,
-                "route_timeout_s": self._timeout_now,
+                "route_timeout_s": self.route_timeout_s,
                 "scheduler_down": int(self.scheduler_down_since is not None)}
 
     async def _report_failed(self, worker_id: str) -> None:

@@ -122,18 +122,3 @@ def test_an_idle_worker_takes_any_budget():
     with pytest.raises(Overloaded):
         t.route(None, 10**9)  # now it has work queued
 
-
-def test_the_client_route_timeout_follows_the_scheduler_speed():
-    from cluster.client import RuntimeClient
-
-    client = RuntimeClient(scheduler=object(), route_timeout_s=1.0, min_route_timeout_s=0.25)
-    assert client.route_timeout() == 1.0  # nothing measured yet: the upper bound
-    for _ in range(32):
-        client._took(0.004)  # a quiet scheduler: the floor
-    assert client.route_timeout() == 0.25
-    for _ in range(32):
-        client._took(0.08)  # a busy one is given 8x its p99
-    assert client.route_timeout() == pytest.approx(0.64)
-    for _ in range(32):
-        client._took(0.5)  # never more than the upper bound
-    assert client.route_timeout() == 1.0
