@@ -6,11 +6,12 @@ not the model) and the real tokenizer.
 Pass: no failed request under plain load; every finished guided output valid; after
 every run the workers' matchers, sessions, running requests and KV blocks back to zero.
 Faults during load (a worker, the grammar cache, the scheduler killed; a whole node
-removed): every request completes or ends with a clear error (a worker's mid-stream
-requests continue on another worker, the scheduler's callers route on their own while it
-restarts), never a hang or a silently truncated stream, the runtime serves again within
-seconds, nothing leaks. What each fault
-cost (failed requests, the longest pause in a stream, time to a new success) is printed.
+removed): no request fails (a worker's mid-stream requests continue on another worker,
+the scheduler's callers route on their own while it restarts, workers compile locally
+while the cache restarts), never a hang or a silently truncated stream, the runtime serves
+again within seconds, nothing leaks. What each fault cost (the longest pause in a stream,
+the time to a new success, and the same request's time under the load before the fault)
+is printed.
 
 RAYGUIDE_LOAD_SCALE (default 1) multiplies the request counts: `make load-test` runs 5x.
 """
@@ -147,9 +148,10 @@ def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dic
 
 def test_fault_worker_killed(stack):
     victim = launch.handles()["workers"][0]
-    # mid-stream requests fail over; the goal of 0 failed requests is reported, not yet
-    # asserted: it has not been confirmed on a quiet machine (see docs/benchmarks.md)
-    under_fault(stack, "worker killed", lambda: ray.kill(victim, no_restart=False))
+    r = under_fault(stack, "worker killed", lambda: ray.kill(victim, no_restart=False))
+    # requests that had streamed nothing are retried, mid-stream ones continue on another
+    # worker (failover): none fails
+    assert r["failed"] == 0, r["error_examples"]
 
 
 def test_fault_grammar_cache_killed(stack):
@@ -184,7 +186,8 @@ def test_fault_node_removed(stack):
         stack["nodes"].remove(node)
         stack["nodes"].append(stack["cluster"].add_node(num_cpus=2))  # room to restart
 
-    under_fault(stack, "node removed", remove)  # failed requests reported (goal 0)
+    r = under_fault(stack, "node removed", remove)
+    assert r["failed"] == 0, r["error_examples"]  # its worker's requests fail over
     deadline = time.monotonic() + 60
     while asyncio.run(read_worker_gauges(stack["svc"].url))["workers"] < 3:
         assert time.monotonic() < deadline, "the lost worker did not come back"
