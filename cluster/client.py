@@ -2,8 +2,9 @@
 runtime. It asks the scheduler for a session's worker, then streams the request straight
 from that worker. If the worker dies before the request streamed anything, the scheduler
 is told (it stops routing there at once) and the request is retried on another worker; if
-it dies after tokens were streamed, the stream ends with a clear error chunk instead of a
-silent truncation.
+it dies after tokens were streamed, the request continues on another worker from where it
+stopped (at most ``max_failovers`` times; after that, a clear error chunk, never a silent
+truncation).
 
 Requests and chunks cross Ray as typed objects (``GenerationRequest`` with its
 ``GrammarSpec`` and cached key, ``RequestOutput``). This module is the front ends' one door
@@ -45,8 +46,8 @@ class RuntimeClient:
     """While the scheduler restarts, callers do not wait for it: sessions stay on their
     workers and new requests go to the known worker with the fewest of this client's
     requests in flight. The client learns of a restart at once from a long poll it keeps
-    open on the scheduler (``watch``, which fails when the scheduler dies);
-    A route call that hangs for another reason is given up after ``route_timeout_s``, and
+    open on the scheduler (``watch``, which fails when the scheduler dies). A route call
+    that hangs for another reason is given up after ``route_timeout_s``, and
     the client then routes on its own for ``skip_after_timeout_s`` before it asks the
     scheduler again. (A timeout tied to the scheduler's recent speed was tried: on a busy
     machine it fired often, and routes made without the scheduler lose grammar affinity,
@@ -130,6 +131,9 @@ class RuntimeClient:
                     self._find_scheduler()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+            except Exception:  # noqa: BLE001 - the watch only informs routing: never fatal
+                logger.debug("scheduler watch failed", exc_info=True)
+                await asyncio.sleep(1.0)
 
     async def _route(self, session_id, expected: int, family) -> dict:
         self._ensure_watching()
