@@ -94,8 +94,7 @@ class GrammarCache:
 
     def __init__(self, config: GrammarCacheConfig | None = None):
         self.config = config = config or GrammarCacheConfig()
-        # one compile process starts with the actor, the others when compiles overlap
-        self.pool = CompilePool(config, start=1)
+        self.pool = CompilePool(config)
         self.tokenizers: dict[str, str] = {}
         self.lru = _ByteLRU(config.max_bytes)
         self.errors: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
