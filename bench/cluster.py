@@ -401,6 +401,9 @@ def fault(quick: bool, model: str) -> tuple[str, dict]:
         r = box["r"]
     finally:
         service.stop(svc)
+        # Serve stays up in a Ray instance the service did not start, with this section's
+        # proxy port: the next section's service.start would print another port
+        serve.shutdown()
     body = table(["a worker killed at 32 clients (tiny model, 2 workers)", "value"], [
         ["requests failed / total", f"{r['failed']} / {r['requests']}"],
         ["errors by kind (examples)", (json.dumps(r["errors"]) + " "
@@ -419,6 +422,7 @@ def fault(quick: bool, model: str) -> tuple[str, dict]:
 
 def main() -> None:
     args = parser(__doc__.split("\n\n")[0]).parse_args()
+    launch.fast_death_notice()  # as rayguide serve / up set it for the Ray they start
     ray.init(address="local", namespace="rayguide", num_cpus=8, include_dashboard=False,
              log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:

@@ -38,9 +38,10 @@ if __package__ in (None, ""):
 from bench import report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = [("ray", "Ray ready"), ("grammar_cache", "grammar cache ready"),
-          ("workers", "loaded the model"), ("scheduler", "registered with the scheduler"),
-          ("serve_controller", "Serve controller"), ("app", "app ready")]
+# in the order `rayguide serve` reports them
+STAGES = [("ray", "Ray ready"), ("serve_controller", "Serve controller"), ("app", "app ready"),
+          ("grammar_cache", "grammar cache ready"), ("workers", "loaded the model"),
+          ("scheduler", "registered with the scheduler")]
 STAGE_LINE = re.compile(r"rayguide: (.*) \((\d+(?:\.\d+)?) s\)\s*$")
 # what a clean log must not hold (Ray's and Serve's own lines included)
 ALARM = re.compile(r"Traceback|WARNING|Warning:|ERROR|Error:|failed", re.I)
@@ -158,8 +159,9 @@ def main() -> None:
     body = report.table(headers, rows)
     body += (f"\n\n{args.workers} worker(s), default model, `rayguide serve` as a process. "
              "Cold: the model already converted, an empty grammar disk folder; warm: the "
-             "next starts. Stage times are each stage's own (the workers load while the "
-             "grammar cache starts). The first request is the README's first curl (a JSON "
+             "next starts. Stage times are each stage's own, in the order reported (the "
+             "runtime's actors load while Serve starts: a stage after `app` is what was "
+             "left of the runtime's load). The first request is the README's first curl (a JSON "
              "schema at server defaults).")
     alarms = sorted({a for r in runs for a in r["alarms"]})
     if alarms:

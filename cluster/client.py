@@ -2,8 +2,9 @@
 runtime. It asks the scheduler for a session's worker, then streams the request straight
 from that worker. If the worker dies before the request streamed anything, the scheduler
 is told (it stops routing there at once) and the request is retried on another worker; if
-it dies after tokens were streamed, the stream ends with a clear error chunk instead of a
-silent truncation.
+it dies after tokens were streamed, the request continues on another worker from where it
+stopped (at most ``max_failovers`` times; after that, a clear error chunk, never a silent
+truncation).
 
 Requests and chunks cross Ray as typed objects (``GenerationRequest`` with its
 ``GrammarSpec`` and cached key, ``RequestOutput``). This module is the front ends' one door
@@ -27,7 +28,7 @@ from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
 from scheduler.routing import NoWorkers, Overloaded
-from worker.engine.sampling import SamplingParams
+from worker.engine.params import SamplingParams
 from worker.engine.sequence import GenerationRequest, RequestOutput
 
 __all__ = ["RuntimeClient", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
@@ -42,14 +43,20 @@ INFRASTRUCTURE_ERRORS = (*_WORKER_GONE, GetTimeoutError)
 
 
 class RuntimeClient:
-    """``route_timeout_s``: how long a route call may take before the client routes on its
-    own from what it last knew (a scheduler that is restarting does not answer for seconds;
-    callers do not wait for it: sessions stay on their workers, new requests go to the known
-    worker with the fewest of this client's requests in flight). With nothing known yet,
+    """While the scheduler restarts, callers do not wait for it: sessions stay on their
+    workers and new requests go to the known worker with the fewest of this client's
+    requests in flight. The client learns of a restart at once from a long poll it keeps
+    open on the scheduler (``watch``, which fails when the scheduler dies). A route call
+    that hangs for another reason is given up after ``route_timeout_s``, and
+    the client then routes on its own for ``skip_after_timeout_s`` before it asks the
+    scheduler again. (A timeout tied to the scheduler's recent speed was tried: on a busy
+    machine it fired often, and routes made without the scheduler lose grammar affinity,
+    which doubled the grammar-cache bench's TTFT.) With no worker known yet,
     it waits for the scheduler, up to ``scheduler_wait_s``."""
 
     def __init__(self, scheduler=None, *, max_attempts: int = 3,
                  scheduler_wait_s: float = 30.0, route_timeout_s: float = 1.0,
+                 skip_after_timeout_s: float = 1.0,
                  max_remembered_sessions: int = 100_000, max_failovers: int = 2):
         # a scheduler found by name is found again when it died for good and was rebuilt
         # (rayguide serve's self-healing starts a new actor under the same name)
@@ -58,8 +65,11 @@ class RuntimeClient:
         self.max_attempts = max_attempts
         self.scheduler_wait_s = scheduler_wait_s
         self.route_timeout_s = route_timeout_s
+        self.skip_after_timeout_s = skip_after_timeout_s
+        self._skip_until = 0.0
         self.retries = 0
         self.own_routes = 0  # routed without the scheduler (it was restarting)
+        self.route_timeouts = 0  # route calls given up after route_timeout_s
         self.max_failovers = max_failovers
         self.failovers = 0  # requests continued on another worker after a mid-stream death
         self.resumed_tokens = 0  # tokens those continuations did not have to generate again
@@ -68,6 +78,10 @@ class RuntimeClient:
         self._in_flight: dict[str, int] = {}  # worker id -> this client's open requests
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> worker id
         self._max_sessions = max_remembered_sessions
+        # set while the scheduler is known to be down: a long poll on it (watch) fails the
+        # moment it dies, and routes then go on from what this client knows, without waiting
+        self.scheduler_down_since: float | None = None
+        self._watcher: asyncio.Task | None = None
 
     async def _call_scheduler(self, method: str, *args):
         """A scheduler call that rides out a scheduler restart: Ray restarts the actor
@@ -93,13 +107,53 @@ class RuntimeClient:
             except ValueError:
                 pass  # not rebuilt yet
 
+    def _ensure_watching(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._watcher is None or self._watcher.done() or self._watcher.get_loop() is not loop:
+            self._watcher = loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                await self.scheduler.watch.remote(0.0)  # answers once up and rebuilt
+                if self.scheduler_down_since is not None:
+                    logger.info("scheduler back after %.2f s",
+                                time.monotonic() - self.scheduler_down_since)
+                self.scheduler_down_since, delay = None, 0.05
+                await self.scheduler.watch.remote(30.0)
+            except _WORKER_GONE as exc:
+                if self.scheduler_down_since is None:
+                    self.scheduler_down_since = time.monotonic()
+                    logger.warning("scheduler unavailable (%s); routing from the last known "
+                                   "workers until it is back", type(exc).__name__)
+                if isinstance(exc, ActorDiedError):
+                    self._find_scheduler()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            except Exception:  # noqa: BLE001 - the watch only informs routing: never fatal
+                logger.debug("scheduler watch failed", exc_info=True)
+                await asyncio.sleep(1.0)
+
     async def _route(self, session_id, expected: int, family) -> dict:
+        self._ensure_watching()
+        if self.scheduler_down_since is not None or time.monotonic() < self._skip_until:
+            route = self._own_route(session_id)
+            if route is not None:
+                return route
         try:
             route = await asyncio.wait_for(
                 self.scheduler.route.remote(session_id, expected, family), self.route_timeout_s)
         except (*_WORKER_GONE, asyncio.TimeoutError) as exc:
             if isinstance(exc, ActorDiedError):
                 self._find_scheduler()
+            if isinstance(exc, asyncio.TimeoutError):
+                self.route_timeouts += 1
+                self._skip_until = time.monotonic() + self.skip_after_timeout_s
+                log = logger.warning if self.route_timeouts == 1 else logger.debug
+                log("the scheduler did not route in %.2f s; routing from the last known "
+                    "workers for %.1f s (logged once; counted in route_timeouts)",
+                    self.route_timeout_s, self.skip_after_timeout_s)
             route = self._own_route(session_id)
             if route is not None:
                 return route
@@ -146,6 +200,7 @@ class RuntimeClient:
         expected = request.params.max_new_tokens
         family = request.grammar.family if request.grammar is not None else None
         current, emitted, failovers, attempt = request, [], 0, 0
+        emitted_text: list[str] = []
         while attempt < self.max_attempts:
             attempt += 1
             route = await self._route(session_id, expected, family)
@@ -159,6 +214,7 @@ class RuntimeClient:
                     if current is not request:  # a continuation speaks for the original
                         chunk.request_id = request.request_id
                     emitted.extend(chunk.token_ids)
+                    emitted_text.append(chunk.text)
                     yield chunk
                 return
             except _WORKER_GONE as exc:
@@ -180,7 +236,7 @@ class RuntimeClient:
                     self.resumed_tokens += len(emitted)
                     current = dataclasses.replace(
                         request, request_id=f"{request.request_id}-f{failovers}",
-                        resume_token_ids=list(emitted))
+                        resume_token_ids=list(emitted), resume_text="".join(emitted_text))
                     self.failover_pauses.append(time.monotonic() - died_at)
                     logger.warning("worker %s died mid-stream; request %s continues on "
                                    "another worker after %d tokens", worker_id,
@@ -200,6 +256,17 @@ class RuntimeClient:
                         pass
         raise NoWorkers(f"the request failed on {self.max_attempts} workers in a row "
                         "(each died before answering)")
+
+    def stats(self) -> dict:
+        """This client's failover and routing counters (a front end's /metrics)."""
+        pauses = sorted(self.failover_pauses)
+        return {"retries": self.retries, "failovers": self.failovers,
+                "resumed_tokens": self.resumed_tokens,
+                "failover_pause_max_s": pauses[-1] if pauses else 0.0,
+                "failover_pause_p50_s": pauses[len(pauses) // 2] if pauses else 0.0,
+                "own_routes": self.own_routes, "route_timeouts": self.route_timeouts,
+                "route_timeout_s": self.route_timeout_s,
+                "scheduler_down": int(self.scheduler_down_since is not None)}
 
     async def _report_failed(self, worker_id: str) -> None:
         """Tells the scheduler (briefly: a restarting scheduler finds the dead worker by

@@ -40,9 +40,15 @@ class Metrics:
         self.generated.inc(n)
         self.local["tokens"] += n
 
-    def render(self, status: dict | None) -> str:
+    def render(self, status: dict | None, client: dict | None = None) -> str:
+        """``status``: the scheduler's stats (None: it did not answer); ``client``: this
+        replica's RuntimeClient.stats() (failovers, own routes while the scheduler
+        restarted)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
         reg = CollectorRegistry()
+        for name, value in (client or {}).items():
+            Gauge(f"rayguide_replica_{name}", f"this replica's runtime client: {name}",
+                  registry=reg).set(value)
         req = Counter("rayguide_replica_http_requests", "this replica's HTTP requests",
                       ("route", "status"), registry=reg)
         for (route, code), n in self.local["requests"].items():

@@ -160,7 +160,7 @@ class OpenAIServer:
             status = await self.runtime.scheduler.stats.remote()
         except Exception:
             status = None
-        return PlainTextResponse(self._metrics.render(status),
+        return PlainTextResponse(self._metrics.render(status, self.runtime.stats()),
                                  media_type="text/plain; version=0.0.4")
 
     @fastapi_app.get("/openapi.json", include_in_schema=False)

@@ -94,7 +94,8 @@ class GrammarCache:
 
     def __init__(self, config: GrammarCacheConfig | None = None):
         self.config = config = config or GrammarCacheConfig()
-        self.pool = CompilePool(config)
+        # one compile process starts with the actor, the others when compiles overlap
+        self.pool = CompilePool(config, start=1)
         self.tokenizers: dict[str, str] = {}
         self.lru = _ByteLRU(config.max_bytes)
         self.errors: OrderedDict[str, tuple[bytes, float]] = OrderedDict()

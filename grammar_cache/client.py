@@ -52,6 +52,8 @@ from grammar_cache.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
+FALLBACK_WARM_DELAY_S = 20.0
+
 REGISTER_ATTEMPTS = 4  # backoff 0.1, 0.2, 0.4 s between them
 
 
@@ -88,11 +90,14 @@ class GrammarCacheClient:
                         "fetch_wait_s": 0.0, "fetch_wait_max_s": 0.0, "disk_hits": 0,
                         "disk_writes": 0}
         self.disk = disk_tier.from_config(config)
-        # the fallback's compile process starts now, in the background: started only when
-        # the actor fails, it would make every request wait for its imports (seconds,
-        # tens of seconds on a loaded machine) exactly when the cache is down
-        threading.Thread(target=self._warm_local, name="grammar-fallback-warmup",
-                         daemon=True).start()
+        # the fallback's compile process starts in the background, FALLBACK_WARM_DELAY_S
+        # after this client: started only when the actor fails, it would make every
+        # request wait for its imports (seconds, tens of seconds on a loaded machine)
+        # exactly when the cache is down; started at once, its imports would slow the
+        # runtime's own start (every process competes for the same cores then)
+        self._warm_timer = threading.Timer(FALLBACK_WARM_DELAY_S, self._warm_local)
+        self._warm_timer.name, self._warm_timer.daemon = "grammar-fallback-warmup", True
+        self._warm_timer.start()
 
     # the one entry point ------------------------------------------------------------
 
@@ -313,5 +318,6 @@ class GrammarCacheClient:
 
     def close(self) -> None:
         """Stops the fallback compile process."""
+        self._warm_timer.cancel()
         if self._local is not None:
             self._local.close()

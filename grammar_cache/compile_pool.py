@@ -37,7 +37,7 @@ from pathlib import Path
 import msgpack
 
 from grammar_cache import envelope
-from grammar_cache.compile_worker import _LEN, COMPILED, timeout_message
+from grammar_cache.compile_worker import _LEN, COMPILED, READY, timeout_message
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
@@ -61,6 +61,13 @@ class CompileResult:
     def cacheable(self) -> bool:
         """A compiled grammar or the client's fault; never a transient failure."""
         return self.error_kind is None or self.error_kind.client_fault
+
+
+def _is_ready(frame: bytes | None) -> bool:
+    if frame is None or not frame.startswith(READY):
+        return False
+    envelope.learn_serialization_version(frame[len(READY):].decode())
+    return True
 
 
 @dataclass
@@ -103,7 +110,11 @@ class CompilePool:
     """``processes`` child processes (default: ``config.compile_processes``) compiling under
     ``config``'s time and memory limits."""
 
-    def __init__(self, config: GrammarCacheConfig | None = None, processes: int | None = None):
+    def __init__(self, config: GrammarCacheConfig | None = None, processes: int | None = None,
+                 start: int | None = None):
+        """``start``: how many children start now (default all); the others start when a
+        compile finds every started child busy. Each child's imports cost seconds of CPU,
+        which a runtime's start should not pay for compiles that may never overlap."""
         self.config = config or GrammarCacheConfig()
         self.processes = processes or self.config.compile_processes
         self._idle: queue.Queue[_Worker] = queue.Queue()
@@ -112,18 +123,19 @@ class CompilePool:
         self.busy: dict[int, str] = {}  # pid -> key being compiled (for operators and tests)
         self.timeouts = 0
         self.crashes = 0
-        for _ in range(self.processes):
+        self.started = self.processes if start is None else max(1, min(start, self.processes))
+        for _ in range(self.started):
             self._idle.put(self._spawn())
 
     def wait_ready(self, timeout_s: float = SETUP_TIMEOUT_S) -> None:
-        """Blocks until every child has finished its imports (so a first compile does not
-        wait for them); raises RuntimeError if one did not start."""
-        workers = [self._idle.get() for _ in range(self.processes)]
+        """Blocks until every child started so far has finished its imports (so a first
+        compile does not wait for them); raises RuntimeError if one did not start."""
+        workers = [self._idle.get() for _ in range(self.started)]
         failed = []
         try:
             for i, w in enumerate(workers):
                 if not w.ready:
-                    w.ready = w.wait_frame(timeout_s) == b"ready"
+                    w.ready = _is_ready(w.wait_frame(timeout_s))
                     if not w.ready:
                         failed.append(w.process.pid)
                         workers[i] = self._replace(w)
@@ -133,6 +145,24 @@ class CompilePool:
         if failed:
             raise RuntimeError(f"grammar compile process(es) {failed} did not start within "
                                f"{timeout_s:g} s")
+
+    def _grow(self) -> None:
+        """Starts one more child in the background; it joins the idle ones once its imports
+        are done (a compile waiting meanwhile takes whichever child is free first)."""
+        with self._lock:
+            if self.started >= self.processes or self._closed:
+                return
+            self.started += 1
+
+        def warm() -> None:
+            worker = self._spawn()
+            worker.ready = _is_ready(worker.wait_frame(SETUP_TIMEOUT_S))
+            if self._closed:
+                _stop(worker)
+            else:  # one that did not start is replaced on first use, as after a crash
+                self._idle.put(worker)
+
+        threading.Thread(target=warm, name="grammar-compile-grow", daemon=True).start()
 
     def _spawn(self) -> _Worker:
         root = str(Path(__file__).resolve().parent.parent)
@@ -150,12 +180,14 @@ class CompilePool:
         outcomes). Thread-safe; at most ``processes`` compiles run at once."""
         key = spec.key(fingerprint) if key is None else key
         timeout = self.config.compile_timeout_s if timeout_s is None else timeout_s
+        if self._idle.empty():
+            self._grow()
         worker = self._idle.get()
         t = time.monotonic()
         busy_pid = None
         try:
             if not worker.ready:
-                worker.ready = worker.wait_frame(SETUP_TIMEOUT_S) == b"ready"
+                worker.ready = _is_ready(worker.wait_frame(SETUP_TIMEOUT_S))
             if fingerprint not in worker.fingerprints:
                 if worker.request(["tokenizer", fingerprint, tokenizer_json],
                                   SETUP_TIMEOUT_S) != b"ok":

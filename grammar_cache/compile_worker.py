@@ -1,8 +1,8 @@
 """A grammar-compile child process: ``python -m grammar_cache.compile_worker --memory-mb N``.
 
 Reads frames from stdin and writes frames to stdout; a frame is a 4-byte big-endian length
-and a body. It writes b"ready" once its imports are done. Requests (msgpack):
-["tokenizer", fingerprint, tokenizer_json] -> b"ok"; ["compile", fingerprint, spec dict,
+and a body. It writes b"ready <xgrammar serialization version>" once its imports are done.
+Requests (msgpack): ["tokenizer", fingerprint, tokenizer_json] -> b"ok"; ["compile", fingerprint, spec dict,
 key] -> b"compiled" once compiled (not for an error), then two frames: a small msgpack header ({"error", "error_kind", "compile_s", "load_s"},
 what the cache decides on, so nobody unpacks a large envelope just to read it), then the
 envelope bytes (grammar_cache/envelope.py). Started by CompilePool, which kills it when a
@@ -21,6 +21,7 @@ import msgpack
 
 _LEN = struct.Struct(">I")
 COMPILED = b"compiled"  # sent when the compile itself is done
+READY = b"ready "  # + xgrammar's serialization version: sent once the imports are done
 
 
 def read_frame(stream) -> bytes | None:
@@ -53,7 +54,9 @@ def main() -> None:
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     compilers: dict[str, object] = {}
-    write_frame(stdout, b"ready")
+    # the serialization version rides on the ready frame: the actor that reads it need not
+    # import xgrammar itself (envelope.learn_serialization_version)
+    write_frame(stdout, READY + xgr.get_serialization_version().encode())
     while (frame := read_frame(stdin)) is not None:
         op, fingerprint, payload, *rest = msgpack.unpackb(frame)
         if op == "tokenizer":

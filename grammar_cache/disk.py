@@ -24,8 +24,6 @@ import threading
 import time
 from pathlib import Path
 
-import xgrammar as xgr
-
 from grammar_cache import envelope
 
 logger = logging.getLogger(__name__)
@@ -36,13 +34,21 @@ SUFFIX = ".env"
 class DiskStore:
     def __init__(self, root: str | Path, max_bytes: int = 2 * 2**30):
         self.base = Path(root)
-        self.root = self.base / f"xgr-{envelope.XGRAMMAR_VERSION}-s{xgr.get_serialization_version()}"
+        self._root: Path | None = None
         self.max_bytes = max_bytes
         self.counts = {"disk_hits": 0, "disk_misses": 0, "disk_writes": 0,
                        "disk_evictions": 0, "disk_errors": 0}
         self._lock = threading.Lock()
         self._warned = False
         self._written_since_sweep = 0
+
+    @property
+    def root(self) -> Path:
+        """This xgrammar's folder (found on first use: see envelope.serialization_version)."""
+        if self._root is None:
+            self._root = self.base / (f"xgr-{envelope.XGRAMMAR_VERSION}"
+                                      f"-s{envelope.serialization_version()}")
+        return self._root
 
     def path(self, fingerprint: str, key: str) -> Path:
         return self.root / fingerprint / f"{key}{SUFFIX}"

@@ -20,13 +20,37 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
+from typing import TYPE_CHECKING
+
 import msgpack
-import xgrammar as xgr
 
 from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
 
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 ENVELOPE_VERSION = 2  # 2: error_kind holds ErrorKind values
 XGRAMMAR_VERSION = version("xgrammar")
+_serialization: str | None = None
+
+
+def serialization_version() -> str:
+    """xgrammar's serialization version. Importing xgrammar costs seconds of CPU (it imports
+    torch and transformers), so a process that only moves envelopes (the cache actor) learns
+    the version from its compile processes (``learn_serialization_version``); any other
+    process imports xgrammar here, on first need."""
+    global _serialization
+    if _serialization is None:
+        import xgrammar
+
+        _serialization = xgrammar.get_serialization_version()
+    return _serialization
+
+
+def learn_serialization_version(value: str) -> None:
+    """What a compile process of this same installation reported (see compile_worker)."""
+    global _serialization
+    _serialization = value
 
 
 class EnvelopeMismatch(RuntimeError):
@@ -44,7 +68,7 @@ class CompileLocally(Exception):
 
 def _header(fingerprint: str, key: str) -> dict:
     return {"v": ENVELOPE_VERSION, "xgr": XGRAMMAR_VERSION,
-            "ser": xgr.get_serialization_version(), "fp": fingerprint, "key": key}
+            "ser": serialization_version(), "fp": fingerprint, "key": key}
 
 
 def pack(compiled: "xgr.CompiledGrammar", fingerprint: str, key: str, *,
@@ -109,4 +133,6 @@ def unpack(data: bytes, tokenizer_info: "xgr.TokenizerInfo", fingerprint: str,
         raise_error(env["error"], env.get("error_kind"))
     if env.get("local"):
         raise CompileLocally(env.get("compile_s", 0.0))
-    return xgr.CompiledGrammar.deserialize_json(env["grammar"], tokenizer_info)
+    import xgrammar
+
+    return xgrammar.CompiledGrammar.deserialize_json(env["grammar"], tokenizer_info)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict, dataclass
 
 import ray
@@ -53,8 +54,10 @@ class SchedulerActor:
         self._pending_ends: list[str] = []
         self._undelivered: dict[str, list[str]] = {}  # worker -> ends it has not confirmed
         self._tasks: list[asyncio.Task] = []
+        self._first_polls: set[asyncio.Task] = set()
         self._started: asyncio.Task | None = None
         self._broadcast_lock = asyncio.Lock()
+        self.rebuild_s: float | None = None
         self.counts = {"routes": 0, "sessions_ended": 0, "broadcast_messages": 0,
                        "workers_dropped": 0, "workers_suspected": 0, "rejected": 0,
                        "registrations": 0,
@@ -73,18 +76,31 @@ class SchedulerActor:
 
     async def _rediscover(self) -> None:
         """Finds running workers by name (after a scheduler restart) and restores the
-        sessions they hold."""
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry["namespace"] != NAMESPACE or not entry["name"].startswith(WORKER_PREFIX):
-                continue
+        sessions they hold. Its duration is in stats() as ``rebuild_s``."""
+        started = time.monotonic()
+        try:
+            await self._find_workers()
+        finally:
+            self.rebuild_s = round(time.monotonic() - started, 3)
+            if self.table.workers:
+                logger.info("routing table rebuilt in %.3f s (%d workers)", self.rebuild_s,
+                            len(self.table.workers))
+
+    async def _find_workers(self) -> None:
+        names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                 if e["namespace"] == NAMESPACE and e["name"].startswith(WORKER_PREFIX)]
+
+        async def one(name: str) -> None:
             try:
-                handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+                handle = ray.get_actor(name, namespace=NAMESPACE)
                 load = await asyncio.wait_for(handle.load.remote(), self.config.rpc_timeout_s)
             except Exception:
-                continue
+                return
             self.table.add_worker(load["worker_id"], handle, load.get("node_id", ""))
             self.table.update_load(load["worker_id"], load)
             self.table.restore_sessions(load["worker_id"], load.get("session_ids", []))
+
+        await asyncio.gather(*(one(n) for n in names))  # a slow worker delays no other
 
     # the interface ----------------------------------------------------------------------
 
@@ -98,6 +114,12 @@ class SchedulerActor:
             self.table.update_load(worker_id, info)
         self.counts["registrations"] += 1
         logger.info("worker %s registered (node %s)", worker_id, node_id)
+        # its first load report now, not at the next poll (it answers once its start ends)
+        entry = self.table.workers.get(worker_id)
+        if entry is not None:
+            task = asyncio.get_running_loop().create_task(self._poll_one(entry))
+            self._first_polls.add(task)  # kept referenced until done
+            task.add_done_callback(self._first_polls.discard)
 
     async def route(self, session_id: str | None = None, expected_tokens: int = 256,
                     grammar_family: str | None = None) -> dict:
@@ -140,10 +162,17 @@ class SchedulerActor:
             pass
         return []
 
+    async def watch(self, timeout_s: float = 30.0) -> None:
+        """A long poll callers keep open: it returns (after at most ``timeout_s``) only
+        while this scheduler is up and rebuilt, and fails at once when the scheduler dies,
+        which is how a caller learns of a restart without waiting for a route to time out."""
+        await self._ensure_started()
+        await asyncio.sleep(timeout_s)
+
     async def stats(self) -> dict:
         await self._ensure_started()
         return {**self.counts, "sessions": len(self.table.sessions),
-                "affinity_routes": self.table.affinity_routes,
+                "affinity_routes": self.table.affinity_routes, "rebuild_s": self.rebuild_s,
                 "config": asdict(self.config),
                 "workers": {w.worker_id: _shown(w) for w in self.table.workers.values()}}
 

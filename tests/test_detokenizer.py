@@ -237,3 +237,38 @@ def test_real_window_stays_bounded(tok):
     detok, _ = stream(Spy(), tok.encode("Go"), out)
     assert detok.text == tok.decode(out)
     assert max(calls) <= 12 and len(calls) <= 2 * len(out) + 4
+
+
+def _continued(tok, prompt, out, cut, stop=()):
+    """A stream cut after ``cut`` tokens (its worker died) and continued elsewhere: what the
+    caller had, then what the continuation sends."""
+    first = IncrementalDetokenizer(tok, prompt, stop=stop)
+    had = "".join(first.add_tokens([t]) for t in out[:cut])  # no flush: it died
+    if first.stopped is not None:
+        return had, ""
+    cont = IncrementalDetokenizer(tok, prompt, stop=stop, resumed_token_ids=out[:cut],
+                                  resumed_text=had)
+    rest = "".join(cont.add_tokens([t]) for t in out[cut:]) + cont.flush()
+    return had, rest
+
+
+@pytest.mark.unit
+def test_fake_a_continuation_cut_inside_a_character_loses_nothing(fake):
+    out = byte_ids("a😀中b")
+    for cut in range(len(out)):  # inside the emoji's and the CJK character's bytes too
+        had, rest = _continued(fake, byte_ids("Hi "), out, cut)
+        assert had + rest == "a😀中b", cut
+    had, rest = _continued(fake, [], byte_ids("xx#END"), 4, stop=("##",))  # "#" held
+    assert had + rest == "xx#END"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("text", TEXTS[1:4])
+def test_real_a_continuation_goes_on_exactly_where_the_stream_stopped(tok, text):
+    byte_id = _byte_token_ids(tok)
+    prompt = tok.encode("Say:")
+    for out in (tok.encode(text, add_special_tokens=False),
+                [byte_id[b] for b in text.encode()]):  # every cut inside a character
+        for cut in range(1, len(out)):
+            had, rest = _continued(tok, prompt, out, cut)
+            assert FFFD not in had + rest and had + rest == text, (cut, had, rest)

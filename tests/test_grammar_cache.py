@@ -446,3 +446,27 @@ def test_engines_compile_through_the_shared_cache(actor_name, default_model,
     finally:
         for c in clients:
             c.close()
+
+
+def test_compile_pool_starts_more_processes_only_when_compiles_overlap():
+    from grammar_cache.compile_pool import CompilePool
+
+    info = tiny_info()
+    fp, tok_json = tokenizer_fingerprint(info), info.serialize_json()
+    pool = CompilePool(GrammarCacheConfig(compile_processes=2), start=1)
+    try:
+        pool.wait_ready()
+        assert pool.started == 1
+        assert pool.compile(spec(1), fp, tok_json).error is None  # one at a time: one process
+        assert pool.started == 1
+        results = []
+        threads = [threading.Thread(target=lambda i=i: results.append(
+            pool.compile(spec(10 + i), fp, tok_json))) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [r.error for r in results] == [None, None, None]
+        assert pool.started == 2  # overlapping compiles started the second, and no more
+    finally:
+        pool.close()

@@ -6,11 +6,12 @@ not the model) and the real tokenizer.
 Pass: no failed request under plain load; every finished guided output valid; after
 every run the workers' matchers, sessions, running requests and KV blocks back to zero.
 Faults during load (a worker, the grammar cache, the scheduler killed; a whole node
-removed): every request completes or ends with a clear error (a worker's mid-stream
-requests continue on another worker, the scheduler's callers route on their own while it
-restarts), never a hang or a silently truncated stream, the runtime serves again within
-seconds, nothing leaks. What each fault
-cost (failed requests, the longest pause in a stream, time to a new success) is printed.
+removed): every request completes or ends with a clear error, and none fails where the
+test asserts it (the grammar cache and the scheduler killed; a worker's mid-stream
+requests continue on another worker), never a hang or a silently truncated stream, the runtime serves
+again within seconds, nothing leaks. What each fault cost (the longest pause in a stream,
+the time to a new success, and the same request's time under the load before the fault)
+is printed.
 
 RAYGUIDE_LOAD_SCALE (default 1) multiplies the request counts: `make load-test` runs 5x.
 """
@@ -44,6 +45,7 @@ CLEAR_ERRORS = {"http_503", "http_429", "APIError"}  # 503 worker died / 429 ove
 def stack(tiny_model_dir):
     # the front end, scheduler and cache stay on the head (as on a real cluster's CPU
     # head), so removing a worker node costs what losing a GPU node costs
+    launch.fast_death_notice()  # as rayguide serve / up set it
     cluster = Cluster(initialize_head=True,
                       head_node_args={"num_cpus": 2, "resources": {"head": 1}})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
@@ -112,25 +114,29 @@ def actor_node(class_name: str) -> set[str]:
 
 
 def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dict:
-    """Runs load in a thread, injects the fault 2 s in, and checks the pass rules."""
+    """Runs load in a thread, times one new request under it, injects the fault about 2 s
+    in, and checks the pass rules."""
     box = {}
     n = int(120 * SCALE)
     th = threading.Thread(target=lambda: box.update(r=load(
         stack["svc"], clients=32, requests=n, duration_s=240, max_tokens=32,
         session_share=0.2, stream_share=0.6)))
     th.start()
-    time.sleep(2.0)
+    time.sleep(1.0)
+    baseline = serves_again(stack["svc"])  # the same request under this load, no fault
+    time.sleep(max(0.0, 1.0 - baseline))
     inject()
     recovery = serves_again(stack["svc"])  # a fresh request, while the load goes on
     th.join(timeout=400)
     assert not th.is_alive(), "the load run hung"
     r = box["r"]
-    r["recovery_s"] = round(recovery, 2)
+    r["recovery_s"], r["baseline_s"] = round(recovery, 2), round(baseline, 2)
     show(name, r)
     pause = r["longest_pause_s"]
     print(f"[{name}] cost {r['failed']} of {r['requests']} requests; longest pause in a "
           f"stream {pause if pause is None else round(pause * 1000)} ms; a new request "
-          f"succeeded {recovery:.1f} s after the fault")
+          f"succeeded {recovery:.1f} s after the fault (the same request under the same "
+          f"load just before it: {baseline:.1f} s)")
     unclear = {k: v for k, v in r["errors"].items() if k not in CLEAR_ERRORS}
     assert not unclear, (unclear, r["error_examples"])  # no timeout, no truncation
     assert r["completed"] + r["failed"] == r["requests"]
@@ -142,8 +148,10 @@ def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dic
 
 def test_fault_worker_killed(stack):
     victim = launch.handles()["workers"][0]
-    # mid-stream requests fail over; the goal of 0 failed requests is reported, not yet
-    # asserted: it has not been confirmed on a quiet machine (see docs/benchmarks.md)
+    # requests that had streamed nothing are retried, mid-stream ones continue on another
+    # worker (failover). The goal, 0 failed, is met in every quiet run (docs/benchmarks.md)
+    # but printed, not asserted: in CI this module's plain-load run has itself timed out
+    # requests (6 of 320 past 60 s, once), and a fault only adds load
     under_fault(stack, "worker killed", lambda: ray.kill(victim, no_restart=False))
 
 
@@ -179,7 +187,7 @@ def test_fault_node_removed(stack):
         stack["nodes"].remove(node)
         stack["nodes"].append(stack["cluster"].add_node(num_cpus=2))  # room to restart
 
-    under_fault(stack, "node removed", remove)  # failed requests reported (goal 0)
+    under_fault(stack, "node removed", remove)  # failed requests printed (goal 0, see above)
     deadline = time.monotonic() + 60
     while asyncio.run(read_worker_gauges(stack["svc"].url))["workers"] < 3:
         assert time.monotonic() < deadline, "the lost worker did not come back"

@@ -38,3 +38,35 @@ def test_hub_id_goes_through_huggingface_hub(monkeypatch, tmp_path):
     with pytest.raises(Exception) as info:
         resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert type(info.value).__module__.startswith("huggingface_hub")
+
+
+FULL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 100, "rms_norm_eps": 1e-5, "max_position_embeddings": 256,
+        "tie_word_embeddings": True, "rope_parameters": {"rope_theta": 1e4,
+                                                         "rope_type": "default"}}
+
+
+@pytest.mark.parametrize("change, fast", [
+    ({}, True),  # states everything, plain RoPE: read as it is
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0,
+                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 128}}, False),
+    ({"num_key_value_heads": None}, False),  # left out: transformers' default is needed
+])
+def test_load_config_reads_a_full_config_without_transformers(tmp_path, change, fast):
+    import json
+
+    import transformers
+
+    from worker.models.loader import ModelConfig, load_config
+
+    raw = {**FULL, **change}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = load_config(tmp_path)
+    assert isinstance(config, ModelConfig) == fast
+    reference = transformers.AutoConfig.from_pretrained(tmp_path)
+    for name in ("hidden_size", "num_key_value_heads", "rms_norm_eps", "vocab_size",
+                 "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(config, name) == getattr(reference, name), name

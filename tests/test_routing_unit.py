@@ -121,3 +121,4 @@ def test_an_idle_worker_takes_any_budget():
     assert t.route(None, 10**9).worker_id == "w0"  # not a 429 on an idle cluster
     with pytest.raises(Overloaded):
         t.route(None, 10**9)  # now it has work queued
+

@@ -88,6 +88,8 @@ def test_health_models_metrics(svc, client):
     text = http(svc, "GET", "/metrics").text
     assert "rayguide_up 1.0" in text and "rayguide_worker_total_blocks" in text
     assert "rayguide_worker_grammar_client_" in text  # the cache client's counters
+    # the replica's failover and routing counters (issue 17)
+    assert "rayguide_replica_failovers 0.0" in text and "rayguide_replica_own_routes" in text
     # with an API key set, metrics and the API docs follow it; /health tells only ok / not
     for path in ("/metrics", "/openapi.json", "/docs"):
         assert http(svc, "GET", path, key=None).status_code == 401, path

@@ -18,11 +18,10 @@ from collections import OrderedDict, deque
 
 import ray
 
-from worker.engine.async_engine import AsyncEngine
-from worker.engine.config import EngineConfig
-from worker.engine.engine import LLMEngine
+# light at import: Ray imports this module wherever a worker handle is unpickled (the
+# scheduler, every front end), so the engine (torch, transformers, xgrammar) is imported
+# in __init__, in the worker's own process only
 from worker.engine.sequence import GenerationRequest
-from worker.models import loader
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
@@ -45,6 +44,11 @@ class WorkerActor:
         and again whenever Ray restarts this actor. grammar_cache: (name, namespace,
         GrammarCacheConfig fields) of the shared cache actor to compile through; None:
         compile in-process."""
+        from worker.engine.async_engine import AsyncEngine
+        from worker.engine.config import EngineConfig
+        from worker.engine.engine import LLMEngine
+        from worker.models import loader
+
         config = EngineConfig(**(engine_config or {}))
         self.worker_id = worker_id or f"worker-{os.getpid()}"
         self.grammar_client = None

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported only where a dtype name is resolved (not by front ends)
+    import torch
 
 
 @dataclass
@@ -40,6 +42,8 @@ class EngineConfig:
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
+            import torch
+
             names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                      "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
                      # weight-only int8 Linear layers on CPU, fp32 compute (worker/models/quant.py)

@@ -31,7 +31,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, resumed_token_ids: Sequence[int] = (),
+                 resumed_text: str = ""):
+        """``resumed_token_ids`` / ``resumed_text``: a continuation's output generated
+        elsewhere, and the part of its text the caller already has (a clean prefix of its
+        decode: a character whose bytes were not all generated, or text held back for a
+        stop string, was never sent). The deltas go on exactly after ``resumed_text``."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._stops = tuple(s for s in stop if s)
@@ -43,7 +48,9 @@ class IncrementalDetokenizer:
             context = ""
         self._prefix = 0                    # window start: a clean restart point
         self._read = len(self._ids)         # end of the window's last clean decode
-        self._emitted = len(context)        # window chars already accounted for
+        self._emitted = len(context) + len(resumed_text)  # window chars accounted for
+        self._ids.extend(resumed_token_ids)  # decoded with the next tokens, once
+        self._before = resumed_text         # output the caller had before this one began
         self._held = ""                     # clean text that may begin a stop string
         self._text = ""
         self._stopped: str | None = None
@@ -130,7 +137,7 @@ class IncrementalDetokenizer:
         hits = sorted((i, s) for s in self._stops
                       for i in _occurrences(buf, s))
         for i, s in hits:
-            if self.stop_check(self._text + buf[:i]):
+            if self.stop_check(self._before + self._text + buf[:i]):
                 return i, s
         return None
 

@@ -141,15 +141,21 @@ class LLMEngine:
         seed = request.params.seed
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(seed if seed is not None else self._rng.getrandbits(63))
-        # a continuation's text goes on after the tokens it resumes, never repeating them
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids + resumed,
-                                       stop=request.params.stop)
+        # a continuation's text goes on exactly after the text the caller already has
+        # (never repeating it, and never losing a character split across the failover)
+        already = ""
+        if resumed:
+            already = request.resume_text
+            if already is None:  # a clean prefix of their decode: what a worker sends
+                already = self.tokenizer.decode(resumed, skip_special_tokens=True)
+                already = already.rstrip("\ufffd")
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=request.params.stop,
+                                       resumed_token_ids=resumed, resumed_text=already)
         if request.grammar is not None and self.guided is None:
             raise ValueError("guided decoding is disabled in this engine (EngineConfig.guided)")
         seq = Sequence(request, prompt_ids, detok, generator)
         seq.token_ids.extend(resumed)  # output already streamed: KV recomputed, not re-emitted
-        if resumed:  # what the caller already has, for validating the whole output
-            seq.resumed_text = self.tokenizer.decode(resumed, skip_special_tokens=True)
+        seq.resumed_text = already  # what the caller has, for validating the whole output
         self.seqs[seq.request_id] = seq
         if seq.grammar is not None:
             seq.grammar_future = self.guided.get_grammar(seq.grammar)

@@ -7,13 +7,14 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
-from worker.engine.sampling import SamplingParams
+from worker.engine.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 Messages = list[dict[str, Any]]
 
@@ -40,6 +41,9 @@ class GenerationRequest:
     # is recomputed and the grammar matcher advanced over them, and they are not emitted
     # again: the caller's stream goes on where it stopped.
     resume_token_ids: list[int] = field(default_factory=list)
+    # the text the caller already has of those tokens (its chunks' text, concatenated);
+    # None: their decode, less an unfinished last character
+    resume_text: str | None = None
 
     def __post_init__(self):
         if self.validation not in VALIDATION_MODES:

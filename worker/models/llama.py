@@ -112,7 +112,11 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.rotary = RotaryEmbedding(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # weights come from the checkpoint: no random init (on the meta device, Embedding's
+        # normal_ goes through torch's reference ops, which import torch._dynamo: ~2 s)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size,
+                                                             config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import types
 from pathlib import Path
 
 import torch
@@ -50,16 +51,49 @@ def resolve_model_dir(model: str | os.PathLike | None, *, progress: bool = True)
     return Path(snapshot_download(repo_id=str(model), allow_patterns=_HUB_PATTERNS))
 
 
+# what our model reads from config.json whose default depends on the model type: the fast
+# path below runs only when the file states each of them
+_STATED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+           "tie_word_embeddings")
+
+
+class ModelConfig(types.SimpleNamespace):
+    """config.json's fields as attributes (what ``load_config`` returns on its fast path)."""
+
+
 def load_config(model_dir: Path):
+    """The model's configuration. transformers' config classes import much of transformers
+    (about 1.5 s of CPU for Llama's, paid at every worker start), so a config.json that
+    states every field our model reads and uses plain RoPE is read as it is; any other goes
+    through AutoConfig, whose defaults and RoPE-scaling helpers it then needs."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    plain_rope = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) \
+        == "default"
+    if (isinstance(raw, dict) and raw.get("model_type") and plain_rope
+            and all(k in raw for k in _STATED)):
+        return ModelConfig(**raw)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir)
 
 
 def load_tokenizer(model_dir: Path):
+    """AutoTokenizer builds the model's own config class only to read its model_type unless
+    it is given a config; a plain one with that model_type spares the imports (see
+    ``load_config``). The tokenizer class still comes from tokenizer_config.json."""
     from transformers import AutoTokenizer
+    from transformers.configuration_utils import PretrainedConfig
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    config = load_config(model_dir)
+    if isinstance(config, ModelConfig):
+        plain = type("PlainConfig", (PretrainedConfig,), {"model_type": config.model_type})
+        return AutoTokenizer.from_pretrained(model_dir, config=plain.from_dict(vars(config)))
+    return AutoTokenizer.from_pretrained(model_dir, config=config)
 
 
 # ``dtype=torch.int8`` asks for weight-only int8 Linear layers (worker/models/quant.py);

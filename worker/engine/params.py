@@ -1,0 +1,80 @@
+"""Sampling parameters: what a request asks of the sampler, checked when built so a bad
+value fails the request that carries it, with a message naming the field.
+
+Kept apart from the sampler (worker/engine/sampling.py) so that front ends, which build
+requests, import no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20
+TEMPERATURE_FLOOR = 1e-5  # below this, sampling is greedy (see module doc)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0  # 0 (or anything below TEMPERATURE_FLOOR) means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF style, over prompt and output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n alternatives per token (0..20); None: off
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_new_tokens", "must be an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "must be in [0, 100] (0 is greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be an integer >= 1, or 0 / -1 to disable")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", "must be in (0, 10] (1 is off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Builds params from a plain dict; an unknown key is an error that lists the known."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < TEMPERATURE_FLOOR
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
