@@ -49,6 +49,14 @@ def interrupt(proc: subprocess.Popen, timeout: float = 90.0) -> int:
         raise AssertionError("did not stop within 90 s of Ctrl-C") from None
 
 
+def default_sigint() -> None:
+    """(In the child, before exec.) Ctrl-C's default action. A shell that starts this suite
+    in the background (`make test &`) starts it with SIGINT ignored, a child inherits that,
+    and Python then installs no KeyboardInterrupt handler: `serve run` would never see the
+    Ctrl-C sent here. (`rayguide serve` sets its own handler, so it needs none of this.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def guided_request(url: str, key: str | None = None) -> str:
     client = openai.OpenAI(base_url=url + "/v1", api_key=key or "none", max_retries=0,
                            timeout=60)
@@ -103,7 +111,8 @@ def test_serve_run_config_file(tiny_model_dir, tmp_path):
     path.write_text(yaml.safe_dump(config))
     log = open(tmp_path / "serve_run.log", "w+")
     proc = subprocess.Popen([str(BIN / "serve"), "run", str(path)], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, env=env(), start_new_session=True)
+                            stderr=subprocess.STDOUT, env=env(), start_new_session=True,
+                            preexec_fn=default_sigint)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
