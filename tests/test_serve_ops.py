@@ -62,15 +62,19 @@ def test_serve_clean_log_and_down_status_leave_it_alone(tiny_model_dir, tmp_path
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
-        # one line per start stage, with its time (the last is printed just after the app
-        # answers: wait for it)
+        # one line per start stage, with its time (the runtime's stages may be printed just
+        # after /health answers: the app starts beside the runtime, so wait for them)
+        stages = [re.escape(s) + r".*\(\d+\.\d s\)" for s in (
+            "Ray ready", "grammar cache ready", "worker(s) loaded the model",
+            "registered with the scheduler", "Serve controller", "app ready")]
         deadline = time.monotonic() + 30
-        while "app ready" not in log_path.read_text() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            text = log_path.read_text()
+            if all(re.search(s, text) for s in stages):
+                break
             time.sleep(0.2)
-        text = log_path.read_text()
-        for stage in ("Ray ready", "grammar cache ready", "worker(s) loaded the model",
-                      "registered with the scheduler", "Serve controller", "app ready"):
-            assert re.search(re.escape(stage) + r".*\(\d+\.\d s\)", text), (stage, text)
+        for stage in stages:
+            assert re.search(stage, text), (stage, text)
         # down / status with their defaults: this machine has no `rayguide up` head, so
         # they refuse, naming what to pass; they never attach to the serve's Ray
         down = rayguide(tmp_path, "down")
