@@ -6,9 +6,9 @@ not the model) and the real tokenizer.
 Pass: no failed request under plain load; every finished guided output valid; after
 every run the workers' matchers, sessions, running requests and KV blocks back to zero.
 Faults during load (a worker, the grammar cache, the scheduler killed; a whole node
-removed): every request completes or ends with a clear error, and none fails where the
-test asserts it (the grammar cache and the scheduler killed; a worker's mid-stream
-requests continue on another worker), never a hang or a silently truncated stream, the runtime serves
+removed): no request fails (a worker's mid-stream requests continue on another worker,
+the scheduler's callers route on their own while it restarts, workers compile locally
+while the cache restarts), never a hang or a silently truncated stream, the runtime serves
 again within seconds, nothing leaks. What each fault cost (the longest pause in a stream,
 the time to a new success, and the same request's time under the load before the fault)
 is printed.
@@ -148,11 +148,10 @@ def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dic
 
 def test_fault_worker_killed(stack):
     victim = launch.handles()["workers"][0]
+    r = under_fault(stack, "worker killed", lambda: ray.kill(victim, no_restart=False))
     # requests that had streamed nothing are retried, mid-stream ones continue on another
-    # worker (failover). The goal, 0 failed, is met in every quiet run (docs/benchmarks.md)
-    # but printed, not asserted: in CI this module's plain-load run has itself timed out
-    # requests (6 of 320 past 60 s, once), and a fault only adds load
-    under_fault(stack, "worker killed", lambda: ray.kill(victim, no_restart=False))
+    # worker (failover): none fails
+    assert r["failed"] == 0, r["error_examples"]
 
 
 def test_fault_grammar_cache_killed(stack):
@@ -187,7 +186,8 @@ def test_fault_node_removed(stack):
         stack["nodes"].remove(node)
         stack["nodes"].append(stack["cluster"].add_node(num_cpus=2))  # room to restart
 
-    under_fault(stack, "node removed", remove)  # failed requests printed (goal 0, see above)
+    r = under_fault(stack, "node removed", remove)
+    assert r["failed"] == 0, r["error_examples"]  # its worker's requests fail over
     deadline = time.monotonic() + 60
     while asyncio.run(read_worker_gauges(stack["svc"].url))["workers"] < 3:
         assert time.monotonic() < deadline, "the lost worker did not come back"
