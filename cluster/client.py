@@ -135,15 +135,19 @@ class RuntimeClient:
                 logger.debug("scheduler watch failed", exc_info=True)
                 await asyncio.sleep(1.0)
 
-    async def _route(self, session_id, expected: int, family) -> dict:
+    async def _route(self, session_id, expected: int, family,
+                     avoid: frozenset[str] = frozenset()) -> dict:
+        """``avoid``: workers this request already died on (its retries and continuations go
+        elsewhere while another worker is known)."""
         self._ensure_watching()
         if self.scheduler_down_since is not None or time.monotonic() < self._skip_until:
-            route = self._own_route(session_id)
+            route = self._own_route(session_id, avoid)
             if route is not None:
                 return route
         try:
             route = await asyncio.wait_for(
-                self.scheduler.route.remote(session_id, expected, family), self.route_timeout_s)
+                self.scheduler.route.remote(session_id, expected, family, sorted(avoid)),
+                self.route_timeout_s)
         except (*_WORKER_GONE, asyncio.TimeoutError) as exc:
             if isinstance(exc, ActorDiedError):
                 self._find_scheduler()
@@ -154,20 +158,23 @@ class RuntimeClient:
                 log("the scheduler did not route in %.2f s; routing from the last known "
                     "workers for %.1f s (logged once; counted in route_timeouts)",
                     self.route_timeout_s, self.skip_after_timeout_s)
-            route = self._own_route(session_id)
+            route = self._own_route(session_id, avoid)
             if route is not None:
                 return route
-            route = await self._call_scheduler("route", session_id, expected, family)
+            route = await self._call_scheduler("route", session_id, expected, family,
+                                               sorted(avoid))
         self._remember(session_id, route)
         return route
 
-    def _own_route(self, session_id) -> dict | None:
-        """A route from what this client last knew, or None when it knows no worker."""
-        if not self._workers:
+    def _own_route(self, session_id, avoid: frozenset[str] = frozenset()) -> dict | None:
+        """A route from what this client last knew, or None when it knows no worker (or
+        only workers in ``avoid``)."""
+        known = [w for w in self._workers if w not in avoid]
+        if not known:
             return None
         worker_id = self._sessions.get(session_id) if session_id is not None else None
-        if worker_id not in self._workers:
-            worker_id = min(self._workers, key=lambda w: (self._in_flight.get(w, 0), w))
+        if worker_id not in known:
+            worker_id = min(known, key=lambda w: (self._in_flight.get(w, 0), w))
         self.own_routes += 1
         route = {"worker_id": worker_id, "handle": self._workers[worker_id]}
         self._remember(session_id, route)  # the restarted scheduler learns it from the worker
@@ -201,9 +208,10 @@ class RuntimeClient:
         family = request.grammar.family if request.grammar is not None else None
         current, emitted, failovers, attempt = request, [], 0, 0
         emitted_text: list[str] = []
+        died_on: set[str] = set()  # workers this request died on: its next tries go elsewhere
         while attempt < self.max_attempts:
             attempt += 1
-            route = await self._route(session_id, expected, family)
+            route = await self._route_after_deaths(session_id, expected, family, died_on)
             worker_id = route["worker_id"]
             self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
             finished = False
@@ -220,6 +228,7 @@ class RuntimeClient:
             except _WORKER_GONE as exc:
                 finished = True  # nothing left to abort there
                 died_at = time.monotonic()
+                died_on.add(worker_id)
                 await self._report_failed(worker_id)
                 if emitted:
                     if failovers >= self.max_failovers:
@@ -256,6 +265,25 @@ class RuntimeClient:
                         pass
         raise NoWorkers(f"the request failed on {self.max_attempts} workers in a row "
                         "(each died before answering)")
+
+    async def _route_after_deaths(self, session_id, expected: int, family,
+                                  died_on: set[str]) -> dict:
+        """A route that avoids the workers this request died on. When every registered
+        worker has (all down at once, restarting), the request waits for one to answer
+        again, up to ``scheduler_wait_s``, instead of spending its failovers in
+        milliseconds on workers that are still restarting."""
+        route = await self._route(session_id, expected, family, frozenset(died_on))
+        deadline = time.monotonic() + self.scheduler_wait_s
+        delay = 0.1
+        while route["worker_id"] in died_on and time.monotonic() < deadline:
+            try:  # a worker restarted under the same name answers again
+                await asyncio.wait_for(route["handle"].load.remote(), 1.0)
+                return route
+            except (*_WORKER_GONE, asyncio.TimeoutError):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+            route = await self._route(session_id, expected, family, frozenset(died_on))
+        return route
 
     def stats(self) -> dict:
         """This client's failover and routing counters (a front end's /metrics)."""

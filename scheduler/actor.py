@@ -122,13 +122,15 @@ class SchedulerActor:
             task.add_done_callback(self._first_polls.discard)
 
     async def route(self, session_id: str | None = None, expected_tokens: int = 256,
-                    grammar_family: str | None = None) -> dict:
+                    grammar_family: str | None = None, avoid: list[str] | None = None) -> dict:
         """{"worker_id", "handle"} of the worker for this session (sticky), else of a worker
         holding the grammar (within the affinity margin), else the least loaded; raises
-        Overloaded or NoWorkers (scheduler/routing.py)."""
+        Overloaded or NoWorkers (scheduler/routing.py). ``avoid``: workers the request
+        already died on (chosen only when no other worker is registered)."""
         await self._ensure_started()
         try:
-            entry = self.table.route(session_id, expected_tokens, grammar_family)
+            entry = self.table.route(session_id, expected_tokens, grammar_family,
+                                     avoid=frozenset(avoid or ()))
         except Exception:
             self.counts["rejected"] += 1  # Overloaded or NoWorkers
             raise

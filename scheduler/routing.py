@@ -94,20 +94,25 @@ class RoutingTable:
             entry.last_report = time.monotonic()
 
     def route(self, session_id: str | None, expected_tokens: int = 256,
-              grammar_family: str | None = None) -> WorkerEntry:
+              grammar_family: str | None = None,
+              avoid: frozenset[str] = frozenset()) -> WorkerEntry:
+        """``avoid``: workers the request already died on, chosen only when no other worker
+        is registered. (When every worker is suspect, the least loaded would otherwise win,
+        and that is often the one just killed and restarting: its queue is empty.)"""
         now = time.monotonic()
         if session_id is not None and session_id in self.sessions:
             worker_id, _ = self.sessions[session_id]
             entry = self.workers.get(worker_id)
-            if entry is not None and not entry.suspect:
+            if entry is not None and not entry.suspect and worker_id not in avoid:
                 self.sessions[session_id] = (worker_id, now)
                 entry.routed_since_report += expected_tokens
                 return entry
         if not self.workers:
             raise NoWorkers("no worker is alive; the runtime is starting or every worker died")
         # suspects only when no worker answers: a slow worker beats a 503
-        live = [w for w in self.workers.values() if not w.suspect] or list(
+        pool = [w for w in self.workers.values() if w.worker_id not in avoid] or list(
             self.workers.values())
+        live = [w for w in pool if not w.suspect] or pool
         best = min(live, key=lambda w: (w.queued_tokens, w.worker_id))
         if grammar_family is not None and not best.holds(grammar_family):
             holders = [w for w in live if w.holds(grammar_family)

@@ -108,8 +108,10 @@ def test_a_worker_killed_mid_stream_costs_only_a_pause(runtime):
 @pytest.mark.integration
 def test_concurrent_streams_survive_a_worker_kill(runtime):
     """Eight guided streams at once over both workers; the worker serving the first one is
-    killed once every stream has output: no request fails, every answer is whole and
-    valid, and each stream that was on the dead worker continued elsewhere."""
+    killed once every stream has output: no request fails and every answer is whole and
+    valid. The streams on the dead worker continue on the other one, or, when the other
+    is itself still restarting (the previous test killed it), wait for a worker to answer
+    again instead of spending their failovers on restarting ones."""
     launch._wait_registered(launch.handles()["scheduler"], 2)
     pattern = "[a-z]{300}"
     client = RuntimeClient()
@@ -142,11 +144,11 @@ def test_concurrent_streams_survive_a_worker_kill(runtime):
     assert moved, "no stream was still running on the killed worker: the test proved nothing"
     for chunks in outputs.values():
         final = chunks[-1]
-        assert final.finished and final.finish_reason in ("stop", "length"), final
+        assert final.finished and final.finish_reason in ("stop", "length"), (final.error, len(chunks))
         assert re.fullmatch(pattern, "".join(c.text for c in chunks))  # whole, valid, once
         assert sum(len(c.token_ids) for c in chunks) == final.completion_tokens
     assert client.failovers >= 1  # (a stream in `moved` may end as the kill lands)
-    print(f"\n8 concurrent streams, a worker killed: {len(moved)} continued elsewhere, "
+    print(f"\n8 concurrent streams, a worker killed: {len(moved)} were on it and continued, "
           f"0 failed, longest failover pause {max(client.failover_pauses) * 1000:.0f} ms")
 
 

@@ -66,6 +66,20 @@ def test_slow_worker_is_routed_around_not_dropped():
     assert t.route("later").worker_id == w
 
 
+def test_a_request_is_not_routed_back_to_a_worker_it_died_on():
+    t = table(2)
+    t.update_load("w0", {"running_tokens": 0, "waiting_tokens": 0})  # the idle one ...
+    t.update_load("w1", {"running_tokens": 4000, "waiting_tokens": 0})
+    t.route("s")  # pinned to w0
+    assert t.route("s", avoid=frozenset({"w0"})).worker_id == "w1"  # ... died on: elsewhere
+    t.suspect("w0")
+    t.suspect("w1")  # every worker suspect (one restarting, one busy): still not back
+    assert t.route(None, avoid=frozenset({"w0"})).worker_id == "w1"
+    assert t.route(None, avoid=frozenset({"w0", "w1"})).worker_id in ("w0", "w1")  # no 503
+    one = table(1)
+    assert one.route(None, avoid=frozenset({"w0"})).worker_id == "w0"  # the only one left
+
+
 def test_idle_sessions_and_restore():
     t = table(1, session_idle_timeout_s=0.05)
     t.route("old")
