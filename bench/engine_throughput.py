@@ -6,6 +6,8 @@
    our engine (continuous batching) vs HF generate in static batches of 8 with left padding,
    in arrival order (a batch runs until its longest request is done). Only the tokens each
    request asked for are counted, for both.
+   The same workload sampled (temperature 0.8) on both sides, and the time to draw one
+   step's tokens for that many rows, against the per-row exponential race used before.
 3. The same with weight-only int8 Linear layers (``EngineConfig.dtype="int8"``): batch-1
    decode and the mixed workload against the same HF fp32 figures, and quality: top-1
    agreement of int8's greedy next token with fp32's, teacher-forced over a few thousand
@@ -104,9 +106,10 @@ def mixed_workload(token_pool: list[int], count: int, prompt_range, new_range, s
     return work
 
 
-def ours_mixed(engine: LLMEngine, work) -> float:
-    reqs = [GenerationRequest(ids, SamplingParams(max_new_tokens=n, temperature=0,
-                                                  ignore_eos=True)) for ids, n in work]
+def ours_mixed(engine: LLMEngine, work, temperature: float = 0.0) -> float:
+    reqs = [GenerationRequest(ids, SamplingParams(max_new_tokens=n, temperature=temperature,
+                                                  seed=i, ignore_eos=True))
+            for i, (ids, n) in enumerate(work)]
     t = time.perf_counter()
     out = engine.generate(reqs)
     elapsed = time.perf_counter() - t
@@ -115,7 +118,9 @@ def ours_mixed(engine: LLMEngine, work) -> float:
 
 
 @torch.no_grad()
-def hf_mixed(hf, pad_id: int, work, batch_size: int = 8) -> float:
+def hf_mixed(hf, pad_id: int, work, batch_size: int = 8, temperature: float = 0.0) -> float:
+    sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} \
+        if temperature else {"do_sample": False}
     t = time.perf_counter()
     for i in range(0, len(work), batch_size):
         chunk = work[i:i + batch_size]
@@ -127,8 +132,29 @@ def hf_mixed(hf, pad_id: int, work, batch_size: int = 8) -> float:
             mask[row, width - len(ids):] = 1
         longest = max(n for _, n in chunk)
         hf.generate(input_ids, attention_mask=mask, max_new_tokens=longest,
-                    min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+                    min_new_tokens=longest, pad_token_id=pad_id, **sample)
     return time.perf_counter() - t
+
+
+def draw_ms(rows: int, vocab: int, reps: int = 20) -> tuple[float, float]:
+    """ms per step to draw one token for each of ``rows`` sampled rows: the engine's
+    inverse-CDF draw (sampling._draw) and the per-row exponential race it replaced (argmax
+    p / E with E ~ Exp(1) drawn per vocabulary entry), on the same probabilities."""
+    from worker.engine.sampling import _draw
+
+    probs = torch.softmax(torch.randn(rows, vocab) / 0.8, dim=-1)
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+
+    def race():
+        for j in range(rows):
+            noise = torch.empty_like(probs[j]).exponential_(generator=gens[j])
+            (probs[j] / noise.clamp_min_(1e-30)).argmax()
+
+    out = []
+    for fn in (lambda: _draw(probs, gens), race):
+        fn()
+        out.append(min(_timed(fn) for _ in range(reps)) * 1e3)
+    return out[0], out[1]
 
 
 # The full mixed workload; --quick scales count and lengths by QUICK_SCALE (4 HF batches
@@ -136,6 +162,7 @@ def hf_mixed(hf, pad_id: int, work, batch_size: int = 8) -> float:
 MIXED_COUNT, MIXED_PROMPTS, MIXED_NEW = 32, (32, 512), (16, 256)
 QUICK_SCALE = 0.5
 QUALITY_TOKENS = 3000
+SAMPLED_TEMPERATURE = 0.8
 
 
 def quality_ids(tok) -> list[int]:
@@ -190,6 +217,10 @@ def main() -> None:
         mixed_hf.append(hf_mixed(hf, tok.pad_token_id or 0, work))
     m_ours, m_hf = min(mixed_ours), min(mixed_hf)
     preemptions = engine.stats().preemptions
+    # the same workload sampled (temperature 0.8, no top-k / top-p) on both sides
+    ms_ours = ours_mixed(engine, work, SAMPLED_TEMPERATURE)
+    ms_hf = hf_mixed(hf, tok.pad_token_id or 0, work, temperature=SAMPLED_TEMPERATURE)
+    draw_new, draw_race = draw_ms(mixed_count, engine.model.config.vocab_size)
 
     q = None
     if not args.no_int8:
@@ -229,6 +260,9 @@ def main() -> None:
         "mixed_ours_tok_s": useful / m_ours, "mixed_hf_tok_s": useful / m_hf,
         "ratio_mixed_vs_hf": m_hf / m_ours,
         "preemptions": preemptions,
+        "mixed_sampled_ours_tok_s": useful / ms_ours, "mixed_sampled_hf_tok_s": useful / ms_hf,
+        "ratio_mixed_sampled_vs_hf": ms_hf / ms_ours,
+        "draw_ms_per_step": draw_new, "draw_ms_per_step_exponential_race": draw_race,
     }
     if q:
         fig.update({
@@ -248,6 +282,9 @@ def main() -> None:
         ["mixed", f"{mixed_count} requests, prompts {prompt_range[0]}-{prompt_range[1]}, "
          f"new {new_range[0]}-{new_range[1]}", fig["mixed_ours_tok_s"], fig["mixed_hf_tok_s"],
          fig["ratio_mixed_vs_hf"]],
+        [f"mixed, sampled (temperature {SAMPLED_TEMPERATURE:g})", "same as mixed",
+         fig["mixed_sampled_ours_tok_s"], fig["mixed_sampled_hf_tok_s"],
+         fig["ratio_mixed_sampled_vs_hf"]],
     ]
     if q:
         rows += [
@@ -265,7 +302,10 @@ def main() -> None:
              f"{fig['b1_ours_gb_s']:.1f} GB/s of weights read, HF "
              f"{fig['b1_hf_ms_per_token']:.1f} ms/token = {fig['b1_hf_gb_s']:.1f} GB/s; "
              f"weights {fig['weight_mb']:.0f} MB; measured copy bandwidth (read + write) "
-             f"{bw:.1f} GB/s. HF mixed runs static batches of 8 with left padding.")
+             f"{bw:.1f} GB/s. HF mixed runs static batches of 8 with left padding. "
+             f"Drawing {mixed_count} sampled rows' tokens: {draw_new:.2f} ms per step "
+             f"(inverse CDF) against {draw_race:.2f} ms for the per-row exponential race "
+             "the engine used before.")
     if q:
         body += (f" int8: {fig['quant_b1_ms_per_token']:.1f} ms/token = "
                  f"{fig['quant_b1_gb_s']:.1f} GB/s of {fig['quant_weight_mb']:.0f} MB read per "

@@ -99,6 +99,15 @@ class Result:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     output: str = ""  # kept for invalid outputs, to show what failed
+    session: str = ""  # "<session id> turn <n>" for a session's turn
+    sent_at: float = 0.0  # seconds from the run's start
+
+    def describe(self) -> str:
+        return (f"{self.kind}, {'stream' if self.stream else 'no stream'}"
+                f"{', session ' + self.session if self.session else ''}, sent at "
+                f"{self.sent_at:.1f} s, latency {self.latency:.1f} s, first token "
+                f"{'at %.1f s' % self.ttft if self.ttft is not None else 'not seen'}, "
+                f"{self.output_tokens} tokens")
 
 
 def build(kind: str, rng: random.Random, cfg: LoadConfig) -> tuple[dict, Callable]:
@@ -152,9 +161,11 @@ def build(kind: str, rng: random.Random, cfg: LoadConfig) -> tuple[dict, Callabl
 
 
 async def one_request(client, model: str, kind: str, kw: dict, check, stream: bool,
-                      cfg: LoadConfig) -> tuple[Result, dict | None]:
+                      cfg: LoadConfig, started: float = 0.0,
+                      session: str = "") -> tuple[Result, dict | None]:
     import openai
-    res = Result(kind, stream)
+    res = Result(kind, stream, session=session)
+    res.sent_at = sent_at = time.monotonic() - started
     t0 = time.perf_counter()
     message: dict | None = None
 
@@ -171,7 +182,8 @@ async def one_request(client, model: str, kind: str, kw: dict, check, stream: bo
         message = await asyncio.wait_for(send(), cfg.request_timeout_s)
         res.ok = True
     except TimeoutError:
-        res.error, res.message = "timeout", f"no answer in {cfg.request_timeout_s:g} s"
+        res.error, res.latency = "timeout", time.perf_counter() - t0
+        res.message = f"no answer in {cfg.request_timeout_s:g} s ({res.describe()})"
     except openai.APIStatusError as exc:
         res.error, res.message = f"http_{exc.status_code}", str(exc)[:300]
     except openai.APIError as exc:  # an error event in the stream, a broken connection
@@ -243,7 +255,8 @@ class LoadTest:
                                         limits=httpx.Limits(max_connections=cfg.clients * 2),
                                         timeout=cfg.request_timeout_s))
         model = cfg.model or (await client.models.list()).data[0].id
-        self._deadline = time.monotonic() + cfg.duration_s
+        self._started = time.monotonic()
+        self._deadline = self._started + cfg.duration_s
         started = time.perf_counter()
         await asyncio.gather(*(self._client(client, model, i) for i in range(cfg.clients)))
         elapsed = time.perf_counter() - started
@@ -263,7 +276,8 @@ class LoadTest:
                 await self._session(client, model, kind, stream, rng)
                 continue
             kw, check = build(kind, rng, cfg)
-            res, _ = await one_request(client, model, kind, kw, check, stream, cfg)
+            res, _ = await one_request(client, model, kind, kw, check, stream, cfg,
+                                       self._started)
             self.results.append(res)
 
     async def _session(self, client, model: str, kind: str, stream: bool,
@@ -276,7 +290,8 @@ class LoadTest:
         for turn in range(self.cfg.turns):
             if turn and not self._take():
                 break
-            res, msg = await one_request(client, model, kind, kw, check, stream, self.cfg)
+            res, msg = await one_request(client, model, kind, kw, check, stream, self.cfg,
+                                         self._started, f"{sid} turn {turn + 1}")
             self.results.append(res)
             if not res.ok:
                 break
@@ -322,6 +337,9 @@ class LoadTest:
             "requests_per_s": round(len(ok) / elapsed, 3) if elapsed else 0.0,
             "output_tokens_per_s": round(tokens / elapsed, 2) if elapsed else 0.0,
             "output_tokens": tokens,
+            "latency_p50_s": _pct([r.latency for r in ok], 50),
+            "latency_max_s": round(max((r.latency for r in ok), default=0.0), 3),
+            "slowest": [r.describe() for r in sorted(ok, key=lambda r: -r.latency)[:3]],
             "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99),
             # the longest wait between two chunks any client saw (a failover's pause)

@@ -45,7 +45,7 @@ from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.actor import ACTOR_NAME, NAMESPACE
 from grammar_cache.compile import compile_spec, tokenizer_fingerprint
-from grammar_cache.compile_pool import CompilePool
+from grammar_cache.compile_pool import WALL_FACTOR, CompilePool
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
@@ -53,6 +53,7 @@ from grammar_cache.spec import GrammarSpec
 logger = logging.getLogger(__name__)
 
 FALLBACK_WARM_DELAY_S = 20.0
+FALLBACK_WARM_QUIET_S = 10.0  # ... and once no grammar was fetched for this long
 
 REGISTER_ATTEMPTS = 4  # backoff 0.1, 0.2, 0.4 s between them
 
@@ -72,7 +73,8 @@ class GrammarCacheClient:
         self._tokenizer_json = tokenizer_info.serialize_json()
         self.name, self.namespace = name, namespace
         # an actor compile can take up to its own limit; allow for transfer on top
-        self.rpc_timeout_s = rpc_timeout_s or config.compile_timeout_s + 15.0
+        # the actor's compile may run up to WALL_FACTOR x its CPU-time limit on a busy machine
+        self.rpc_timeout_s = rpc_timeout_s or WALL_FACTOR * config.compile_timeout_s + 15.0
         self.ping_timeout_s = ping_timeout_s
         self.retry_after_s = retry_after_s
         self._actor = None
@@ -95,9 +97,11 @@ class GrammarCacheClient:
         # request wait for its imports (seconds, tens of seconds on a loaded machine)
         # exactly when the cache is down; started at once, its imports would slow the
         # runtime's own start (every process competes for the same cores then)
-        self._warm_timer = threading.Timer(FALLBACK_WARM_DELAY_S, self._warm_local)
-        self._warm_timer.name, self._warm_timer.daemon = "grammar-fallback-warmup", True
-        self._warm_timer.start()
+        # (and not while grammars are being fetched: a cold cluster's first burst of
+        # compiles needs every core it can get; the imports wait for a quieter moment)
+        self._fetching, self._last_fetch, self._closed = 0, 0.0, False
+        self._warm_timer = None
+        self._arm_warmup(FALLBACK_WARM_DELAY_S)
 
     # the one entry point ------------------------------------------------------------
 
@@ -105,6 +109,8 @@ class GrammarCacheClient:
         """The compiled grammar for ``spec``. Raises GrammarError (the client's to fix, with
         its ``kind``) or GrammarUnavailable (transient: retry; never cache it)."""
         t = time.monotonic()
+        with self._lock:
+            self._fetching += 1
         try:
             return self._fetch(spec)
         except GrammarUnavailable:
@@ -113,6 +119,8 @@ class GrammarCacheClient:
         finally:
             wait = time.monotonic() - t
             with self._lock:
+                self._fetching -= 1
+                self._last_fetch = time.monotonic()
                 self._counts["fetches"] += 1
                 self._counts["fetch_wait_s"] += wait
                 self._counts["fetch_wait_max_s"] = max(self._counts["fetch_wait_max_s"], wait)
@@ -306,7 +314,19 @@ class GrammarCacheClient:
                 self._local = CompilePool(self.config, processes=1)
             return self._local
 
+    def _arm_warmup(self, delay: float) -> None:
+        self._warm_timer = threading.Timer(delay, self._warm_local)
+        self._warm_timer.name, self._warm_timer.daemon = "grammar-fallback-warmup", True
+        self._warm_timer.start()
+
     def _warm_local(self) -> None:
+        with self._lock:
+            busy = self._fetching or time.monotonic() - self._last_fetch < FALLBACK_WARM_QUIET_S
+        if self._closed or self._local is not None:
+            return
+        if busy:
+            self._arm_warmup(FALLBACK_WARM_QUIET_S)
+            return
         try:
             self._local_pool().wait_ready()
         except Exception:  # noqa: BLE001 - it will be started again on first use
@@ -318,6 +338,7 @@ class GrammarCacheClient:
 
     def close(self) -> None:
         """Stops the fallback compile process."""
+        self._closed = True
         self._warm_timer.cancel()
         if self._local is not None:
             self._local.close()

@@ -14,7 +14,13 @@ large envelope only to read them. Outcomes:
 - compiled, or the grammar is invalid / needs more memory than the limit (the child says
   so): what the child sent;
 - past the time limit: the child is killed and replaced; COMPILE_TIMEOUT, with a message
-  that gives the limit and the config key that raises it (the grammar is not invalid);
+  that gives the limit and the config key that raises it (the grammar is not invalid).
+  The limit is the child's CPU time, read from /proc (wall time where that cannot be
+  read): on a busy machine a grammar that compiles in 1 s alone took over 10 s of wall
+  time, and a client must not be told its valid grammar is too slow because the cores were
+  decoding. A compile that is given less than the limit's CPU time within
+  ``WALL_FACTOR`` times the limit is stopped too, as GRAMMAR_UNAVAILABLE (transient,
+  never cached: the machine, not the grammar);
 - the child died without an answer (killed from outside, the kernel's OOM killer, a crash):
   GRAMMAR_UNAVAILABLE, transient, never cached: the next ask compiles again in a fresh child.
 
@@ -44,7 +50,9 @@ from grammar_cache.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
-SETUP_TIMEOUT_S = 120.0  # starting a child and loading a tokenizer into it
+SETUP_TIMEOUT_S = 120.0
+WALL_FACTOR = 3.0  # a compile's wall-time backstop, in multiples of its CPU-time limit
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # starting a child and loading a tokenizer into it
 
 
 @dataclass
@@ -76,6 +84,7 @@ class _Worker:
     fingerprints: set = field(default_factory=set)
     ready: bool = False
     timed_out: bool = False  # the last wait_frame ran out of time (not: the process died)
+    starved: bool = False  # the last wait_compile ran out of wall time, not of CPU time
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -98,11 +107,46 @@ class _Worker:
             return None
         return _read_exact(out, _LEN.unpack(head)[0])
 
-    def request(self, msg: list, timeout: float) -> bytes | None:
+    def cpu_seconds(self) -> float | None:
+        """The child's CPU time so far (user + system), or None where /proc has none."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def wait_compile(self, cpu_limit: float) -> bytes | None:
+        """Like wait_frame, with ``cpu_limit`` seconds of the child's CPU time as the limit
+        and ``WALL_FACTOR`` times it as the wall-time backstop. After a None that ran out of
+        time, ``starved`` says whether the child had less than its CPU time."""
+        self.starved = False
+        start = self.cpu_seconds()
+        hard = time.monotonic() + WALL_FACTOR * cpu_limit
+        wait = cpu_limit
+        while True:
+            frame = self.wait_frame(wait)
+            if frame is not None or not self.timed_out:
+                return frame
+            now_cpu = self.cpu_seconds()
+            if start is None or now_cpu is None:
+                return None  # no CPU clock here: the limit is wall time
+            used = now_cpu - start
+            if used >= 0.95 * cpu_limit:
+                return None
+            if time.monotonic() >= hard:
+                self.starved = True
+                return None
+            wait = min(max(cpu_limit - used, 0.1), hard - time.monotonic())
+
+    def send(self, msg: list) -> None:
         body = msgpack.packb(msg)
         view = memoryview(_LEN.pack(len(body)) + body)
         while view:  # the pipe is unbuffered: a write may take only part
             view = view[self.process.stdin.write(view):]
+
+    def request(self, msg: list, timeout: float) -> bytes | None:
+        self.send(msg)
         return self.wait_frame(timeout)
 
 
@@ -122,6 +166,7 @@ class CompilePool:
         self._lock = threading.Lock()
         self.busy: dict[int, str] = {}  # pid -> key being compiled (for operators and tests)
         self.timeouts = 0
+        self.starved = 0  # compiles stopped at the wall-time backstop (a busy machine)
         self.crashes = 0
         self.started = self.processes if start is None else max(1, min(start, self.processes))
         for _ in range(self.started):
@@ -197,7 +242,8 @@ class CompilePool:
             with self._lock:
                 self.busy[busy_pid] = key
             t = time.monotonic()
-            head = worker.request(["compile", fingerprint, spec.to_dict(), key], timeout)
+            worker.send(["compile", fingerprint, spec.to_dict(), key])
+            head = worker.wait_compile(timeout)
             compiled = head == COMPILED
             if compiled:  # the limit was kept; serializing it may take a while
                 head = worker.wait_frame(SETUP_TIMEOUT_S)
@@ -212,8 +258,19 @@ class CompilePool:
             # a kill from outside closes the pipe before the process can be reaped, so
             # "alive" is no test here: only a wait that ran out of time is a timeout
             timed_out = worker.timed_out and not compiled
+            starved = timed_out and worker.starved
             pid, code = worker.process.pid, worker.process.poll()
             worker = self._replace(worker)
+            if starved:
+                self.starved += 1
+                logger.warning("compiling %s got under %g s of CPU time in %.1f s (the "
+                               "machine is busy); stopped, the request may retry",
+                               spec.describe(), timeout, time.monotonic() - t)
+                return self._error(
+                    f"this {spec.kind} grammar could not be compiled in time because the "
+                    f"machine is busy (it got under {timeout:g} s of CPU time in "
+                    f"{time.monotonic() - t:.0f} s); it is not known to be a problem with the "
+                    "grammar: retry", ErrorKind.GRAMMAR_UNAVAILABLE, fingerprint, key)
             if timed_out:
                 self.timeouts += 1
                 return self._error(timeout_message(spec.kind, timeout), ErrorKind.COMPILE_TIMEOUT,

@@ -142,6 +142,31 @@ def test_budget_below_the_minimum_is_refused_before_generating(make_engine):
     assert out.error_kind == ErrorKind.BUDGET_TOO_SMALL, (out.error, out.text)
 
 
+def test_admission_verdicts_are_remembered_per_grammar_and_budget(make_engine):
+    # the second request of each (grammar, budget) is judged from the first's verdict:
+    # the same refusal, the same closing path, and no second search
+    engine = make_engine()
+    person = GrammarSpec.json_schema(PERSON)
+    refused = [run(engine, [GenerationRequest(chat("A person"), params(4), grammar=person)])[0]
+               for _ in range(2)]
+    assert [o.error_kind for o in refused] == [ErrorKind.BUDGET_TOO_SMALL] * 2
+    assert refused[0].error == refused[1].error
+    digits = GrammarSpec.regex("[0-9]{6}")
+    searches = engine.guided.closer.stats["searches"]
+    outs = run(engine, [GenerationRequest(chat("Digits"), params(16, 1.0, seed=i), grammar=digits)
+                        for i in range(3)])
+    assert all(o.finish_reason == "stop" and re.fullmatch("[0-9]{6}", o.text) for o in outs), \
+        [(o.finish_reason, o.text, o.error) for o in outs]
+    assert engine.counters["budget_checks"] == 5
+    assert engine.counters["budget_checks_memo"] == 3  # 1 of the refusals, 2 of the digits
+    # one fresh search for the digits' verdict; the rest were memo hits (a decode step's
+    # own closing searches come later, near the end of the budget)
+    assert engine.guided.closer.stats["searches"] - searches >= 1
+    # another budget is another verdict
+    run(engine, [GenerationRequest(chat("A person"), params(5), grammar=person)])
+    assert engine.counters["budget_checks_memo"] == 3
+
+
 def test_validation_catches_what_the_grammar_lets_through(make_engine):
     # xgrammar ignores "not": its grammar accepts {"n": 0}, the schema forbids it
     schema = {"type": "object", "properties": {"n": {"type": "integer", "not": {"const": 0}}},

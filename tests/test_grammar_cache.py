@@ -470,3 +470,61 @@ def test_compile_pool_starts_more_processes_only_when_compiles_overlap():
         assert pool.started == 2  # overlapping compiles started the second, and no more
     finally:
         pool.close()
+
+
+def test_fallback_process_warms_only_when_no_grammar_is_being_fetched(monkeypatch,
+                                                                     default_tokenizer):
+    # a cold cluster's first compiles must not compete with the fallback's imports: the
+    # warm-up waits while a fetch is in flight or recent, then starts the process
+    from grammar_cache import client as client_mod
+    monkeypatch.setattr(client_mod, "FALLBACK_WARM_DELAY_S", 0.2)
+    monkeypatch.setattr(client_mod, "FALLBACK_WARM_QUIET_S", 0.5)
+    client = GrammarCacheClient(default_info(default_tokenizer), GrammarCacheConfig(),
+                                name=f"absent-{uuid.uuid4().hex[:8]}")
+    try:
+        with client._lock:
+            client._fetching = 1  # as while fetch() runs
+        time.sleep(1.5)
+        assert client._local is None
+        with client._lock:
+            client._fetching, client._last_fetch = 0, time.monotonic()
+        deadline = time.monotonic() + 60
+        while client._local is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client._local is not None
+        client._local.wait_ready()
+        assert client._local.started == 1
+    finally:
+        client.close()
+
+
+def test_compile_limit_is_cpu_time_and_a_starved_compile_is_not_the_grammars_fault(
+        default_tokenizer):
+    # the limit counts the child's CPU time: a child that gets none (stopped, as on a
+    # machine whose cores are all decoding) is stopped at the wall-time backstop with a
+    # transient error, never cached; a grammar that really is slow is still COMPILE_TIMEOUT
+    from grammar_cache.compile_pool import WALL_FACTOR, CompilePool
+
+    info = default_info(default_tokenizer)  # SLOW takes seconds with a real vocabulary
+    fp, tok_json = tokenizer_fingerprint(info), info.serialize_json()
+    pool = CompilePool(GrammarCacheConfig(compile_processes=1, compile_timeout_s=1.0))
+    try:
+        pool.wait_ready()
+        assert pool.compile(spec(1), fp, tok_json).error is None  # tokenizer loaded
+        pid = next(iter(w.process.pid for w in list(pool._idle.queue)))
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=pool.compile(SLOW, fp, tok_json)))
+        t.start()
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        t.join(timeout=60)
+        starved = box["r"]
+        assert starved.error_kind == ErrorKind.GRAMMAR_UNAVAILABLE, starved.error
+        assert not starved.cacheable and "busy" in starved.error
+        assert time.monotonic() - t0 >= WALL_FACTOR * 1.0 - 0.5
+        assert pool.starved == 1
+        slow = pool.compile(SLOW, fp, tok_json)  # a fresh child, running freely
+        assert slow.error_kind == ErrorKind.COMPILE_TIMEOUT and slow.cacheable, slow.error
+    finally:
+        pool.close()

@@ -120,7 +120,11 @@ class AsyncEngine:
                 for out in self.engine.end_session(arg):
                     self._deliver(out)
             elif kind == "stats":
-                _resolve(reply, None, self.engine.stats())
+                try:
+                    _resolve(reply, None, self.engine.stats())
+                except Exception as exc:  # a bug: the caller sees it, the loop lives on
+                    logger.exception("engine stats failed")
+                    _resolve(reply, exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         target = self._streams.get(out.request_id)

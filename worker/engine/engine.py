@@ -24,6 +24,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
@@ -71,6 +72,8 @@ class EngineStats:
     runaway: int = 0
     closing_giveups: int = 0  # completion searches cut short (node cap or closing_search_ms)
     closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
+    budget_checks: int = 0  # guided requests whose budget was checked at admission
+    budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
 
 
 class LLMEngine:
@@ -117,7 +120,12 @@ class LLMEngine:
         self.num_steps = 0
         self.last_timings = StepTimings()
         self.counters = {"closed_early": 0, "validated": 0, "invalid": 0, "runaway": 0,
-                         "closing_giveups": 0, "closing_steered": 0}
+                         "closing_giveups": 0, "closing_steered": 0,
+                         "budget_checks": 0, "budget_checks_memo": 0}
+        # (grammar key, budget) -> (time, certain, closing path or None, refusal or None):
+        # a fresh request's grammar state depends only on its grammar, so the admission
+        # search's verdict holds for every request with the same grammar and budget
+        self._budget_memo: OrderedDict[tuple[str, int], tuple] = OrderedDict()
 
     # requests ---------------------------------------------------------------------------
 
@@ -360,33 +368,70 @@ class LLMEngine:
 
     def _budget_too_small(self, seq: Sequence, matcher) -> str | None:
         """A message when the grammar's shortest output needs more tokens than the
-        request's budget (checked only for budgets within the closing window)."""
+        request's budget (checked only for budgets within the closing window).
+
+        A fresh request's verdict is remembered per (grammar, budget): a verdict the
+        searches proved is kept; one from searches cut short by their time limit (a busy
+        engine, a grammar with no short completion) is reused for ``_MEMO_UNSURE_S`` and
+        then searched again, so such grammars cost one search per few seconds, not one per
+        request."""
         budget = self._remaining(seq)
         if not self.config.closing_window or budget > self.config.closing_window:
             return None
+        self.counters["budget_checks"] += 1
+        key = None
+        if not seq.output_ids:  # a continuation's state depends on what it resumes
+            key = (seq.grammar.key(self.guided.fingerprint), budget)
+            hit = self._budget_memo.get(key)
+            if hit is not None and (hit[1] or time.monotonic() - hit[0] < _MEMO_UNSURE_S):
+                self._budget_memo.move_to_end(key)
+                self.counters["budget_checks_memo"] += 1
+                path, need = hit[2], hit[3]
+                return self._budget_verdict(seq, budget, path, need)
         closer = self.guided.closer
-        pending = closer.pending_bytes(seq.output_ids)  # a continuation may stop mid-character
+        timeouts = closer.stats["timeouts"]
+        path, need = self._budget_search(matcher, budget, closer.pending_bytes(seq.output_ids))
+        if key is not None:
+            certain = closer.stats["timeouts"] == timeouts
+            self._budget_memo[key] = (time.monotonic(), certain, path, need)
+            while len(self._budget_memo) > _BUDGET_MEMO_SIZE:
+                self._budget_memo.popitem(last=False)
+        return self._budget_verdict(seq, budget, path, need)
+
+    def _budget_search(self, matcher, budget: int, pending: int
+                       ) -> tuple[list[int] | None, str | None]:
+        """(a closing path that fits the budget, or None; the tokens the shortest output
+        needs when the budget is refused, else None)."""
+        closer = self.guided.closer
         found = closer.fitting(matcher, budget, pending=pending)
         if found.tokens is not None and len(found.tokens) <= budget:
-            seq.closing_estimate = (0, len(found.tokens))
-            seq.closing_start = found.tokens
-            return None
+            return found.tokens, None
         if found.tokens is None:
             more = closer.shortest(matcher, max(4 * budget, 256), pending=pending)
             if more.tokens is not None and len(more.tokens) <= budget:
-                return None  # the first search was cut short; this one fits
+                return None, None  # the first search was cut short; this one fits
             if more.tokens is None and not more.exhausted:
-                return None  # nothing found in time: we do not know, so we do not refuse
+                return None, None  # nothing found in time: we do not know: no refusal
             found = more
         # the searches are heuristic: refuse what they prove (exhausted), or where the
         # shortest they found is well over the budget (a field of 36 fixed characters
         # opened at max_tokens=32: the output could only end invalid)
         if (found.tokens is not None and not found.exhausted
                 and len(found.tokens) <= budget + budget // 4):
+            return None, None
+        return None, (f"more than {budget}" if found.tokens is None else
+                      f"at least {len(found.tokens)}" if found.exhausted else
+                      f"about {len(found.tokens)}")
+
+    @staticmethod
+    def _budget_verdict(seq: Sequence, budget: int, path: list[int] | None,
+                        need: str | None) -> str | None:
+        if path is not None:
+            seq.closing_estimate = (seq.num_output, len(path))
+            seq.closing_start = list(path)
             return None
-        need = (f"more than {budget}" if found.tokens is None else
-                f"at least {len(found.tokens)}" if found.exhausted else
-                f"about {len(found.tokens)}")
+        if need is None:
+            return None
         which = ("max_tokens" if budget == seq.params.max_new_tokens
                  else "the context left after the prompt")
         return (f"the {seq.grammar.kind} grammar's shortest output needs {need} tokens, but "
@@ -628,3 +673,5 @@ def _grammar_accepts(compiled):
         m = xgr.GrammarMatcher(compiled)
         return m.accept_string(text) and m.is_completed()
     return check
+_BUDGET_MEMO_SIZE = 4096  # (grammar, budget) admission verdicts kept
+_MEMO_UNSURE_S = 5.0  # how long a verdict from searches cut short is reused
