@@ -108,7 +108,10 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tenso
     [0, total)."""
     cdf = probs.to(torch.float64).cumsum_(dim=-1)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    total = cdf[:, -1]
+    # u * total can round up to total itself: keep the point strictly below it
+    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    picked = torch.searchsorted(cdf, point[:, None], right=True).squeeze(1)
     return picked.clamp_(max=probs.shape[-1] - 1)  # a NaN row: the guard catches it
 
 
