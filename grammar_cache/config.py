@@ -22,7 +22,8 @@ class GrammarCacheConfig(BaseModel):
     max_bytes: int = Field(512 * 2**20, ge=0, description="LRU budget for compiled grammars")
     error_ttl_s: float = Field(60.0, ge=0, description="grammar errors are remembered this long")
     max_errors: int = Field(4096, ge=0, description="at most this many remembered errors")
-    compile_timeout_s: float = Field(10.0, gt=0, description="CPU time of one compile (wall time up to 3x it)")
+    compile_timeout_s: float = Field(10.0, gt=0,
+                                     description="CPU time of one compile (wall up to 3x it)")
     # address space of a compile process: xgrammar and its imports take a few hundred MB,
     # and a large schema's serialization alone can take hundreds more
     compile_memory_mb: int = Field(8192, ge=512, description="memory of a compile process")
