@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray.util import metrics
@@ -96,6 +97,15 @@ class GrammarCache:
         self.config = config = config or GrammarCacheConfig()
         # one compile process starts with the actor, the others when compiles overlap
         self.pool = CompilePool(config, start=1)
+        # Own threads, never the event loop's default executor: a compile waiting for a free
+        # process holds its thread, and with the default pool's few threads queued compiles
+        # kept a finished compile's disk write (and so its reply) waiting behind them. Here a
+        # compile takes a thread only once it holds one of the pool's slots, and disk work
+        # has threads of its own.
+        self._compile_threads = ThreadPoolExecutor(config.compile_processes,
+                                                   thread_name_prefix="grammar-compile")
+        self._compile_slots: asyncio.Semaphore | None = None  # made on the actor's loop
+        self._disk_threads = ThreadPoolExecutor(2, thread_name_prefix="grammar-disk")
         self.tokenizers: dict[str, str] = {}
         self.lru = _ByteLRU(config.max_bytes)
         self.errors: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
@@ -220,7 +230,8 @@ class GrammarCache:
         key), or None."""
         if self.disk is None:
             return None
-        data = await asyncio.to_thread(self.disk.get, fingerprint, key)
+        data = await asyncio.get_running_loop().run_in_executor(
+            self._disk_threads, self.disk.get, fingerprint, key)
         if data is None:
             return None
         try:
@@ -236,10 +247,15 @@ class GrammarCache:
         return data
 
     async def _compile(self, spec: GrammarSpec, fingerprint: str, key: str) -> bytes:
-        t = time.perf_counter()
-        result: CompileResult = await asyncio.to_thread(
-            self.pool.compile, spec, fingerprint, self.tokenizers[fingerprint], key)
-        elapsed = time.perf_counter() - t
+        loop = asyncio.get_running_loop()
+        if self._compile_slots is None:
+            self._compile_slots = asyncio.Semaphore(self.config.compile_processes)
+        async with self._compile_slots:  # first come, first compiled
+            t = time.perf_counter()
+            result: CompileResult = await loop.run_in_executor(
+                self._compile_threads, self.pool.compile, spec, fingerprint,
+                self.tokenizers[fingerprint], key)
+            elapsed = time.perf_counter() - t
         self.counts["compiles"] += 1
         self.compile_times.append(elapsed)
         self._m_compile.observe(elapsed, tags={"kind": spec.kind})
@@ -263,8 +279,9 @@ class GrammarCache:
                 self.counts["local_verdicts"] += 1
             self.lru.put(key, data)
             self._m_bytes.set(self.lru.bytes)
-            if self.disk is not None:  # off the event loop: hundreds of MB take a while
-                await asyncio.to_thread(self.disk.put, fingerprint, key, data)
+            if self.disk is not None:  # in the background: the askers need not wait for it
+                self._disk_threads.submit(self.disk.put, fingerprint, key,
+                                          data).add_done_callback(_log_disk_error)
         return data
 
     def _cached_error(self, key: str) -> bytes | None:
@@ -302,6 +319,13 @@ class GrammarCache:
 
     def close(self) -> None:
         self.pool.close()
+        self._compile_threads.shutdown(wait=False)
+        self._disk_threads.shutdown(wait=True)  # what was compiled is on disk
+
+
+def _log_disk_error(write) -> None:
+    if not write.cancelled() and write.exception() is not None:
+        logger.warning("writing a compiled grammar to disk failed: %s", write.exception())
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)

@@ -98,6 +98,33 @@ def test_a_file_for_another_tokenizer_is_never_loaded(tmp_path):
         cache.close()
 
 
+def test_an_answer_leaves_when_its_compile_is_done_not_behind_queued_compiles(tmp_path):
+    """Ten grammars asked at once of one compile process: each answer goes out as soon as
+    its own compile is done (the disk write runs in the background), not after compiles
+    queued behind it. With the event loop's default threads, queued compiles held the
+    threads the disk write needed, and the first answers waited for later compiles."""
+    cache, info, fp = tiny_cache(tmp_path, compile_processes=1)
+    seen = []
+
+    async def ask(i):
+        data = await cache.get(spec(10 + i), fp)
+        seen.append(cache.counts["compiles"])  # compiles done when this answer left
+        return data
+
+    async def main():
+        return await asyncio.gather(*(ask(i) for i in range(10)))
+
+    try:
+        answers = asyncio.run(main())
+        assert all("grammar" in envelope.read_header(a) for a in answers)
+        assert seen == list(range(1, 11))
+    finally:
+        cache.close()
+    # and every one reached the disk (close waits for the background writes)
+    store = DiskStore(tmp_path)
+    assert all(store.has(fp, spec(10 + i).key(fp)) for i in range(10))
+
+
 # the hot list ---------------------------------------------------------------------------
 
 def test_hot_after_two_requests_or_by_config(tmp_path):
