@@ -2,10 +2,12 @@
 
 Reads frames from stdin and writes frames to stdout; a frame is a 4-byte big-endian length
 and a body. It writes b"ready <xgrammar serialization version>" once its imports are done.
-Requests (msgpack): ["tokenizer", fingerprint, tokenizer_json] -> b"ok"; ["compile", fingerprint, spec dict,
-key] -> b"compiled" once compiled (not for an error), then two frames: a small msgpack header ({"error", "error_kind", "compile_s", "load_s"},
-what the cache decides on, so nobody unpacks a large envelope just to read it), then the
-envelope bytes (grammar_cache/envelope.py). Started by CompilePool, which kills it when a
+Requests (msgpack): ["tokenizer", fingerprint, tokenizer_json] -> b"ok"; ["compile",
+fingerprint, spec dict, key] -> b"compiled" once compiled (not for an error), then two
+frames: a small msgpack header ({"error", "error_kind", "compile_s", "load_s",
+"load_measured"}, what the cache decides on, so nobody unpacks a large envelope just to read
+it; ``load_s`` is measured or estimated from the size, see ``LoadCost``), then the envelope
+bytes (grammar_cache/envelope.py). Started by CompilePool, which kills it when a
 compile runs past its time limit (setup time is not counted).
 """
 
@@ -38,6 +40,38 @@ def write_frame(stream, body: bytes) -> None:
     stream.flush()
 
 
+class LoadCost:
+    """What loading a serialized grammar will cost a worker (the cache's verdict policy).
+    Loading is xgrammar parsing JSON, close to linear in its size, and a trial load costs
+    this process as much as the worker's own (about a second for 40 MB): grammars under
+    ``MEASURE_BYTES`` and every ``REMEASURE``-th one are loaded to measure the rate (seconds
+    per byte, averaged); the others are estimated from their size."""
+
+    MEASURE_BYTES = 4 * 2**20
+    RATE_BYTES = 2**20  # under this, fixed costs dominate: no rate is learned
+    REMEASURE = 8
+
+    def __init__(self):
+        self.rate: float | None = None
+        self.count = 0
+
+    def __call__(self, serialized: str, info) -> tuple[float, bool]:
+        """(seconds, measured) for loading ``serialized``."""
+        import xgrammar as xgr
+        self.count += 1
+        size = len(serialized)
+        if (self.rate is not None and size >= self.MEASURE_BYTES
+                and self.count % self.REMEASURE):
+            return self.rate * size, False
+        t = time.perf_counter()
+        xgr.CompiledGrammar.deserialize_json(serialized, info)
+        seconds = time.perf_counter() - t
+        if size >= self.RATE_BYTES:
+            rate = seconds / size
+            self.rate = rate if self.rate is None else 0.5 * (self.rate + rate)
+        return seconds, True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--memory-mb", type=int, default=8192)
@@ -54,6 +88,7 @@ def main() -> None:
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     compilers: dict[str, object] = {}
+    load_cost = LoadCost()
     # the serialization version rides on the ready frame: the actor that reads it need not
     # import xgrammar itself (envelope.learn_serialization_version)
     write_frame(stdout, READY + xgr.get_serialization_version().encode())
@@ -76,10 +111,8 @@ def main() -> None:
             # for hundreds of MB) come after this frame, under the pool's setup allowance
             write_frame(stdout, COMPILED)
             serialized = compiled.serialize_json()
-            t = time.perf_counter()  # what loading it costs a worker (the cache's policy)
-            xgr.CompiledGrammar.deserialize_json(serialized, compiled.tokenizer_info)
-            load_s = time.perf_counter() - t
-            header = {"compile_s": compile_s, "load_s": load_s}
+            load_s, measured = load_cost(serialized, compiled.tokenizer_info)
+            header = {"compile_s": compile_s, "load_s": load_s, "load_measured": measured}
             out = envelope.pack_serialized(serialized, fingerprint, key, compile_s=compile_s,
                                            load_s=load_s)
             del serialized

@@ -528,3 +528,29 @@ def test_compile_limit_is_cpu_time_and_a_starved_compile_is_not_the_grammars_fau
         assert slow.error_kind == ErrorKind.COMPILE_TIMEOUT and slow.cacheable, slow.error
     finally:
         pool.close()
+
+
+def test_load_cost_measures_then_estimates_from_size(monkeypatch):
+    """The compile process trial-loads a grammar to learn the load rate, then estimates
+    big ones from their size (a trial load costs as much as the worker's own), and
+    measures again every REMEASURE-th."""
+    from grammar_cache.compile_worker import LoadCost
+    info = tiny_info()
+    compiled = compile_spec(xgr.GrammarCompiler(info), GrammarSpec.regex("[a-z]{1,40}"))
+    serialized = compiled.serialize_json()
+    loads = []
+    real = xgr.CompiledGrammar.deserialize_json
+    monkeypatch.setattr(xgr.CompiledGrammar, "deserialize_json",
+                        staticmethod(lambda s, i: loads.append(len(s)) or real(s, i)))
+    cost = LoadCost()
+    cost.MEASURE_BYTES = cost.RATE_BYTES = 1  # this grammar counts as big
+    seconds, measured = cost(serialized, info)
+    assert measured and seconds > 0 and loads == [len(serialized)]
+    seconds, measured = cost(serialized, info)  # estimated from the learned rate
+    assert not measured and seconds == pytest.approx(cost.rate * len(serialized))
+    assert len(loads) == 1
+    results = [cost(serialized, info)[1] for _ in range(cost.REMEASURE)]
+    assert results.count(True) == 1 and len(loads) == 2  # measured again once
+    small = LoadCost()  # under MEASURE_BYTES: always measured, no rate learned
+    assert small(serialized, info)[1] and small(serialized, info)[1]
+    assert small.rate is None
