@@ -336,12 +336,19 @@ def status() -> dict:
 
 
 def down() -> int:
-    """Kills every rayguide actor; returns how many."""
+    """Kills every rayguide actor; returns how many it killed (one that went away meanwhile
+    is not counted)."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NAMESPACE]
+    killed = 0
     for name in names:
-        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-    return len(names)
+        try:
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:  # it went away between the listing and the lookup
+            continue
+        ray.kill(actor, no_restart=True)
+        killed += 1
+    return killed
 
 
 def connect_target(address: str | None) -> dict | None:
