@@ -32,6 +32,7 @@ warm_worker_first_hit_ms_p50, and the TTFT percentiles of both sides.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import shutil
 import statistics
@@ -298,6 +299,28 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this machine's processes, by kind: the
+    workers, the cache actor, its compile processes, the scheduler, Ray's own."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        for label, needle in (("workers", "WorkerActor"), ("cache actor", "GrammarCacheActor"),
+                              ("compile processes", "grammar_cache.compile_worker"),
+                              ("scheduler", "Scheduler"), ("ray", "ray")):
+            if needle in cmd:
+                out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+                break
+    return out
+
+
 def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool) -> dict:
     """One side of the comparison on a fresh runtime: TTFT per request, the workers'
     per-request grammar log, the cache's stats; with ``shared``, a new worker joins at the
@@ -328,7 +351,9 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
     errors: list[str] = []
     queue = list(schedule)
 
-    async def one(spec):
+    by_kind: dict[str, list[float]] = {}
+
+    async def one(kind, spec):
         request = GenerationRequest([{"role": "user", "content": "Answer in JSON."}],
                                     SamplingParams(max_new_tokens=4, temperature=0.0),
                                     grammar=spec)
@@ -340,20 +365,26 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
             if chunk.error:
                 errors.append(f"{chunk.error_kind}: {chunk.error}"[:160])
         ttft.append(first)
+        by_kind.setdefault(kind, []).append(first)
 
     async def worker_loop():
         while queue:
-            await one(mix[queue.pop()][1])
+            await one(*mix[queue.pop()])
 
     async def clients():
         await asyncio.wait_for(asyncio.gather(*(worker_loop() for _ in range(CLIENTS))),
                                timeout=1500)
 
+    cpu0 = cpu_by_process()
     t0 = time.perf_counter()
     asyncio.run(clients())
     wall = time.perf_counter() - t0
-    print(f"{'shared' if shared else 'local'} side: {len(ttft)} requests in {wall:.1f} s",
-          file=sys.stderr, flush=True)
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_by_process().items()}
+    print(f"{'shared' if shared else 'local'} side: {len(ttft)} requests in {wall:.1f} s; "
+          "TTFT p50 / max s by grammar kind: " + ", ".join(
+              f"{k} {pct(v, 0.5):.1f} / {max(v):.1f} ({len(v)})"
+              for k, v in sorted(by_kind.items())) + "; CPU s by process: " + ", ".join(
+              f"{k} {v:.0f}" for k, v in sorted(cpu.items())), file=sys.stderr, flush=True)
     logs = [e for w in handles["workers"] for e in ray.get(w.grammar_requests.remote())]
     loads = ray.get([w.load.remote() for w in handles["workers"]])
     out = {"ttft": ttft, "errors": errors, "logs": logs, "wall_s": wall, "loads": loads,
