@@ -19,7 +19,9 @@ model's tokenizer, so grammars cost what they cost in production), 32 clients, a
 over 100 grammars (small, medium and large schemas, 10- to 50-tool structural tags), run
 twice in the same process: with the shared cache + grammar-affinity routing + warm
 replication (a fresh disk tier), and with per-worker local compiles (no actor, no
-affinity). Then a new worker joins the warm cluster and serves known grammars.
+affinity). Then a new worker joins the warm cluster and serves known grammars. The full
+run sends 256 requests; ``--quick`` sends 40 (smaller large schemas and tool tags, 5 known
+grammars for the new worker), about three minutes in all.
 
 JSON keys of the cluster run: grammar_wait_share (requests that waited for a compile or a
 deserialize after their grammar's first compile in the cluster was done), its _local
@@ -388,6 +390,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
     logs = [e for w in handles["workers"] for e in ray.get(w.grammar_requests.remote())]
     loads = ray.get([w.load.remote() for w in handles["workers"]])
     out = {"ttft": ttft, "errors": errors, "logs": logs, "wall_s": wall, "loads": loads,
+           "cpu": cpu, "by_kind": by_kind,
            "cache": ray.get(handles["cache"].stats.remote()) if shared else None}
     if shared:
         try:
@@ -431,7 +434,7 @@ def warm_worker(config, handles, mix, schedule, quick: bool) -> dict:
         counts[i] = counts.get(i, 0) + 1
     # known grammars: requested at least twice in the run (so hot), the most requested first
     known = [i for i, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n >= 2]
-    known = known[:10 if quick else 30]
+    known = known[:5 if quick else 30]
     want = {mix[i][1].family for i in known}
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:  # its background replication has fetched them
@@ -474,7 +477,7 @@ def wait_share(logs) -> tuple[float, int, int]:
 def cluster_run(quick: bool) -> tuple[str, dict]:
     import ray
     mix = grammar_mix(quick)
-    n = CLIENTS * (4 if quick else 8)
+    n = CLIENTS * 5 // 4 if quick else CLIENTS * 8
     schedule = zipf_schedule(mix, n)
     tmp = Path(tempfile.mkdtemp(prefix="rayguide-bench-"))
     try:
@@ -555,6 +558,12 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
              f"{warm['known']} known grammars: time to first chunk p50 "
              f"{figures['warm_worker_first_hit_ms_p50']:.0f} ms, {warm['waited']} waited for "
              "a grammar.")
+    for name, side in (("shared", shared), ("local", local)):
+        body += (f"\n\n{name.capitalize()} side, TTFT p50 / max s by grammar kind: " + ", ".join(
+            f"{k} {pct(v, 0.5):.1f} / {max(v):.1f} (n={len(v)})"
+            for k, v in sorted(side["by_kind"].items())) + "; CPU seconds during the run: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in sorted(side["cpu"].items()) if v >= 0.5)
+            + ".")
     return body, figures
 
 
