@@ -9,6 +9,7 @@ Also, at batch 1: HF transformers generate() with xgrammar's HF logits processor
 same schema, what a user would otherwise run.
 
     python bench/guided_overhead.py [--quick] [--json] [--no-record] [--dtype int8]
+                                    [--closing-window N]
 
 ``--dtype int8`` runs the engine with int8 weights: shorter steps, so the mask's share of a
 step is larger there; its table is recorded as its own section (guided_overhead_int8).
@@ -108,13 +109,20 @@ def main() -> None:
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--dtype", default=None, choices=["fp32", "int8"],
                     help="engine weights (default fp32)")
+    ap.add_argument("--closing-window", type=int, default=None,
+                    help="the engine's closing_window (default: the engine's, 48). At the "
+                         "bench's budget every guided step is inside the window, so the "
+                         "closing search's steering is measured with the mask; 0 measures "
+                         "the mask alone")
     args = ap.parse_args()
     batches = (1, 8, 32)
     # many short rounds: this VM's speed drifts over minutes, so the sides alternate often
     new_tokens = 12 if args.quick else 24
     rounds = 1 if args.quick else 8
 
-    engine = LLMEngine(EngineConfig(progress=False, dtype=args.dtype))
+    extra = {} if args.closing_window is None else {"closing_window": args.closing_window}
+    engine = LLMEngine(EngineConfig(progress=False, dtype=args.dtype, **extra))
+    window = engine.config.closing_window
     bitmask.warmup()
     figures, rows = {}, []
     for batch in batches:
@@ -165,9 +173,14 @@ def main() -> None:
              f"{figures['ratio_guided_b1_vs_hf_xgrammar']:.2f}. Mask apply at batch 32: "
              f"{figures['apply_us_per_row_b32']:.1f} us per row (vocab 49152). Step times are "
              f"medians of decode steps paired by step index at full occupancy; "
-             f"{new_tokens} new tokens, {rounds} rounds.")
+             f"{new_tokens} new tokens, {rounds} rounds; closing_window {window}"
+             + (" (every guided step within it: the closing search steers each step)"
+                if window >= new_tokens else "") + ".")
     name = "guided_overhead" if args.dtype in (None, "fp32") else f"guided_overhead_{args.dtype}"
+    if args.closing_window is not None:
+        name += f"_closing{args.closing_window}"
     figures["dtype"] = args.dtype or "fp32"
+    figures["closing_window"] = window
     finish(name, body, figures, args)
 
 
