@@ -272,3 +272,25 @@ def test_closing_search_finds_fixed_lengths_and_rare_characters(make_engine, spe
         assert check(text), text
     fit = search.fitting(m, 60)  # the budget-facing call: the shorter of the two, re-encoded
     assert fit.tokens is not None and len(fit.tokens) <= 60
+
+
+def test_closing_paths_are_replayed_not_searched_each_step(make_engine):
+    # within the closing window every step needs a path that closes the output from where
+    # it stands; the last one found still does after most tokens (another word inside a
+    # string), so it is replayed on the matcher (microseconds) and a search (milliseconds)
+    # runs only where it stops closing or is about to be emitted
+    engine = make_engine()
+    spec = GrammarSpec.json_schema(PERSON)
+    budget = 40  # all of it within the closing window (48)
+    prompt = chat("Write a long JSON person with a long name and many tags.")
+    reqs = [GenerationRequest(prompt, params(budget, 1.0, seed=i), grammar=spec)
+            for i in range(4)]
+    searches = engine.guided.closer.stats["searches"]
+    outs = run(engine, reqs)
+    for out in outs:
+        assert out.finish_reason in ("stop", "length"), out.error
+        jsonschema.validate(json.loads(out.text), PERSON)
+    steps = sum(o.completion_tokens for o in outs)
+    decode_searches = engine.guided.closer.stats["searches"] - searches
+    assert engine.counters["closing_reused"] >= steps // 4, (engine.counters, steps)
+    assert decode_searches <= steps // 2, (decode_searches, steps, engine.counters)

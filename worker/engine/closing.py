@@ -42,6 +42,7 @@ token per character.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import re
@@ -439,7 +440,12 @@ def _parse_state(m: "xgr.GrammarMatcher") -> tuple:
     whether a rule began at the root is kept of the positions, or every path would be a
     state of its own. xgrammar 0.2.8 has no public form of it: its debug text is parsed,
     and a text that does not parse gives () (the mask alone then tells states apart)."""
-    return tuple((int(r), int(q), int(e), int(s), p == "-1") for r, q, e, p, s in _states(m))
+    return _without_positions(_states(m))
+
+
+@functools.lru_cache(maxsize=4096)
+def _without_positions(states: tuple) -> tuple:
+    return tuple((int(r), int(q), int(e), int(s), p == "-1") for r, q, e, p, s in states)
 
 
 def _outermost(m: "xgr.GrammarMatcher") -> int:
@@ -447,9 +453,15 @@ def _outermost(m: "xgr.GrammarMatcher") -> int:
     return min((int(p) for _, _, _, p, _ in _states(m)), default=-1)
 
 
-def _states(m: "xgr.GrammarMatcher") -> list[tuple]:
-    text = m._debug_print_internal_state()
-    return _PARSER_STATE.findall(text.rsplit("Last step", 1)[-1])
+def _states(m: "xgr.GrammarMatcher") -> tuple:
+    return _states_of(m._debug_print_internal_state().rsplit("Last step", 1)[-1])
+
+
+@functools.lru_cache(maxsize=4096)
+def _states_of(text: str) -> tuple:
+    """The debug text's parser states (parsed once per distinct text: a search reads the
+    same few states thousands of times)."""
+    return tuple(_PARSER_STATE.findall(text))
 
 
 def _class_of(raw: bytes) -> int | None:

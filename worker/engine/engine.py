@@ -34,6 +34,7 @@ import xgrammar as xgr
 from grammar_cache.errors import ErrorKind, GrammarError
 from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
+from worker.engine.closing import Completion
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
@@ -72,6 +73,8 @@ class EngineStats:
     runaway: int = 0
     closing_giveups: int = 0  # completion searches cut short (node cap or closing_search_ms)
     closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
+    closing_searches: int = 0  # completion searches run near the end of a budget
+    closing_reused: int = 0  # ... skipped: the last step's path still closes (replayed)
     budget_checks: int = 0  # guided requests whose budget was checked at admission
     budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
 
@@ -121,6 +124,7 @@ class LLMEngine:
         self.last_timings = StepTimings()
         self.counters = {"closed_early": 0, "validated": 0, "invalid": 0, "runaway": 0,
                          "closing_giveups": 0, "closing_steered": 0,
+                         "closing_searches": 0, "closing_reused": 0,
                          "budget_checks": 0, "budget_checks_memo": 0}
         # (grammar key, budget) -> (time, certain, closing path or None, refusal or None):
         # a fresh request's grammar state depends only on its grammar, so the admission
@@ -429,6 +433,7 @@ class LLMEngine:
         if path is not None:
             seq.closing_estimate = (seq.num_output, len(path))
             seq.closing_start = list(path)
+            seq.closing_path = (seq.num_output, list(path), True)  # for _maybe_close
             return None
         if need is None:
             return None
@@ -463,30 +468,65 @@ class LLMEngine:
         matcher = self.guided.matchers.get(seq.matcher_key)
         if matcher is None:
             return None
-        closer = self.guided.closer
-        pending = closer.pending_bytes(seq.output_ids)
-        found = closer.fitting(matcher, left, pending=pending)
-        if found.tokens is None or len(found.tokens) > left:
-            # no completion fits: stop searching once that is certain (the shortest only
-            # grows as the budget shrinks); a search that gave up is tried again a few
-            # tokens later, at most _GIVEUPS times
-            if not found.exhausted:
-                seq.closing_giveups += 1
-                seq.closing_retry_at = seq.num_output + 2 ** (seq.closing_giveups - 1)
-                seq.closing_failed = seq.closing_giveups >= _GIVEUPS
-                self.counters["closing_giveups"] += 1
-            else:
-                seq.closing_failed = True
-            return None
+        carried, searched = self._carried_path(seq, matcher)
+        if carried is not None and (left > len(carried) + cfg.closing_margin
+                                    or searched and len(carried) <= left):
+            # the last path still closes from here (followed or replayed: microseconds,
+            # where a search costs milliseconds). One replayed after other tokens may be
+            # longer than the shortest from here: searched again before it is emitted
+            self.counters["closing_reused"] += 1
+            found = Completion(carried, False)
+        else:
+            closer = self.guided.closer
+            pending = closer.pending_bytes(seq.output_ids)
+            self.counters["closing_searches"] += 1
+            found = closer.fitting(matcher, left, pending=pending)
+            searched = True
+            if carried is not None and (found.tokens is None
+                                        or len(found.tokens) > len(carried)):
+                found = Completion(carried, found.exhausted)  # cut short: the replayed one
+                searched = False
+            if found.tokens is None or len(found.tokens) > left:
+                # no completion fits: stop searching once that is certain (the shortest
+                # only grows as the budget shrinks); a search that gave up is tried again
+                # a few tokens later, at most _GIVEUPS times
+                if not found.exhausted:
+                    seq.closing_giveups += 1
+                    seq.closing_retry_at = seq.num_output + 2 ** (seq.closing_giveups - 1)
+                    seq.closing_failed = seq.closing_giveups >= _GIVEUPS
+                    self.counters["closing_giveups"] += 1
+                else:
+                    seq.closing_failed = True
+                return None
         seq.closing_estimate = (seq.num_output, len(found.tokens))
         if left > len(found.tokens) + cfg.closing_margin:
             # near the end, the next sampled token is checked against this path: one
             # token can cost many (", " in an array opens a whole object)
-            seq.closing_path = (seq.num_output, found.tokens)
+            seq.closing_path = (seq.num_output, found.tokens, searched)
             return None
         if not found.tokens and self.guided.only_stop_allowed(matcher):
             return [], "stop"  # complete, and the grammar allows nothing more
         return self._force(seq, found.tokens)
+
+    @staticmethod
+    def _carried_path(seq: Sequence, matcher) -> tuple[list[int] | None, bool]:
+        """The closing path last found for this request, if it still closes the output
+        from here, and whether it is as short as a search from here would find. Its rest,
+        when the tokens since were its own (the rest of a shortest path is the shortest
+        from there); else the whole path, when the matcher, forked, accepts it and may end
+        after it (the usual case inside a string: another word leaves '", "tags": []}' as
+        it was), but a shorter one may exist."""
+        at = seq.closing_path
+        if at is None:
+            return None, False
+        at_output, path, searched = at
+        since = seq.output_ids[at_output:]
+        if since == path[:len(since)]:
+            return path[len(since):], searched
+        probe = matcher.fork()
+        if all(probe.accept_token(t) for t in path) and probe.is_completed():
+            return list(path), False
+        return None, False
 
     def _keep_closable(self, seq: Sequence, token: int) -> int | None:
         """Within ``_GUARD_ZONE`` tokens of the closing path found for this very state: the
@@ -505,10 +545,17 @@ class LLMEngine:
         probe = matcher.fork()
         if not probe.accept_token(token):
             return None  # not the grammar's: the guard in the sampler handles it
+        if len(path) <= left:  # the path may still close after this token: no search
+            after = probe.fork()
+            if all(after.accept_token(t) for t in path) and after.is_completed():
+                seq.closing_path = (seq.num_output + 1, path, False)
+                return None
         closer = self.guided.closer
+        self.counters["closing_searches"] += 1
         found = closer.shortest(probe, 2 * left + 8,
                                 pending=closer.pending_bytes(seq.output_ids + [token]))
         if found.tokens is not None and len(found.tokens) <= left:
+            seq.closing_path = (seq.num_output + 1, found.tokens, True)  # for _maybe_close
             return None
         self.counters["closing_steered"] += 1
         return path[0]

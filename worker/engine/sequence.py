@@ -146,7 +146,8 @@ class Sequence:
         self.closing_giveups = 0
         self.closing_start: list[int] | None = None  # shortest output found at admission
         self.forced_path: list[int] | None = None  # the output, when that is all that fits
-        self.closing_path: tuple[int, list[int]] | None = None  # (at output length, path)
+        # the last closing path: (at output length, path, found by a search at that state)
+        self.closing_path: tuple[int, list[int], bool] | None = None
         self.closing_retry_at = 0
         self.detokenizer = detokenizer
         self.resumed_text = ""  # a continuation's output streamed before its worker died
