@@ -102,6 +102,10 @@ class CompletionSearch:
         self._mask = xgr.allocate_token_bitmask(1, tokenizer_info.vocab_size)
         letters = self.cand[[i for i, c in enumerate(self.cand_class) if c == 2]]
         self._letter_word, self._letter_bit = letters >> 5, (letters & 31).to(torch.int32)
+        closers = [t for t in self.cand.tolist() if self._closing_rank([t]) == 1]
+        self._closer_ids = torch.tensor(closers, dtype=torch.long)
+        self._closer_word = self._closer_ids >> 5
+        self._closer_bit = (self._closer_ids & 31).to(torch.int32)
         self.stats = {"searches": 0, "expansions": 0, "timeouts": 0}
         self._reps_memo: dict = {}  # per search: (mask, parser state, tokens) -> distinct
 
@@ -221,43 +225,75 @@ class CompletionSearch:
             if len(path) >= limit or budget[0] <= 0 or self._late():
                 return None
             budget[0] -= 1
-            edges = self._edges(m, row, first=not path)
-            if self._in_text(row):  # in text, a character that leads somewhere new first
-                here = _parse_state(m)
-                states = states | {here}
-                fresh = self._fresh(m, edges, states)
-                def order(ts, fresh=fresh):
-                    rank = self._closing_rank(ts, True)
-                    return (rank > 1, ts not in fresh, rank)
-            else:
-                order = self._closing_rank
-            for tokens in sorted(edges, key=order):
-                if len(path) + len(tokens) > limit:
-                    continue
-                if self._late():
-                    return None
-                child = m.fork()
-                if not all(child.accept_token(t) for t in tokens):
-                    continue
-                h, child_row = self._fill(child)
-                child_ctx = ctx if h == hist[-1] else hist[-1]
-                # a closing edge keeps its depth in the state's key: the mask repeats at
-                # every level of a nesting being closed ("}" after "}"), and merging by
-                # mask alone would cut the dive off after three levels; other edges merge
-                # by mask (the fast pass's rule), or a dive would spell letters to its limit
-                key = self._key(child, h, hist, child_ctx, len(path) + len(tokens),
-                                self._closes(m, row, child, tokens))
-                if key in seen:
-                    continue
-                seen.add(key)
-                found = go(child, child_row, path + tokens, hist + (h,), child_ctx, states)
-                if found is not None:
-                    return found
+            text = self._in_text(row)
+            if text:
+                states = states | {_parse_state(m)}
+            tried: set = set()
+            # the closing edges first, on their own: they are what a dive takes at almost
+            # every node, and listing every edge (a scratch matcher per candidate, to keep
+            # one per next state) costs most of a node; the rest only if none leads on
+            for edges in (self._closing_edges(m, row, text), None):
+                if edges is None:
+                    edges = [ts for ts in self._edges(m, row, first=not path)
+                             if tuple(ts) not in tried]
+                if text:  # in text, a character that leads somewhere new first
+                    fresh = self._fresh(m, edges, states)
+                    def order(ts, fresh=fresh):
+                        rank = self._closing_rank(ts, True)
+                        return (rank > 1, ts not in fresh, rank)
+                else:
+                    order = self._closing_rank
+                for tokens in sorted(edges, key=order):
+                    tried.add(tuple(tokens))
+                    if len(path) + len(tokens) > limit:
+                        continue
+                    if self._late():
+                        return None
+                    child = m.fork()
+                    if not all(child.accept_token(t) for t in tokens):
+                        continue
+                    h, child_row = self._fill(child)
+                    child_ctx = ctx if h == hist[-1] else hist[-1]
+                    # a closing edge keeps its depth in the state's key: the mask repeats
+                    # at every level of a nesting being closed ("}" after "}"), and merging
+                    # by mask alone would cut the dive off after three levels; other edges
+                    # merge by mask (the fast pass's rule), or a dive would spell letters
+                    # to its limit
+                    key = self._key(child, h, hist, child_ctx, len(path) + len(tokens),
+                                    self._closes(m, row, child, tokens))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    found = go(child, child_row, path + tokens, hist + (h,), child_ctx,
+                               states)
+                    if found is not None:
+                        return found
             return None
 
         root = matcher.fork()
         h, row = self._fill(root)
         return go(root, row, [], (h,), None, frozenset())
+
+    def _closing_edges(self, m, row: torch.Tensor, text: bool) -> list[list[int]]:
+        """The edges a dive tries first (rank 0 and 1 of ``_closing_rank``), without
+        listing the others: the jump-forward string and the allowed tokens made of closing
+        characters (in text, only those with a quote)."""
+        edges = []
+        if self.encode is not None:
+            forced = m.find_jump_forward_string()
+            toks = self.encode(forced) if forced else None
+            if toks and len(toks) > 1:
+                edges.append(toks)
+            elif toks:  # one token: ranked like any other token
+                self._closer_edge(toks[0], text) and edges.append(toks)
+        allowed = ((row[self._closer_word] >> self._closer_bit) & 1).bool()
+        for t in self._closer_ids[allowed].tolist():
+            if self._closer_edge(t, text) and [t] not in edges:
+                edges.append([t])
+        return edges
+
+    def _closer_edge(self, token: int, text: bool) -> bool:
+        return self._closing_rank([token], text) <= 1
 
     def _fresh(self, m, edges: list[list[int]], states: frozenset) -> list[list[int]]:
         """The single-token edges that lead to a parser state not in ``states`` (tried on
