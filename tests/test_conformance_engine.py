@@ -293,4 +293,4 @@ def test_closing_paths_are_replayed_not_searched_each_step(make_engine):
     steps = sum(o.completion_tokens for o in outs)
     decode_searches = engine.guided.closer.stats["searches"] - searches
     assert engine.counters["closing_reused"] >= steps // 4, (engine.counters, steps)
-    assert decode_searches <= steps // 2, (decode_searches, steps, engine.counters)
+    assert decode_searches <= steps // 3, (decode_searches, steps, engine.counters)

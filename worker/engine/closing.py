@@ -364,6 +364,30 @@ class CompletionSearch:
         key = (m.is_completed(), h, _parse_state(m), ctx, min(hist.count(h), _REPEATS))
         return key + (cost,) if with_depth else key
 
+    def rest_after(self, path: list[int], token: int) -> list[int] | None:
+        """The tokenizer's encoding of the path's text after ``token``'s text, where the
+        path's text begins with it (None otherwise): the path's rest once a token that
+        spells its beginning differently was taken. Not checked against the grammar."""
+        if self.encode is None:
+            return None
+        text, head = b"".join(self.vocab[t] for t in path), self.vocab[token]
+        if not head or not text.startswith(head):
+            return None
+        try:
+            rest = text[len(head):].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return self.encode(rest) if rest else []
+
+    @staticmethod
+    def same_place(before: "xgr.GrammarMatcher", after: "xgr.GrammarMatcher") -> bool:
+        """Whether the parser stands where it stood (another word inside a string): the
+        same parser states at the last step, positions aside. The searches take such
+        states as one, so a shortest completion found from one serves the other. False
+        where the state cannot be read."""
+        here = _parse_state(before)
+        return bool(here) and here == _parse_state(after)
+
     def min_tokens(self, matcher: "xgr.GrammarMatcher", limit: int) -> int | None:
         """Length of the shortest completion within ``limit``, None if none was found."""
         c = self.shortest(matcher, limit)

@@ -433,7 +433,7 @@ class LLMEngine:
         if path is not None:
             seq.closing_estimate = (seq.num_output, len(path))
             seq.closing_start = list(path)
-            seq.closing_path = (seq.num_output, list(path), True)  # for _maybe_close
+            seq.closing_path = (seq.num_output, list(path), 0)  # for _maybe_close
             return None
         if need is None:
             return None
@@ -468,12 +468,13 @@ class LLMEngine:
         matcher = self.guided.matchers.get(seq.matcher_key)
         if matcher is None:
             return None
-        carried, searched = self._carried_path(seq, matcher)
+        carried, slack = self._carried_path(seq, matcher)
         if carried is not None and (left > len(carried) + cfg.closing_margin
-                                    or searched and len(carried) <= left):
+                                    or slack <= _TRUSTED_SLACK and len(carried) <= left):
             # the last path still closes from here (followed or replayed: microseconds,
-            # where a search costs milliseconds). One replayed after other tokens may be
-            # longer than the shortest from here: searched again before it is emitted
+            # where a search costs milliseconds). One that may be longer than the
+            # shortest from here by more than _TRUSTED_SLACK is searched again before it
+            # is emitted
             self.counters["closing_reused"] += 1
             found = Completion(carried, False)
         else:
@@ -481,11 +482,11 @@ class LLMEngine:
             pending = closer.pending_bytes(seq.output_ids)
             self.counters["closing_searches"] += 1
             found = closer.fitting(matcher, left, pending=pending)
-            searched = True
             if carried is not None and (found.tokens is None
                                         or len(found.tokens) > len(carried)):
                 found = Completion(carried, found.exhausted)  # cut short: the replayed one
-                searched = False
+            else:
+                slack = 0
             if found.tokens is None or len(found.tokens) > left:
                 # no completion fits: stop searching once that is certain (the shortest
                 # only grows as the budget shrinks); a search that gave up is tried again
@@ -502,31 +503,34 @@ class LLMEngine:
         if left > len(found.tokens) + cfg.closing_margin:
             # near the end, the next sampled token is checked against this path: one
             # token can cost many (", " in an array opens a whole object)
-            seq.closing_path = (seq.num_output, found.tokens, searched)
+            seq.closing_path = (seq.num_output, found.tokens, slack)
             return None
         if not found.tokens and self.guided.only_stop_allowed(matcher):
             return [], "stop"  # complete, and the grammar allows nothing more
         return self._force(seq, found.tokens)
 
     @staticmethod
-    def _carried_path(seq: Sequence, matcher) -> tuple[list[int] | None, bool]:
+    def _carried_path(seq: Sequence, matcher) -> tuple[list[int] | None, int]:
         """The closing path last found for this request, if it still closes the output
-        from here, and whether it is as short as a search from here would find. Its rest,
-        when the tokens since were its own (the rest of a shortest path is the shortest
-        from there); else the whole path, when the matcher, forked, accepts it and may end
-        after it (the usual case inside a string: another word leaves '", "tags": []}' as
-        it was), but a shorter one may exist."""
+        from here, and its slack: by how many tokens it may be longer than the shortest
+        from here. Its rest, when the tokens since were its own (the rest of a shortest
+        path is the shortest from there); else the whole path, when the matcher, forked,
+        accepts it and may end after it (the usual case inside a string: another word
+        leaves '", "tags": []}' as it was).
+
+        The slack follows from one bound: a token shortens the shortest completion by one
+        at most. A path found by a search has none (a search is the reference); k tokens
+        after a path of length L with slack s, the shortest is at least L - s - k long."""
         at = seq.closing_path
         if at is None:
-            return None, False
-        at_output, path, searched = at
+            return None, _UNKNOWN
+        at_output, path, slack = at
         since = seq.output_ids[at_output:]
         if since == path[:len(since)]:
-            return path[len(since):], searched
-        probe = matcher.fork()
-        if all(probe.accept_token(t) for t in path) and probe.is_completed():
-            return list(path), False
-        return None, False
+            return path[len(since):], slack
+        if _closes(matcher, path):
+            return list(path), slack + len(since)
+        return None, _UNKNOWN
 
     def _keep_closable(self, seq: Sequence, token: int) -> int | None:
         """Within ``_GUARD_ZONE`` tokens of the closing path found for this very state: the
@@ -545,17 +549,23 @@ class LLMEngine:
         probe = matcher.fork()
         if not probe.accept_token(token):
             return None  # not the grammar's: the guard in the sampler handles it
-        if len(path) <= left:  # the path may still close after this token: no search
-            after = probe.fork()
-            if all(after.accept_token(t) for t in path) and after.is_completed():
-                seq.closing_path = (seq.num_output + 1, path, False)
-                return None
         closer = self.guided.closer
+        # no search where the path still closes after this token: as it was (another word
+        # in a string), or what is left of its text once the token's own is taken off
+        # (' "' sampled where the path begins '""'). Its slack (see _carried_path) grows
+        # by one unless it got one shorter, or the token left the parser where it was
+        for again in (path, closer.rest_after(path, token)):
+            if again is not None and len(again) <= left and _closes(probe, again):
+                slack = at_path[2] + 1 - (len(path) - len(again))
+                if closer.same_place(matcher, probe):
+                    slack = min(slack, at_path[2])
+                seq.closing_path = (seq.num_output + 1, again, max(slack, 0))
+                return None
         self.counters["closing_searches"] += 1
         found = closer.shortest(probe, 2 * left + 8,
                                 pending=closer.pending_bytes(seq.output_ids + [token]))
         if found.tokens is not None and len(found.tokens) <= left:
-            seq.closing_path = (seq.num_output + 1, found.tokens, True)  # for _maybe_close
+            seq.closing_path = (seq.num_output + 1, found.tokens, 0)  # for _maybe_close
             return None
         self.counters["closing_steered"] += 1
         return path[0]
@@ -711,7 +721,16 @@ class LLMEngine:
 
 _GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
 _GIVEUPS = 4  # searches that hit their node cap before a request stops searching
+_TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
+_UNKNOWN = 1 << 30  # the slack of a path that no search stands behind
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
+
+
+def _closes(matcher, tokens: list[int]) -> bool:
+    """Whether ``tokens`` take the matcher's output to where it may end (tried on a fork:
+    microseconds)."""
+    probe = matcher.fork()
+    return all(probe.accept_token(t) for t in tokens) and probe.is_completed()
 
 
 def _grammar_accepts(compiled):

@@ -146,8 +146,9 @@ class Sequence:
         self.closing_giveups = 0
         self.closing_start: list[int] | None = None  # shortest output found at admission
         self.forced_path: list[int] | None = None  # the output, when that is all that fits
-        # the last closing path: (at output length, path, found by a search at that state)
-        self.closing_path: tuple[int, list[int], bool] | None = None
+        # the last closing path: (at output length, path, by how many tokens it may be
+        # longer than the shortest there; see LLMEngine._carried_path)
+        self.closing_path: tuple[int, list[int], int] | None = None
         self.closing_retry_at = 0
         self.detokenizer = detokenizer
         self.resumed_text = ""  # a continuation's output streamed before its worker died
