@@ -294,3 +294,30 @@ def test_closing_paths_are_replayed_not_searched_each_step(make_engine):
     decode_searches = engine.guided.closer.stats["searches"] - searches
     assert engine.counters["closing_reused"] >= steps // 4, (engine.counters, steps)
     assert decode_searches <= steps // 3, (decode_searches, steps, engine.counters)
+
+
+def test_a_path_spelled_differently_by_the_sampled_token_is_kept(make_engine):
+    # the sampled token begins the path's text but is not its first token: what is left
+    # of the text, re-encoded, still closes (no search); a token that is not the path's
+    # beginning gives nothing; another word inside a string leaves the parser where it was
+    engine = make_engine()
+    closer, tok = engine.guided.closer, engine.tokenizer
+    m = xgr.GrammarMatcher(engine.guided.get_grammar(GrammarSpec.json_schema(PERSON))
+                           .result(timeout=60))
+    assert m.accept_string('{"name":')
+    path = closer.fitting(m, 40).tokens
+    text = tok.decode(path)
+    head = tok.encode(text[:2])[0]  # ' "' where the path begins with ' "",'
+    assert head != path[0]
+    rest = closer.rest_after(path, head)
+    assert tok.decode([head]) + tok.decode(rest) == text
+    after = m.fork()
+    assert after.accept_token(head)
+    for t in rest:
+        assert after.accept_token(t)
+    assert after.is_completed()
+    assert closer.rest_after(path, tok.encode("zebra")[0]) is None
+    inside, more = m.fork(), m.fork()
+    assert inside.accept_string(' "Ada') and more.accept_string(' "Ada Love')
+    assert closer.same_place(inside, more)
+    assert not closer.same_place(m, inside)
