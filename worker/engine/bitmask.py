@@ -9,28 +9,24 @@ On CUDA this is xgrammar's own kernel. On CPU, xgrammar's kernel costs about 130
 at this vocabulary (49152) and a fused torch.compile version about 30 us on cache-cold
 logits, so fp32 CPU logits go through a 30-line C kernel (kernels/bitmask_cpu.c) that skips
 all-allowed words and writes disallowed ones without reading them. It is compiled once per
-machine with the system C compiler into the rayguide cache and loaded with ctypes (which
+machine with the system C compiler into the rayguide cache (worker/models/native.py) and loaded with ctypes (which
 releases the GIL). Without a compiler, the plain-torch reference below is used.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from worker.models import native
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "kernels" / "bitmask_cpu.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 
 
 def reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -47,48 +43,13 @@ _kernel_failed = False
 _lock = threading.Lock()
 
 
-def _cache_dir() -> Path:
-    """Where the built kernel lives: ``$RAYGUIDE_CACHE_DIR/kernels`` if set, else
-    ``~/.cache/rayguide/kernels`` (the same root as the model cache, named here so the
-    engine's mask code does not depend on the model-conversion module)."""
-    env = os.environ.get("RAYGUIDE_CACHE_DIR")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "rayguide"
-    return root / "kernels"
-
-
-def _build() -> Path:
-    source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.machine().encode()
-                         + _cpu_model().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"bitmask_cpu-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
-        os.close(fd)
-        cc = os.environ.get("CC", "cc")
-        subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(tmp, out)  # atomic: a concurrent build never loads a half-written file
-    return out
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _cpu_kernel():
     global _kernel, _kernel_failed
     if _kernel is None and not _kernel_failed:
         with _lock:
             if _kernel is None and not _kernel_failed:
                 try:
-                    fn = ctypes.CDLL(str(_build())).apply_bitmask_f32
+                    fn = ctypes.CDLL(str(native.build(_SOURCE))).apply_bitmask_f32
                     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
                     fn.restype = None

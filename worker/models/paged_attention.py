@@ -6,7 +6,9 @@ One engine step runs a flat batch of tokens through the model: first one token f
 decoding sequence, then a chunk of tokens for every sequence that is (pre)filling. Linear
 layers see all tokens at once; only attention is split:
 
-- decode rows are batched: their context slots are gathered into one padded tensor and a
+- decode rows: on x86-64 CPUs with AVX2, one C kernel (kernels/paged_attention_cpu.c)
+  reads each row's context in place through its block table; elsewhere (CUDA, other
+  CPUs, no C compiler) their context blocks are gathered into one padded tensor and a
   single SDPA call with a length mask serves them all;
 - each prefill chunk runs its own SDPA call (there are few of them per step), causal, with
   an offset when the chunk continues earlier context (chunked prefill, session reuse).
@@ -14,10 +16,17 @@ layers see all tokens at once; only attention is split:
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from worker.models import native
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +57,7 @@ class AttentionBatch:
     num_decode: the first ``num_decode`` tokens are single decode tokens, one per sequence.
     decode_blocks: [num_decode, max_blocks] int64 block tables (padded with block 0).
     decode_mask: [num_decode, 1, 1, max_blocks * block_size] bool, True on real context.
+    decode_lens: [num_decode] int64 context lengths (on the CPU, for the decode kernel).
     prefills: chunks for the remaining tokens, in batch order.
     """
 
@@ -56,6 +66,7 @@ class AttentionBatch:
     num_decode: int = 0
     decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # gather buffers for the decode rows, made by the first layer and reused by the others
     # (a fresh multi-MB tensor per layer costs page faults that dominate the gather)
@@ -80,14 +91,14 @@ class AttentionBatch:
             return table[pos // block_size] * block_size + pos % block_size
 
         slot_mapping = [slot(t, n - 1) for t, n in decodes]
-        decode_blocks = decode_mask = None
+        decode_blocks = decode_mask = decode_lens = None
         if decodes:
             max_blocks = max(-(-n // block_size) for _, n in decodes)
             decode_blocks = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
             for i, (table, n) in enumerate(decodes):
                 used = -(-n // block_size)
                 decode_blocks[i, :used] = torch.tensor(table[:used], dtype=torch.int64)
-            lens = torch.tensor([n for _, n in decodes])
+            lens = decode_lens = torch.tensor([n for _, n in decodes], dtype=torch.int64)
             decode_mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
             decode_blocks = decode_blocks.to(device)
             decode_mask = decode_mask[:, None, None, :].to(device)
@@ -107,6 +118,7 @@ class AttentionBatch:
             num_decode=len(decodes),
             decode_blocks=decode_blocks,
             decode_mask=decode_mask,
+            decode_lens=decode_lens,
             prefills=chunks,
         )
 
@@ -135,6 +147,8 @@ def paged_attention(
     k_blocks = k_cache.view(-1, bs, num_kv, dim)  # [num_blocks, bs, Hkv, D]
     v_blocks = v_cache.view(-1, bs, num_kv, dim)
     nd = batch.num_decode
+    if nd and _decode_in_place(q, k_cache, v_cache, batch, out, scale):
+        nd = 0  # done by the kernel
     if nd:
         # Whole blocks are copied (one memcpy each), then viewed as [nd, Hkv, L, D]; the
         # query heads of one KV head ride as G query rows, so K/V are never repeated.
@@ -168,3 +182,58 @@ def paged_attention(
                                            scale=scale, enable_gqa=group > 1)
         out[chunk.start:chunk.end] = o.transpose(0, 1)
     return out
+
+
+# --- the CPU decode kernel ---------------------------------------------------------------
+
+_kernel = None
+_kernel_failed = False
+_lock = threading.Lock()
+
+
+def _decode_kernel():
+    """The C decode kernel, built on first use; None where it cannot be (see native)."""
+    global _kernel, _kernel_failed
+    if _kernel is None and not _kernel_failed:
+        with _lock:
+            if _kernel is None and not _kernel_failed:
+                try:
+                    fn = native.load(native.KERNELS / "paged_attention_cpu.c") \
+                        .paged_decode_attention_f32
+                    p, i64 = ctypes.c_void_p, ctypes.c_int64
+                    fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64,
+                                   ctypes.c_float, i64]
+                    fn.restype = ctypes.c_int
+                    _kernel = fn
+                except Exception as exc:
+                    _kernel_failed = True
+                    logger.warning("could not build the CPU decode-attention kernel (%s); "
+                                   "decode rows gather their KV blocks (slower)", exc)
+    return _kernel
+
+
+def decode_kernel_available() -> bool:
+    """Builds / loads the kernel now; whether CPU decode rows use it."""
+    return _decode_kernel() is not None
+
+
+def _decode_in_place(q, k_cache, v_cache, batch: AttentionBatch, out, scale: float) -> bool:
+    """Decode rows through the C kernel (their output written into ``out[:nd]``); False
+    where it does not apply (not fp32 on the CPU, a head size not a multiple of 8, no
+    kernel), and the caller takes the torch path."""
+    if (q.device.type != "cpu" or q.dtype != torch.float32 or k_cache.dtype != torch.float32
+            or q.shape[2] % 8 or batch.decode_lens is None):
+        return False
+    fn = _decode_kernel()
+    if fn is None:
+        return False
+    nd, num_q, dim = batch.num_decode, q.shape[1], q.shape[2]
+    qd = q[:nd]
+    if qd.stride(2) != 1 or qd.stride(1) != dim:
+        qd = qd.contiguous()
+    tables = batch.decode_blocks.contiguous()
+    failed = fn(qd.data_ptr(), qd.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                tables.data_ptr(), tables.shape[1], batch.decode_lens.data_ptr(),
+                out.data_ptr(), out.stride(0), nd, num_q, k_cache.shape[1], dim,
+                batch.block_size, scale, torch.get_num_threads())
+    return failed == 0

@@ -10,7 +10,7 @@ Why our own kernel: on this kind of CPU (AVX2, no AVX-512) torch's
 would replace, and bf16 weights are slower than fp32 too (docs/benchmarks.md, "int8
 kernels"). Decode is bound by reading weights, so ``kernels/int8_linear_cpu.c`` reads one
 byte per weight and widens it in registers. It is compiled once per machine with the
-system C compiler into the rayguide cache and called through ctypes (which releases the
+system C compiler into the rayguide cache (``native``) and called through ctypes (which releases the
 GIL). Batches above ``DEQUANT_MIN_ROWS`` rows (prefill chunks) dequantize the weight into
 a reused fp32 buffer and use torch's sgemm, which is compute-bound there anyway. Without a
 C compiler everything takes the dequantize path: correct, not faster than fp32.
@@ -23,22 +23,17 @@ Semantics (the reference the kernel is tested against):
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from worker.models import native
+
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "kernels" / "int8_linear_cpu.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_SOURCE = native.KERNELS / "int8_linear_cpu.c"
 # Above this many rows the fp32 sgemm on a dequantized copy is faster than widening the
 # int8 weights once per 4 rows (measured: docs/benchmarks.md, "int8 kernels").
 DEQUANT_MIN_ROWS = 32
@@ -159,41 +154,8 @@ _kernel_failed = False
 _lock = threading.Lock()
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("RAYGUIDE_CACHE_DIR")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "rayguide"
-    return root / "kernels"
-
-
-def _cpu_model() -> str:
-    """The model name and flags lines: a kernel built with -march=native is tied to both."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    keep = [next((ln for ln in lines if ln.startswith(key)), "") for key in ("model name", "flags")]
-    return "\n".join(keep)
-
-
 def _has_avx2_fma() -> bool:
-    flags = _cpu_model().rpartition("\n")[2].split()
-    return "avx2" in flags and "fma" in flags
-
-
-def _build() -> Path:
-    source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.machine().encode()
-                         + _cpu_model().encode()).hexdigest()[:16]
-    out = _cache_dir() / f"int8_linear_cpu-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
-        os.close(fd)
-        cc = os.environ.get("CC", "cc")
-        subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(tmp, out)  # atomic: a concurrent build never loads a half-written file
-    return out
+    return native.has_avx2_fma()
 
 
 def _kernel() -> _Kernel | None:
@@ -204,10 +166,7 @@ def _kernel() -> _Kernel | None:
         with _lock:
             if _kernel_obj is None and not _kernel_failed:
                 try:
-                    if platform.machine() not in ("x86_64", "AMD64") or not _has_avx2_fma():
-                        raise RuntimeError("the kernel needs x86-64 with AVX2 and FMA")
-                    torch.empty(1).add_(1)  # make sure torch's OpenMP runtime is loaded first
-                    _kernel_obj = _Kernel(ctypes.CDLL(str(_build())))
+                    _kernel_obj = _Kernel(native.load(_SOURCE))
                 except Exception as exc:
                     _kernel_failed = True
                     logger.warning("could not build the int8 CPU kernel (%s); int8 weights "
