@@ -43,10 +43,32 @@ def test_int8_linear_matches_reference(rows, bias, n_k):
     lin = quant.Int8Linear(torch.randn(n, k), torch.randn(n) if bias else None)
     x = torch.randn(rows, k) * 3
     x[:, 0] = 40.0  # an outlier column, as LLM activations have: int16 rows must cope
-    ref = quant.reference_linear(x, lin.weight_q, lin.scale, lin.bias)
+    ref = quant.reference_linear(x, lin.int8_weight(), lin.scale, lin.bias)
     got = lin(x)
     assert got.shape == (rows, n)
     assert (got - ref).abs().max() <= KERNEL_RTOL * ref.abs().max()
+
+
+@pytest.mark.unit
+def test_pack_round_trip_and_layout():
+    """The kernel's layout: four channels' 16 columns in one 64-byte run."""
+    q = torch.arange(8 * 32, dtype=torch.int16).remainder(251).sub(125).to(torch.int8).view(8, 32)
+    p = quant.pack(q)
+    assert p.shape == (2, 2, 4, 16) and p.is_contiguous()
+    assert torch.equal(p.flatten()[:64].view(4, 16), q[0:4, 0:16])
+    assert torch.equal(p.flatten()[64:128].view(4, 16), q[0:4, 16:32])
+    assert torch.equal(quant.unpack(p), q)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("rows", [1, 40])
+def test_int8_linear_unpackable_shape_takes_the_torch_path(rows):
+    torch.manual_seed(2)
+    lin = quant.Int8Linear(torch.randn(6, 20))  # 6 % 4, 20 % 16: no packing, no kernel
+    assert not lin.packed and lin.weight_q.shape == (6, 20)
+    x = torch.randn(rows, 20)
+    ref = quant.reference_linear(x, lin.int8_weight(), lin.scale)
+    assert (lin(x) - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.unit
@@ -55,7 +77,7 @@ def test_int8_linear_strided_and_batched_input():
     lin = quant.Int8Linear(torch.randn(32, 64))
     wide = torch.randn(2, 3, 128)
     x = wide[..., :64]  # [2, 3, 64], rows not contiguous with each other
-    ref = quant.reference_linear(x.reshape(-1, 64), lin.weight_q, lin.scale).view(2, 3, 32)
+    ref = quant.reference_linear(x.reshape(-1, 64), lin.int8_weight(), lin.scale).view(2, 3, 32)
     got = lin(x)
     assert got.shape == (2, 3, 32)
     assert (got - ref).abs().max() <= KERNEL_RTOL * ref.abs().max()

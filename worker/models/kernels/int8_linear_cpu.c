@@ -15,6 +15,13 @@
  * sums are independent chains and every x load is reused four times), for MT rows of x
  * per pass over a weight block. Output channels are split across the OpenMP runtime torch
  * already loaded (same soname, same thread pool). Needs N % 4 == 0 and K % 16 == 0.
+ *
+ * Layout: the weight is packed once at load (quant.pack, in torch) as [N/4][K/16][4][16]:
+ * the 16 columns of four output channels lie in one 64-byte line, so each thread reads one
+ * contiguous stream. Read row by row ([N, K]), four rows of 576 bytes are four streams of 9
+ * lines each, too short for the hardware prefetcher: 7-11 GB/s against 20-40 GB/s packed
+ * (docs/benchmarks.md, "int8 kernel, packed weights"). Where AVX512-VNNI is there (built
+ * with -march=native), vpdpwssd fuses the madd and the add.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -23,6 +30,14 @@
 
 #define MT 2        /* rows of x per pass over a weight block (registers: 2 x 4 sums) */
 #define KCHUNK 2048 /* columns summed in int32 before moving to fp32 */
+#define CH 16       /* columns per packed chunk: 4 channels x 16 = one 64-byte line */
+#define XQ_STACK 8192 /* int16 x values kept on the stack (no malloc per decode call) */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT(acc, x, w) _mm256_dpwssd_epi32((acc), (x), (w))
+#else
+#define DOT(acc, x, w) _mm256_add_epi32((acc), _mm256_madd_epi16((x), (w)))
+#endif
 
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -52,9 +67,12 @@ static void quantize_rows(const float *x, int64_t ldx, int16_t *xq, float *xs, i
 int int8_linear_f32(const float *x, int64_t ldx, const int8_t *w, const float *scale,
                     const float *bias, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K,
                     int64_t nthreads) {
-    int16_t *xq = aligned_alloc(32, ((M * K * sizeof(int16_t) + 31) / 32) * 32);
-    float *xs = malloc(M * sizeof(float));
-    if (!xq || !xs) {
+    int16_t stack_q[XQ_STACK];
+    float stack_s[MT * 32];
+    const int heap = M * K > XQ_STACK || M > MT * 32;
+    int16_t *xq = heap ? aligned_alloc(32, ((M * K * sizeof(int16_t) + 31) / 32) * 32) : stack_q;
+    float *xs = heap ? malloc(M * sizeof(float)) : stack_s;
+    if (heap && (!xq || !xs)) {
         free(xq);
         free(xs);
         return 1;
@@ -62,7 +80,7 @@ int int8_linear_f32(const float *x, int64_t ldx, const int8_t *w, const float *s
     quantize_rows(x, ldx, xq, xs, M, K);
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int64_t n = 0; n < N; n += 4) {
-        const int8_t *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+        const int8_t *wb = w + n * K; /* this group's packed chunks, contiguous */
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = (M - m0) < MT ? (int)(M - m0) : MT;
             __m256 fsum[MT][4];
@@ -73,16 +91,18 @@ int int8_linear_f32(const float *x, int64_t ldx, const int8_t *w, const float *s
                 __m256i acc[MT][4];
                 for (int i = 0; i < MT; i++)
                     for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
-                for (int64_t k = k0; k < k1; k += 16) {
-                    const __m256i a = widen16(w0 + k), b = widen16(w1 + k);
-                    const __m256i c = widen16(w2 + k), d = widen16(w3 + k);
+                for (int64_t k = k0; k < k1; k += CH) {
+                    const int8_t *c = wb + k * 4;
+                    _mm_prefetch((const char *)(c + 512), _MM_HINT_T0);
+                    const __m256i a = widen16(c), b = widen16(c + CH);
+                    const __m256i e = widen16(c + 2 * CH), d = widen16(c + 3 * CH);
                     for (int i = 0; i < mt; i++) {
                         const __m256i xv =
                             _mm256_loadu_si256((const __m256i *)(xq + (m0 + i) * K + k));
-                        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(xv, a));
-                        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(xv, b));
-                        acc[i][2] = _mm256_add_epi32(acc[i][2], _mm256_madd_epi16(xv, c));
-                        acc[i][3] = _mm256_add_epi32(acc[i][3], _mm256_madd_epi16(xv, d));
+                        acc[i][0] = DOT(acc[i][0], xv, a);
+                        acc[i][1] = DOT(acc[i][1], xv, b);
+                        acc[i][2] = DOT(acc[i][2], xv, e);
+                        acc[i][3] = DOT(acc[i][3], xv, d);
                     }
                 }
                 for (int i = 0; i < mt; i++)
@@ -97,22 +117,30 @@ int int8_linear_f32(const float *x, int64_t ldx, const int8_t *w, const float *s
             }
         }
     }
-    free(xq);
-    free(xs);
+    if (heap) {
+        free(xq);
+        free(xs);
+    }
     return 0;
 }
 
-/* out[n, k] = w[n, k] * scale[n]: the fp32 weight, for batches large enough that a
- * blocked sgemm beats the integer path. */
+/* out[n, k] = w[n, k] * scale[n], row-major [N, K], from the packed weight: the fp32
+ * weight, for batches large enough that a blocked sgemm beats the integer path. */
 void int8_dequant_f32(const int8_t *w, const float *scale, float *out, int64_t N, int64_t K,
                       int64_t nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t n = 0; n < N; n++) {
-        const __m256 s = _mm256_set1_ps(scale[n]);
-        for (int64_t k = 0; k < K; k += 8) {
-            const __m128i q = _mm_loadl_epi64((const __m128i *)(w + n * K + k));
-            _mm256_storeu_ps(out + n * K + k,
-                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s));
+    for (int64_t n = 0; n < N; n += 4) {
+        for (int64_t k = 0; k < K; k += CH) {
+            const int8_t *c = w + n * K + k * 4;
+            for (int j = 0; j < 4; j++) {
+                const __m256 s = _mm256_set1_ps(scale[n + j]);
+                float *o = out + (n + j) * K + k;
+                for (int h = 0; h < CH; h += 8) {
+                    const __m128i q = _mm_loadl_epi64((const __m128i *)(c + j * CH + h));
+                    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+                    _mm256_storeu_ps(o + h, _mm256_mul_ps(f, s));
+                }
+            }
         }
     }
 }
