@@ -14,6 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from worker.models import layer_ops
 from worker.models.paged_attention import AttentionBatch, paged_attention
 from worker.models.rope import RotaryEmbedding
 
@@ -35,8 +36,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with ``residual``: (norm(x + residual), x + residual), the residual
+        add fused into the norm (one C call on the CPU: ``layer_ops``)."""
+        out = layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if out is not None:
+            return out
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        total = x + residual
+        return F.rms_norm(total, self.weight.shape, self.weight, self.eps), total
 
 
 class Attention(nn.Module):
@@ -68,7 +77,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary.apply(q, k, cos, sin)
+        if not layer_ops.rope_(q, k, cos, sin):  # in place where it can
+            q, k = self.rotary.apply(q, k, cos, sin)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], batch, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -82,8 +92,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        h = layer_ops.silu_mul(gate_up)
+        if h is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -94,9 +108,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, batch):
+        """Returns (this layer's MLP output, the residual stream before it): the next
+        norm adds them (x_out = residual + mlp), so each add is fused into a norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        a = self.self_attn(h, cos, sin, kv_cache, batch)
+        h, residual = self.post_attention_layernorm(a, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,9 +163,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, batch)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, batch)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings and not hasattr(self, "lm_head"):

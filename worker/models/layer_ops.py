@@ -1,0 +1,109 @@
+"""RMSNorm (with the residual add fused in), RoPE and SiLU-and-mul through one small C
+library (kernels/layer_ops_cpu.c) for fp32 tensors on the CPU.
+
+Each function returns None where it does not apply (CUDA, bf16, a layout it does not
+take, no C compiler or no AVX2: see ``native``), and the caller runs its torch code, which
+is the definition these are tested against (tests/test_layer_ops.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+from worker.models import native
+
+logger = logging.getLogger(__name__)
+
+_lib = None
+_failed = False
+_lock = threading.Lock()
+
+
+def _library():
+    global _lib, _failed
+    if _lib is None and not _failed:
+        with _lock:
+            if _lib is None and not _failed:
+                try:
+                    lib = native.load(native.KERNELS / "layer_ops_cpu.c")
+                    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+                    lib.rms_norm_f32.argtypes = [p, i64, p, p, p, p, i64, i64, i64, f32, i64]
+                    lib.rms_norm_f32.restype = None
+                    lib.rope_f32.argtypes = [p, i64, p, p, i64, i64, i64, i64]
+                    lib.rope_f32.restype = None
+                    lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
+                    lib.silu_mul_f32.restype = None
+                    _lib = lib
+                except Exception as exc:
+                    _failed = True
+                    logger.warning("could not build the CPU layer-ops kernel (%s); norms, "
+                                   "RoPE and SiLU run as torch ops (slower at small batches)",
+                                   exc)
+    return _lib
+
+
+def available() -> bool:
+    """Builds / loads the library now; whether the fp32 CPU paths use it."""
+    return _library() is not None
+
+
+def _fits(x: torch.Tensor) -> bool:
+    return x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None):
+    """``F.rms_norm(x, ..)`` ([M, K] -> [M, K]), or with ``residual``: (norm(x + residual),
+    x + residual). None where the C path does not apply."""
+    lib = _library()
+    if lib is None or not _fits(x) or weight.dtype != torch.float32:
+        return None
+    m, k = x.shape
+    out = torch.empty(m, k)
+    if residual is None:
+        lib.rms_norm_f32(x.data_ptr(), x.stride(0), None, None, weight.data_ptr(),
+                         out.data_ptr(), k, m, k, eps, torch.get_num_threads())
+        return out
+    if not (residual.is_contiguous() and residual.dtype == torch.float32
+            and residual.shape == x.shape):
+        return None
+    total = torch.empty(m, k)
+    lib.rms_norm_f32(x.data_ptr(), x.stride(0), residual.data_ptr(), total.data_ptr(),
+                     weight.data_ptr(), out.data_ptr(), k, m, k, eps, torch.get_num_threads())
+    return out, total
+
+
+def _rope_fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    return (x.is_cpu and x.dtype == torch.float32 and x.dim() == 3 and x.stride(2) == 1
+            and x.stride(1) == x.shape[2] and cos.shape == (x.shape[0], x.shape[2]))
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (heads contiguous, any row stride:
+    views of the packed qkv output); cos, sin: [T, D] fp32. Both or neither: False where
+    the C path does not apply to either, and nothing was changed."""
+    lib = _library()
+    if (lib is None or cos.dtype != torch.float32 or not cos.is_contiguous()
+            or not sin.is_contiguous() or not _rope_fits(q, cos) or not _rope_fits(k, cos)):
+        return False
+    threads = torch.get_num_threads()
+    for x in (q, k):
+        t, h, d = x.shape
+        lib.rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, h, d, threads)
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor):
+    """[M, 2I] -> silu(gate) * up [M, I]; None where the C path does not apply."""
+    lib = _library()
+    if lib is None or not _fits(gate_up):
+        return None
+    m, two_i = gate_up.shape
+    out = torch.empty(m, two_i // 2)
+    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, two_i // 2,
+                     torch.get_num_threads())
+    return out
