@@ -110,6 +110,7 @@ class GrammarCache:
         self.lru = _ByteLRU(config.max_bytes)
         self.errors: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
         self.inflight: dict[str, asyncio.Future] = {}
+        self.compiling = 0  # compiles running or waiting for a compile process
         self.compile_times: deque[float] = deque(maxlen=2048)
         self.counts = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "timeouts": 0,
                        "joined": 0, "local_verdicts": 0, "unavailable": 0, "disk_hits": 0,
@@ -170,12 +171,16 @@ class GrammarCache:
             self.counts["hot"] += 1
 
     def hot(self, fingerprint: str, since: int = 0,
-            uses: list[tuple[str, int, GrammarSpec | None]] = ()) -> tuple[int, list]:
+            uses: list[tuple[str, int, GrammarSpec | None]] = ()) -> dict:
         """Takes a worker's report of requests per grammar since its last call (``uses``:
-        (key, requests, spec or None when sent before)) and returns ``(cursor, specs)``:
-        the tokenizer's hot grammars added since ``since`` (the cursor of the last call; 0
-        for a new worker, which gets every hot grammar, most requested first), without
-        those known to fail."""
+        (key, requests, spec or None when sent before)) and answers with
+        - ``cursor`` and ``specs``: the tokenizer's hot grammars added since ``since`` (the
+          cursor of the last call; 0 for a new worker, which gets every hot grammar, most
+          requested first), without those known to fail;
+        - ``compiling``: compiles running or queued here now (requests wait for those:
+          workers hold their prefetches back meanwhile);
+        - ``known``: whether this cache has the tokenizer (a worker that has made no request
+          yet registers it then, so configured hot grammars warm before any request)."""
         for key, n, spec in uses:
             if spec is not None:
                 self.specs.setdefault(key, spec)
@@ -187,7 +192,9 @@ class GrammarCache:
         new = keys[since:]
         if since == 0:
             new = sorted(new, key=lambda k: -self.demand.get(k, 0))
-        return len(keys), [self.specs[k] for k in new if self._cached_error(k) is None]
+        return {"cursor": len(keys), "compiling": self.compiling,
+                "specs": [self.specs[k] for k in new if self._cached_error(k) is None],
+                "known": fingerprint in self.tokenizers}
     def has_tokenizer(self, fingerprint: str) -> bool:
         return fingerprint in self.tokenizers
 
@@ -250,12 +257,16 @@ class GrammarCache:
         loop = asyncio.get_running_loop()
         if self._compile_slots is None:
             self._compile_slots = asyncio.Semaphore(self.config.compile_processes)
-        async with self._compile_slots:  # first come, first compiled
-            t = time.perf_counter()
-            result: CompileResult = await loop.run_in_executor(
-                self._compile_threads, self.pool.compile, spec, fingerprint,
-                self.tokenizers[fingerprint], key)
-            elapsed = time.perf_counter() - t
+        self.compiling += 1
+        try:
+            async with self._compile_slots:  # first come, first compiled
+                t = time.perf_counter()
+                result: CompileResult = await loop.run_in_executor(
+                    self._compile_threads, self.pool.compile, spec, fingerprint,
+                    self.tokenizers[fingerprint], key)
+                elapsed = time.perf_counter() - t
+        finally:
+            self.compiling -= 1
         self.counts["compiles"] += 1
         self.compile_times.append(elapsed)
         self._m_compile.observe(elapsed, tags={"kind": spec.kind})
@@ -347,7 +358,7 @@ class GrammarCacheActor:
     async def get(self, spec: GrammarSpec, fingerprint: str) -> bytes | None:
         return await self.cache.get(spec, fingerprint)
 
-    def hot(self, fingerprint: str, since: int = 0, uses: list = ()) -> tuple[int, list]:
+    def hot(self, fingerprint: str, since: int = 0, uses: list = ()) -> dict:
         return self.cache.hot(fingerprint, since, uses)
 
     def stats(self) -> dict:

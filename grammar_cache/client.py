@@ -187,17 +187,7 @@ class GrammarCacheClient:
         if time.monotonic() < self._down_until:
             return None  # it failed a moment ago: compile locally without waiting on it
         try:
-            actor = self._handle()
-            if not self._actor_ready:
-                # a new actor answers once its compile processes are up: wait for that
-                # (not the short ping), or a fresh cluster compiles everything locally
-                t = self.config.ready_timeout_s
-                if not ray.get(actor.ready.remote(t), timeout=t + 5):
-                    raise TimeoutError(f"not ready within {t:g} s")
-                self._actor_ready = True
-            else:
-                # a dead or restarting actor must not hold this compile for the long timeout
-                ray.get(actor.ping.remote(), timeout=self.ping_timeout_s)
+            actor = self._ready_actor()
             for _ in range(2):
                 if not self._registered:
                     self._register(actor)
@@ -215,6 +205,27 @@ class GrammarCacheClient:
             self._count("actor_failures")
             self._fallback(f"unavailable ({type(exc).__name__}: {exc})")
             return None
+
+    def _ready_actor(self):
+        actor = self._handle()
+        if not self._actor_ready:
+            # a new actor answers once its compile processes are up: wait for that
+            # (not the short ping), or a fresh cluster compiles everything locally
+            t = self.config.ready_timeout_s
+            if not ray.get(actor.ready.remote(t), timeout=t + 5):
+                raise TimeoutError(f"not ready within {t:g} s")
+            self._actor_ready = True
+        else:
+            # a dead or restarting actor must not hold this compile for the long timeout
+            ray.get(actor.ping.remote(), timeout=self.ping_timeout_s)
+        return actor
+
+    def register(self) -> None:
+        """Gives the actor this worker's tokenizer now, before any request needs it (the
+        replicator calls it when the actor says it lacks it: a worker that has served no
+        guided request yet, or an actor that restarted). Raises where the actor is not
+        there; requests do not depend on it (their fetch registers too)."""
+        self._register(self._ready_actor())
 
     def _register(self, actor) -> None:
         """Registers the tokenizer, retrying with backoff (0.1, 0.2, 0.4 s)."""

@@ -9,7 +9,10 @@ deserialization, or the in-process compile of a "compile locally" verdict, run o
 manager's threads, never on the step loop) and awaits it, one at a time, so prefetching
 takes at most one of those threads from requests and one core's worth of work from the
 engine. It stops prefetching while the local LRU holds more than ``replicate_max_bytes``
-(what requests ask for is still fetched). Prefetched grammars are added to the families
+(what requests ask for is still fetched). Prefetching is speculative, so it yields: while
+requests on this worker wait for their own grammars, and while the cache actor has compiles
+running or queued (requests somewhere wait for those, and on the actor's node a prefetch's
+deserializing takes CPU from them), for at most ``MAX_DEFER_S`` at a stretch. Prefetched grammars are added to the families
 the worker reports, so affinity routing sends their requests here too.
 
 Nothing here knows the engine or Ray actors' classes: the worker hands in callables.
@@ -30,6 +33,9 @@ from grammar_cache.spec import GrammarSpec
 logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED = 100_000  # keys whose spec the actor was sent (beyond: sent again)
+# the longest prefetching waits for the actor's compiles to drain (a cluster that never
+# stops meeting new grammars still replicates)
+MAX_DEFER_S = 30.0
 
 
 class Replicator:
@@ -37,24 +43,29 @@ class Replicator:
                  actor: Callable[[], object], prefetch: Callable[[GrammarSpec], Future],
                  holds: Callable[[GrammarSpec], bool], held_bytes: Callable[[], int],
                  on_held: Callable[[GrammarSpec], None] = lambda spec: None,
-                 busy: Callable[[], bool] = lambda: False):
+                 busy: Callable[[], bool] = lambda: False,
+                 register: Callable[[], None] = lambda: None):
         """``actor()``: the cache actor's handle (may raise while it is missing).
         ``prefetch(spec)``: a concurrent Future of the compiled grammar. ``holds(spec)``:
         whether it is ready locally. ``held_bytes()``: bytes in the local LRU. ``busy()``:
         requests here are waiting for their own grammars (they go first: prefetching
-        pauses, the rest of the list is taken up at the next poll)."""
+        pauses, the rest of the list is taken up at the next poll). ``register()``: gives
+        the actor this worker's tokenizer (blocking; run on a thread)."""
         self.config = config
         self.fingerprint = fingerprint
         self._actor, self._prefetch, self._holds = actor, prefetch, holds
         self._held_bytes, self._on_held, self._busy = held_bytes, on_held, busy
+        self._register = register
         self._pending: list[GrammarSpec] = []  # hot grammars not yet looked at
         self.cursor = 0
         self._uses: dict[str, list] = {}  # key -> [requests, spec]
         self._sent: set[str] = set()  # keys whose spec the actor already has from us
         self.counts = {"prefetches": 0, "prefetch_failures": 0, "prefetch_skipped_budget": 0,
-                       "prefetch_deferred": 0,
-                       "prefetch_s": 0.0, "replication_polls": 0, "replication_poll_failures": 0}
+                       "prefetch_deferred": 0, "prefetch_deferred_compiling": 0,
+                       "prefetch_s": 0.0, "replication_polls": 0, "replication_poll_failures": 0,
+                       "replication_registrations": 0}
         self._task: asyncio.Task | None = None
+        self._deferred_since: float | None = None  # while the actor's compiles held us back
 
     def used(self, spec: GrammarSpec) -> None:
         """Counts one request for ``spec`` on this worker (reported at the next poll)."""
@@ -91,21 +102,29 @@ class Replicator:
         if len(self._sent) > MAX_REMEMBERED:
             self._sent.clear()
         try:
-            cursor, specs = await self._actor().hot.remote(self.fingerprint, self.cursor, report)
+            answer = await self._actor().hot.remote(self.fingerprint, self.cursor, report)
         except BaseException:
             for key, n, spec in report:  # not lost: reported with the next poll
                 self._sent.discard(key)
                 self.used_n(key, n, spec or uses[key][1])
             raise
-        if cursor < self.cursor:  # the actor restarted: its hot list starts over, and it
-            self._sent.clear()  # knows none of the specs we sent
-            cursor, specs = await self._actor().hot.remote(self.fingerprint, 0, [])
-        self.cursor = cursor
+        if not answer["known"]:  # no request here yet, or the actor restarted: without
+            await asyncio.to_thread(self._register)  # our tokenizer it has no hot list
+            self.counts["replication_registrations"] += 1
+        if answer["cursor"] < self.cursor:  # the actor restarted: its hot list starts
+            self._sent.clear()  # over, and it knows none of the specs we sent
+            answer = await self._actor().hot.remote(self.fingerprint, 0, [])
+        elif not answer["known"]:
+            answer = await self._actor().hot.remote(self.fingerprint, self.cursor, [])
+        self.cursor, specs, compiling = answer["cursor"], answer["specs"], answer["compiling"]
         self.counts["replication_polls"] += 1
         if not self.config.replicate:
             return 0
         done = 0
         self._pending.extend(specs)
+        if self._pending and compiling and self._defer_for_compiles():
+            return 0
+        self._deferred_since = None
         while self._pending:
             if self._busy():
                 self.counts["prefetch_deferred"] += 1
@@ -133,6 +152,15 @@ class Replicator:
             self._on_held(spec)
             done += 1
         return done
+
+    def _defer_for_compiles(self) -> bool:
+        now = time.monotonic()
+        if self._deferred_since is None:
+            self._deferred_since = now
+        if now - self._deferred_since >= MAX_DEFER_S:
+            return False
+        self.counts["prefetch_deferred_compiling"] += 1
+        return True
 
     def used_n(self, key: str, n: int, spec: GrammarSpec) -> None:
         entry = self._uses.get(key)

@@ -131,29 +131,118 @@ def test_hot_after_two_requests_or_by_config(tmp_path):
     configured = {"kind": "json_schema", "source": {"type": "object"}}
     cache, info, fp = tiny_cache(tmp_path, hot_specs=[configured])
     try:
-        cursor, specs = cache.hot(fp, 0, [])
-        assert [s.kind for s in specs] == ["json_schema"] and cursor == 1
+        answer = cache.hot(fp, 0, [])
+        assert [s.kind for s in answer["specs"]] == ["json_schema"] and answer["cursor"] == 1
+        assert answer["known"] and not cache.hot("another tokenizer", 0, [])["known"]
         s1 = spec(4)
-        cursor, specs = cache.hot(fp, cursor, [(s1.key(fp), 1, s1)])
-        assert specs == []  # asked once: not hot yet
-        cursor, specs = cache.hot(fp, cursor, [(s1.key(fp), 1, None)])  # spec sent before
-        assert specs == [s1] and cursor == 2
-        assert cache.hot(fp, cursor, [])[1] == []  # each worker gets each one once
+        answer = cache.hot(fp, 1, [(s1.key(fp), 1, s1)])
+        assert answer["specs"] == []  # asked once: not hot yet
+        answer = cache.hot(fp, 1, [(s1.key(fp), 1, None)])  # spec sent before
+        assert answer["specs"] == [s1] and answer["cursor"] == 2
+        assert cache.hot(fp, 2, [])["specs"] == []  # each worker gets each one once
         # a new worker (cursor 0) gets the whole list, most requested first
-        assert cache.hot(fp, 0, [])[1] == [s1, GrammarSpec.json_schema({"type": "object"})]
+        assert cache.hot(fp, 0, [])["specs"] == [s1, GrammarSpec.json_schema({"type": "object"})]
         bad = GrammarSpec.regex("[z-a]")
         asyncio.run(cache.get(bad, fp))  # invalid: a cached error
-        cache.hot(fp, cursor, [(bad.key(fp), 5, bad)])
-        assert bad not in cache.hot(fp, 0, [])[1]  # known to fail: never replicated
+        cache.hot(fp, 2, [(bad.key(fp), 5, bad)])
+        assert bad not in cache.hot(fp, 0, [])["specs"]  # known to fail: never replicated
     finally:
         cache.close()
+
+
+def test_hot_reports_compiles_running_or_queued(tmp_path):
+    cache, info, fp = tiny_cache(tmp_path)
+
+    async def scenario():
+        assert cache.hot(fp, 0, [])["compiling"] == 0
+        tasks = [asyncio.create_task(cache.get(spec(60 + i), fp)) for i in range(2)]
+        while cache.compiling < 2:  # one compiling, one waiting for the one process
+            await asyncio.sleep(0.01)
+        assert cache.hot(fp, 0, [])["compiling"] == 2
+        await asyncio.gather(*tasks)
+        assert cache.hot(fp, 0, [])["compiling"] == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        cache.close()
+
+
+class _FakeCacheActor:
+    """``hot.remote`` as the Replicator calls it: an awaitable answer."""
+
+    def __init__(self, specs):
+        self.specs, self.compiling, self.known = specs, 0, True
+        self.hot = self
+
+    def remote(self, fp, since, report):
+        async def answer():
+            return {"cursor": len(self.specs), "specs": self.specs[since:],
+                    "compiling": self.compiling, "known": self.known}
+        return answer()
+
+
+def test_prefetching_waits_for_the_actors_compiles_but_not_forever(monkeypatch):
+    from concurrent.futures import Future
+
+    from grammar_cache import replication
+
+    actor = _FakeCacheActor([spec(70), spec(71)])
+    fetched = []
+
+    def prefetch(s):
+        fetched.append(s)
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+    rep = replication.Replicator(GrammarCacheConfig(), "fp", actor=lambda: actor,
+                                 prefetch=prefetch, holds=lambda s: s in fetched,
+                                 held_bytes=lambda: 0)
+    actor.compiling = 3  # requests somewhere wait for compiles: speculative work waits
+    assert asyncio.run(rep.poll_once()) == 0 and fetched == []
+    assert asyncio.run(rep.poll_once()) == 0 and fetched == []  # still kept, not dropped
+    assert rep.stats()["prefetch_deferred_compiling"] == 2
+    clock = [time.monotonic() + replication.MAX_DEFER_S + 1]  # compiling for too long
+    monkeypatch.setattr(replication.time, "monotonic", lambda: clock[0])
+    assert asyncio.run(rep.poll_once()) == 2 and fetched == [spec(70), spec(71)]
+    actor.specs.append(spec(72))
+    actor.compiling = 0  # drained: fetched at once
+    assert asyncio.run(rep.poll_once()) == 1
+
+
+def test_a_worker_registers_its_tokenizer_when_the_actor_lacks_it():
+    from concurrent.futures import Future
+
+    from grammar_cache import replication
+
+    actor = _FakeCacheActor([spec(80)])
+    actor.known = False
+    registered = []
+
+    def register():
+        registered.append(1)
+        actor.known = True
+
+    def prefetch(s):
+        fut = Future()
+        fut.set_result(None)
+        return fut
+
+    rep = replication.Replicator(GrammarCacheConfig(), "fp", actor=lambda: actor,
+                                 prefetch=prefetch, holds=lambda s: False,
+                                 held_bytes=lambda: 0, register=register)
+    assert asyncio.run(rep.poll_once()) == 1  # registered, asked again, prefetched
+    assert registered == [1] and rep.stats()["replication_registrations"] == 1
+    assert asyncio.run(rep.poll_once()) == 0 and registered == [1]
 
 
 def test_replication_off_keeps_the_list_empty(tmp_path):
     cache, info, fp = tiny_cache(tmp_path, replicate=False)
     try:
         s1 = spec(5)
-        assert cache.hot(fp, 0, [(s1.key(fp), 9, s1)]) == (0, [])
+        answer = cache.hot(fp, 0, [(s1.key(fp), 9, s1)])
+        assert answer["cursor"] == 0 and answer["specs"] == []
     finally:
         cache.close()
 

@@ -112,7 +112,8 @@ class WorkerActor:
             held_bytes=lambda: guided.cached_bytes,
             on_held=lambda spec: self._hold(spec.family),
             # requests waiting for their grammars go first (a list read: no lock needed)
-            busy=lambda: bool(self.engine.engine.waiting_for_grammar))
+            busy=lambda: bool(self.engine.engine.waiting_for_grammar),
+            register=self.grammar_client.register)
 
     def _replicating(self) -> None:
         if self.replicator is not None:
