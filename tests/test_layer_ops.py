@@ -85,3 +85,44 @@ def test_other_dtypes_fall_back():
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     assert layer_ops.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-5) is None
     assert layer_ops.silu_mul(x) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 31, 32, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_torch_at_every_batch(rows, bias):
+    """Below LINEAR_MAX_ROWS the C kernel, from there torch's sgemm: the same result."""
+    torch.manual_seed(rows)
+    lin = layer_ops.Linear(576, 960, bias=bias)
+    x = torch.randn(rows, 576)
+    with torch.no_grad():
+        got = lin(x)
+        assert lin._call[2], "the kernel applies to this layer"
+        want = F.linear(x, lin.weight, lin.bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_linear_follows_replaced_or_moved_weights_and_autograd():
+    lin = layer_ops.Linear(16, 8)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        lin(x)
+        lin.weight = torch.nn.Parameter(torch.randn(8, 16))  # a new tensor: a new address
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        lin.double()  # _apply: the cached call is dropped, and float64 takes the torch path
+        assert lin(x.double()).dtype == torch.float64
+    lin.float()
+    y = lin(x)  # autograd on: torch's op, so gradients flow
+    y.sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_linear_declines_shapes_it_does_not_take():
+    assert not layer_ops.linear_call(torch.randn(6, 16), None)  # N % 4
+    assert not layer_ops.linear_call(torch.randn(8, 12), None)  # K % 8
+    assert not layer_ops.linear_call(torch.randn(16, 8).t(), None)  # not contiguous
+    lin = layer_ops.Linear(12, 6)
+    with torch.no_grad():
+        x = torch.randn(3, 12)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))

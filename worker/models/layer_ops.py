@@ -1,5 +1,5 @@
-"""RMSNorm (with the residual add fused in), RoPE and SiLU-and-mul through one small C
-library (kernels/layer_ops_cpu.c) for fp32 tensors on the CPU.
+"""RMSNorm (with the residual add fused in), RoPE, SiLU-and-mul and small-batch Linear
+layers through one small C library (kernels/layer_ops_cpu.c) for fp32 tensors on the CPU.
 
 Each function returns None where it does not apply (CUDA, bf16, a layout it does not
 take, no C compiler or no AVX2: see ``native``), and the caller runs its torch code, which
@@ -13,6 +13,9 @@ import logging
 import threading
 
 import torch
+
+from torch import nn
+import torch.nn.functional as F
 
 from worker.models import native
 
@@ -37,6 +40,8 @@ def _library():
                     lib.rope_f32.restype = None
                     lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
                     lib.silu_mul_f32.restype = None
+                    lib.f32_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
+                    lib.f32_linear.restype = None
                     _lib = lib
                 except Exception as exc:
                     _failed = True
@@ -107,3 +112,52 @@ def silu_mul(gate_up: torch.Tensor):
     lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, two_i // 2,
                      torch.get_num_threads())
     return out
+
+
+# At this many rows and more, torch's blocked sgemm (compute-bound there) takes over.
+LINEAR_MAX_ROWS = 32
+
+
+def linear_call(weight: torch.Tensor, bias: torch.Tensor | None):
+    """(C function, weight address, bias address, N, K) for ``linear``, or False where the
+    weight does not fit the kernel (not fp32 on the CPU, not contiguous, N % 4 or K % 8)."""
+    lib = _library()
+    n, k = weight.shape
+    if (lib is None or not weight.is_cpu or weight.dtype != torch.float32
+            or not weight.is_contiguous() or n % 4 or k % 8
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return False
+    return lib.f32_linear, weight.data_ptr(), None if bias is None else bias.data_ptr(), n, k
+
+
+def linear(x: torch.Tensor, call) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` through ``call`` (``linear_call``'s tuple) for [M, K] fp32 x
+    with M < LINEAR_MAX_ROWS and inference mode (no autograd graph); else None."""
+    if (not call or x.dim() != 2 or x.shape[0] >= LINEAR_MAX_ROWS or not x.is_cpu
+            or x.dtype != torch.float32 or x.stride(1) != 1 or torch.is_grad_enabled()):
+        return None
+    fn, w, b, n, k = call
+    m = x.shape[0]
+    y = x.new_empty(m, n)
+    fn(x.data_ptr(), x.stride(0), w, b, y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    return y
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward takes the C kernel at decode-sized batches (fp32, CPU,
+    no autograd); parameters, names and loading are nn.Linear's."""
+
+    _call = None  # (weight, bias, linear_call tuple), made at first use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cached = self._call
+        params = self._parameters
+        if cached is None or cached[0] is not params["weight"] or cached[1] is not params["bias"]:
+            cached = self._call = (params["weight"], params["bias"],
+                                   linear_call(params["weight"], params["bias"]))
+        y = linear(x, cached[2])
+        return F.linear(x, self.weight, self.bias) if y is None else y
+
+    def _apply(self, fn, recurse=True):
+        self._call = None  # .to() and friends may move the parameters
+        return super()._apply(fn, recurse)

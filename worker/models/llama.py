@@ -58,8 +58,9 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = layer_ops.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                         bias=qkv_bias)
+        self.o_proj = layer_ops.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -88,8 +89,9 @@ class MLP(nn.Module):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.gate_up_proj = layer_ops.Linear(config.hidden_size, 2 * self.intermediate,
+                                             bias=bias)
+        self.down_proj = layer_ops.Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -144,7 +146,12 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = layer_ops.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._head_call = None  # the tied logits projection's kernel call, made at first use
+
+    def _apply(self, fn, recurse=True):
+        self._head_call = None  # .to() and friends may move the embedding
+        return super()._apply(fn, recurse)
 
     @property
     def head_dim(self) -> int:
@@ -170,7 +177,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings and not hasattr(self, "lm_head"):
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            weight = self.embed_tokens.weight
+            if self._head_call is None or self._head_call[0] is not weight:
+                self._head_call = (weight, layer_ops.linear_call(weight, None))
+            out = layer_ops.linear(hidden, self._head_call[1])
+            return (F.linear(hidden, weight) if out is None else out).float()
         return self.lm_head(hidden).float()  # untied, or quantized (worker/models/quant.py)
 
     @torch.no_grad()
