@@ -33,7 +33,7 @@ def test_quantize_weight_round_trip():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 32, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 32, 63, 64, 70])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n_k", [(8, 16), (96, 576), (64, 1536)])
 def test_int8_linear_matches_reference(rows, bias, n_k):

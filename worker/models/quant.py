@@ -40,9 +40,10 @@ from worker.models import native
 logger = logging.getLogger(__name__)
 
 _SOURCE = native.KERNELS / "int8_linear_cpu.c"
-# Above this many rows the fp32 sgemm on a dequantized copy is faster than widening the
-# int8 weights once per 4 rows (measured: docs/benchmarks.md, "int8 kernels").
-DEQUANT_MIN_ROWS = 32
+# From this many rows on, the fp32 sgemm on a dequantized copy is faster than the int8
+# kernel: 32 on AVX2 (docs/benchmarks.md, "int8 kernels"); with AVX512-VNNI (vpdpwssd) the
+# kernel stays ahead to about 64 ("Kernels for the small ops and small batches").
+DEQUANT_MIN_ROWS = 64 if "avx512_vnni" in native.cpu_model().rpartition("\n")[2].split() else 32
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
