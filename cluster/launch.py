@@ -403,10 +403,12 @@ def status_table(st: dict) -> str:
                 f"{c.get('hits', 0)} hits, {c.get('errors', 0)} errors, "
                 f"{c.get('timeouts', 0)} timeouts, {c.get('disk_hits', 0)} disk hits, "
                 f"{c.get('compiles_per_distinct_grammar', 0):.2f} compiles per distinct "
-                f"grammar, {c.get('hot', 0)} hot; workers: " + ", ".join(
+                f"grammar ({c.get('leases', 0)} in the asking worker), {c.get('hot', 0)} hot; "
+                "workers: " + ", ".join(
                     f"{sum((w.get('grammar_client') or {}).get(k, 0) for w in st['workers'])}"
                     f" {k.replace('_', ' ')}" for k in ("local_fallbacks", "prefetches",
-                                                       "disk_hits", "grammar_request_waits")))
+                                                       "disk_hits", "grammar_request_waits",
+                                                       "worker_compile_timeouts")))
     s = st["scheduler"]
     rows.append(f"scheduler: {len(s['workers'])} workers registered, {s['sessions']} sessions, "
                 f"{s['routes']} routes, {s.get('rejected', 0)} rejected (overloaded)")

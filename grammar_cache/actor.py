@@ -19,6 +19,14 @@ arrives earlier simply waits for the first free compile process.
 Transient failures (a compile process that died) are passed on to the asker and never
 cached: the next ask compiles again.
 
+Leases: a worker that asks for a grammar nobody has compiled may offer to compile it itself
+(``get(..., lease=True)``, for grammars its client judges ordinary). It gets a lease
+envelope, compiles in-process, answers its request, and publishes the result
+(``publish``) from a background thread; other askers wait for that publication as they
+would for a compile here. A worker that gives up (its compile passed the limit) calls
+``release`` and the compile runs here, in the killable child processes, as it does for a
+lease that lapses (its holder died). A lease counts as the grammar's compile.
+
 The disk tier (grammar_cache/disk.py): a miss looks on this node's disk before compiling,
 and every compiled grammar is written there, so a restarted actor (or cluster) compiles
 nothing it compiled before.
@@ -44,7 +52,7 @@ from ray.util import metrics
 
 from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
-from grammar_cache.compile_pool import CompilePool, CompileResult
+from grammar_cache.compile_pool import WALL_FACTOR, CompilePool, CompileResult
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
@@ -55,6 +63,9 @@ __all__ = ["ACTOR_NAME", "NAMESPACE", "GrammarCache", "GrammarCacheActor", "Gram
 logger = logging.getLogger(__name__)
 
 ACTOR_NAME = "rayguide_grammar_cache"
+# a lease holder's allowance for serializing and sending what it compiled (tens of MB of
+# JSON: seconds on a busy machine)
+LEASE_SERIALIZE_S = 60.0
 NAMESPACE = "rayguide"
 
 
@@ -110,11 +121,15 @@ class GrammarCache:
         self.lru = _ByteLRU(config.max_bytes)
         self.errors: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
         self.inflight: dict[str, asyncio.Future] = {}
+        # key -> (spec, fingerprint, lapse timer) of grammars a worker is compiling
+        self.leases: dict[str, tuple[GrammarSpec, str, asyncio.TimerHandle]] = {}
+        self._tasks: set[asyncio.Task] = set()
         self.compiling = 0  # compiles running or waiting for a compile process
         self.compile_times: deque[float] = deque(maxlen=2048)
         self.counts = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "timeouts": 0,
                        "joined": 0, "local_verdicts": 0, "unavailable": 0, "disk_hits": 0,
-                       "hot": 0}
+                       "hot": 0, "leases": 0, "lease_publishes": 0, "lease_releases": 0,
+                       "lease_lapses": 0, "late_publishes": 0}
         self.disk = disk_tier.from_config(config)
         # keys ever asked for (bounded: how the cluster's compiles per distinct grammar is
         # computed) and requests per key reported by workers
@@ -192,15 +207,17 @@ class GrammarCache:
         new = keys[since:]
         if since == 0:
             new = sorted(new, key=lambda k: -self.demand.get(k, 0))
-        return {"cursor": len(keys), "compiling": self.compiling,
+        return {"cursor": len(keys), "compiling": self.compiling + len(self.leases),
                 "specs": [self.specs[k] for k in new if self._cached_error(k) is None],
                 "known": fingerprint in self.tokenizers}
     def has_tokenizer(self, fingerprint: str) -> bool:
         return fingerprint in self.tokenizers
 
-    async def get(self, spec: GrammarSpec, fingerprint: str) -> bytes | None:
+    async def get(self, spec: GrammarSpec, fingerprint: str, lease: bool = False) -> bytes | None:
         """Envelope bytes for the spec; None means: this cache does not know the tokenizer
-        (it restarted), register it and ask again."""
+        (it restarted), register it and ask again. ``lease``: the asker offers to compile a
+        grammar nobody has compiled yet; it then gets a lease envelope (see the module
+        docstring) instead of waiting for a compile here."""
         if fingerprint not in self.tokenizers:
             return None
         key = spec.key(fingerprint)  # cached on the spec by whoever built it
@@ -219,18 +236,118 @@ class GrammarCache:
         self._count("misses")
         fut = asyncio.get_running_loop().create_future()
         self.inflight[key] = fut
+        leased = False
         try:
             data = await self._from_disk(fingerprint, key)
+            if data is None and lease and fingerprint in self.tokenizers:
+                self._grant(spec, fingerprint, key)
+                leased = True  # the future stays in flight until the holder publishes
+                return envelope.pack_lease(fingerprint, key)
             if data is None:
                 data = await self._compile(spec, fingerprint, key)
             fut.set_result(data)
             return data
         except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()  # marked retrieved: no "never retrieved" warning without joiners
+            if not leased:
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: no "never retrieved" warning without joiners
             raise
         finally:
-            del self.inflight[key]
+            if not leased:
+                del self.inflight[key]
+
+    # leases ---------------------------------------------------------------------------
+
+    def lease_timeout_s(self) -> float:
+        """How long a lease holds before the compile is done here instead: the holder's
+        compile (its limit, with the wall-time backstop) and its serialization."""
+        return WALL_FACTOR * self.config.compile_timeout_s + LEASE_SERIALIZE_S
+
+    def _grant(self, spec: GrammarSpec, fingerprint: str, key: str) -> None:
+        self.counts["leases"] += 1
+        self.counts["compiles"] += 1  # the worker's compile is this grammar's compile
+        timer = asyncio.get_running_loop().call_later(self.lease_timeout_s(), self._lapse, key)
+        self.leases[key] = (spec, fingerprint, timer)
+
+    def publish(self, fingerprint: str, key: str, data: bytes) -> bool:
+        """The lease holder's result: an envelope (the grammar, a verdict, or the grammar's
+        own error). Kept and handed to whoever waits; False when the lease had lapsed (the
+        grammar was compiled here meanwhile) or the envelope is not for this key."""
+        lease = self.leases.get(key)
+        if lease is None or lease[1] != fingerprint:
+            self.counts["late_publishes"] += 1
+            return False
+        try:
+            env = envelope.read_header(data)
+            if env.get("key") != key or env.get("fp") != fingerprint:
+                raise envelope.EnvelopeMismatch("another key or tokenizer")
+        except envelope.EnvelopeMismatch:
+            logger.warning("a worker published something else than the envelope of %s", key)
+            self.release(fingerprint, key)
+            return False
+        del self.leases[key]
+        lease[2].cancel()
+        self.counts["lease_publishes"] += 1
+        if "error" in env:
+            self.counts["errors"] += 1
+            if ErrorKind.parse(env.get("error_kind")).client_fault:
+                self._keep_error(key, data)
+        else:
+            self._keep(fingerprint, key, data)
+        self._settle(key, data)
+        return True
+
+    def release(self, fingerprint: str, key: str) -> None:
+        """The lease holder gives the compile back (its compile passed the limit, or failed
+        for a reason that is not the grammar's): it is compiled here, in a child process
+        under the limits, for the holder and everyone waiting."""
+        lease = self.leases.pop(key, None)
+        if lease is None:
+            return
+        lease[2].cancel()
+        self.counts["lease_releases"] += 1
+        self._compile_lease(key, lease)
+
+    def _lapse(self, key: str) -> None:
+        lease = self.leases.pop(key, None)
+        if lease is not None:  # the holder died or hung: compile it here
+            self.counts["lease_lapses"] += 1
+            logger.warning("a worker's lease on %s lapsed; compiling it here", key)
+            self._compile_lease(key, lease)
+
+    def _compile_lease(self, key: str, lease) -> None:
+        spec, fingerprint, _ = lease
+
+        async def run():
+            try:
+                data = await self._compile(spec, fingerprint, key)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+                fut = self.inflight.pop(key, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()
+                return
+            self._settle(key, data)
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _settle(self, key: str, data: bytes) -> None:
+        fut = self.inflight.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(data)
+
+    def _keep(self, fingerprint: str, key: str, data: bytes) -> None:
+        self.lru.put(key, data)
+        self._m_bytes.set(self.lru.bytes)
+        if self.disk is not None:  # in the background: the askers need not wait for it
+            self._disk_threads.submit(self.disk.put, fingerprint, key,
+                                      data).add_done_callback(_log_disk_error)
+
+    def _keep_error(self, key: str, data: bytes) -> None:
+        self.errors[key] = (data, time.monotonic() + self.config.error_ttl_s)
+        while len(self.errors) > self.config.max_errors:
+            self.errors.popitem(last=False)
 
     async def _from_disk(self, fingerprint: str, key: str) -> bytes | None:
         """The envelope this node's disk keeps for the key (checked: versions, tokenizer,
@@ -276,9 +393,7 @@ class GrammarCache:
             if result.error_kind is ErrorKind.COMPILE_TIMEOUT:
                 self.counts["timeouts"] += 1
             if result.cacheable:
-                self.errors[key] = (data, time.monotonic() + self.config.error_ttl_s)
-                while len(self.errors) > self.config.max_errors:
-                    self.errors.popitem(last=False)
+                self._keep_error(key, data)
             else:  # a compile process died: not the grammar's fault, ask again next time
                 self.counts["unavailable"] += 1
         else:
@@ -288,11 +403,7 @@ class GrammarCache:
                 # knowing it compiles within the limits
                 data = envelope.pack_local(fingerprint, key, result.compile_s)
                 self.counts["local_verdicts"] += 1
-            self.lru.put(key, data)
-            self._m_bytes.set(self.lru.bytes)
-            if self.disk is not None:  # in the background: the askers need not wait for it
-                self._disk_threads.submit(self.disk.put, fingerprint, key,
-                                          data).add_done_callback(_log_disk_error)
+            self._keep(fingerprint, key, data)
         return data
 
     def _cached_error(self, key: str) -> bytes | None:
@@ -355,8 +466,15 @@ class GrammarCacheActor:
     def register_tokenizer(self, fingerprint: str, tokenizer_json: str) -> None:
         self.cache.register_tokenizer(fingerprint, tokenizer_json)
 
-    async def get(self, spec: GrammarSpec, fingerprint: str) -> bytes | None:
-        return await self.cache.get(spec, fingerprint)
+    async def get(self, spec: GrammarSpec, fingerprint: str, lease: bool = False) -> bytes | None:
+        return await self.cache.get(spec, fingerprint, lease)
+
+    # async: run on the actor's event loop, where the cache's futures and timers live
+    async def publish(self, fingerprint: str, key: str, data: bytes) -> bool:
+        return self.cache.publish(fingerprint, key, data)
+
+    async def release(self, fingerprint: str, key: str) -> None:
+        self.cache.release(fingerprint, key)
 
     def hot(self, fingerprint: str, since: int = 0, uses: list = ()) -> dict:
         return self.cache.hot(fingerprint, since, uses)

@@ -22,6 +22,16 @@ Paths, each bounded by the limits of the one ``GrammarCacheConfig``:
   fine; this worker is too loaded), while the compile thread, which xgrammar cannot
   interrupt, runs to its end. While that slot is taken, verdicts compile in the fallback
   child process instead (killable, slower to hand back).
+- **first compile here** (a lease): for a grammar nobody in the cluster has compiled, and
+  that looks ordinary (``GrammarCacheConfig.worker_first_compile`` and its size and digit
+  bounds), the client asks the actor for a lease, compiles in this process, answers its
+  request with the result, and publishes the envelope from a background thread (xgrammar
+  releases the GIL while serializing): the request waits for the compile alone, not for a
+  child's serialization and this process's load of it. The compile shares the verdicts'
+  one in-process slot and its watchdog reads the compile thread's **CPU time**: past
+  ``compile_timeout_s`` (or the wall-time backstop) the lease goes back to the actor, whose
+  killable child compiles it under the limits and says what is wrong (a compile_timeout
+  error, or the grammar). A grammar error found here is published as the grammar's error.
 - **disk** (grammar_cache/disk.py), first: an envelope this node kept (written by the
   actor or by a worker) is loaded without asking the actor; what the actor sends is written
   there (in the background) for the node's next worker or the next start of the cluster.
@@ -34,7 +44,10 @@ Everything is counted in ``stats()``; a fallback is never silent.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import re
 import threading
 import time
 
@@ -43,8 +56,8 @@ import xgrammar as xgr
 
 from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
-from grammar_cache.actor import ACTOR_NAME, NAMESPACE
-from grammar_cache.compile import compile_spec, tokenizer_fingerprint
+from grammar_cache.actor import ACTOR_NAME, LEASE_SERIALIZE_S, NAMESPACE
+from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import GrammarUnavailable
@@ -56,6 +69,11 @@ FALLBACK_WARM_DELAY_S = 20.0
 FALLBACK_WARM_QUIET_S = 10.0  # ... and once no grammar was fetched for this long
 
 REGISTER_ATTEMPTS = 4  # backoff 0.1, 0.2, 0.4 s between them
+# what loading xgrammar's JSON costs per byte (measured 13-25 ms per MB on 2-core machines),
+# for the verdict on a grammar compiled here: publish the grammar, or a compile-locally verdict
+LOAD_S_PER_BYTE = 25e-3 / 2**20
+WATCHDOG_POLL_S = 0.02
+PUBLISH_NICE = 10
 
 
 class GrammarCacheClient:
@@ -85,9 +103,16 @@ class GrammarCacheClient:
         self._warned = False
         self._down_until = 0.0  # after a failure, skip the actor until then
         self._in_process = None
-        self._verdict_slot = threading.Semaphore(1)  # one in-process compile at a time
+        # one in-process compile at a time (verdicts and leases); _stuck: its holder is a
+        # compile past its limit (xgrammar cannot stop it), so leases are not asked for
+        self._slot = threading.Semaphore(1)
+        self._stuck = False
+        self._digits = re.compile(r"\d{%d,}" % config.worker_compile_max_digits)
         self._counts = {"fetches": 0, "actor_hits": 0, "verdicts": 0, "verdicts_in_child": 0,
-                        "verdict_timeouts": 0, "local_fallbacks": 0, "actor_failures": 0,
+                        "verdict_timeouts": 0, "worker_compiles": 0,
+                        "worker_compile_timeouts": 0, "lease_releases": 0, "publishes": 0,
+                        "publish_failures": 0, "publish_s": 0.0, "publish_max_s": 0.0,
+                        "local_fallbacks": 0, "actor_failures": 0,
                         "registrations": 0, "registration_retries": 0, "unavailable": 0,
                         "fetch_wait_s": 0.0, "fetch_wait_max_s": 0.0, "disk_hits": 0,
                         "disk_writes": 0}
@@ -152,13 +177,15 @@ class GrammarCacheClient:
                     return self._compile_verdict(spec)
                 except (envelope.EnvelopeMismatch, GrammarUnavailable):
                     pass  # not ours after all (or an error): ask the actor
-        data = self._from_actor(spec)
+        data = self._from_actor(spec, lease=self._may_compile_here(spec))
         if data is not None:
             try:
                 compiled = envelope.unpack(data, self.info, self.fingerprint, key)
                 self._count("actor_hits")
                 self._keep(key, data)
                 return compiled
+            except envelope.Leased:
+                return self._compile_leased(spec, key)
             except envelope.CompileLocally:
                 self._count("verdicts")
                 self._keep(key, data)
@@ -167,6 +194,15 @@ class GrammarCacheClient:
                 self._fallback(f"its envelope does not match this worker ({exc})")
         self._count("local_fallbacks")
         return self._compile_in_child(spec, key)
+
+    def _may_compile_here(self, spec: GrammarSpec) -> bool:
+        """Whether to offer to compile ``spec`` here if nobody has yet: an ordinary-looking
+        grammar (see GrammarCacheConfig.worker_first_compile), and no compile past its
+        limit holding this process's slot."""
+        c = self.config
+        return (c.worker_first_compile and not self._stuck
+                and len(spec.source) <= c.worker_compile_max_source_bytes
+                and self._digits.search(spec.source) is None)
 
     def _keep(self, key: str, data: bytes) -> None:
         """Writes what the actor sent to this node's disk, unless it is there already (the
@@ -181,9 +217,10 @@ class GrammarCacheClient:
 
     # the actor ----------------------------------------------------------------------
 
-    def _from_actor(self, spec: GrammarSpec) -> bytes | None:
+    def _from_actor(self, spec: GrammarSpec, lease: bool = False) -> bytes | None:
         """Envelope bytes from the actor, or None (after logging) to compile locally. Never
-        returns an empty reply."""
+        returns an empty reply. ``lease``: offer to compile it here (see the module
+        docstring); the reply may then be a lease envelope."""
         if time.monotonic() < self._down_until:
             return None  # it failed a moment ago: compile locally without waiting on it
         try:
@@ -191,8 +228,9 @@ class GrammarCacheClient:
             for _ in range(2):
                 if not self._registered:
                     self._register(actor)
-                data = ray.get(actor.get.remote(spec, self.fingerprint),
-                               timeout=self.rpc_timeout_s)
+                # a wait on another worker's lease may last its compile and serialization
+                data = ray.get(actor.get.remote(spec, self.fingerprint, lease),
+                               timeout=self.rpc_timeout_s + LEASE_SERIALIZE_S)
                 if data:
                     self._reachable()
                     return data
@@ -267,10 +305,140 @@ class GrammarCacheClient:
 
     # compiling here -----------------------------------------------------------------
 
+    def _compile_leased(self, spec: GrammarSpec, key: str):
+        """The first compile of ``spec`` in the cluster, here, under a lease from the actor;
+        see the module docstring."""
+        limit = self.config.compile_timeout_s
+        if self._stuck or not self._slot.acquire(timeout=limit):
+            return self._give_back(spec, key)
+        done = threading.Event()
+        box: dict = {}
+
+        def run():
+            try:
+                t = time.perf_counter()
+                box["grammar"] = compile_spec(self._compiler(), spec)
+                box["compile_s"] = time.perf_counter() - t
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                box["error"] = exc
+            finally:
+                with self._lock:
+                    self._stuck = False
+                    self._slot.release()
+                    done.set()
+
+        thread = threading.Thread(target=run, name="grammar-first-compile", daemon=True)
+        thread.start()
+        try:
+            clock = time.pthread_getcpuclockid(thread.ident)
+        except (AttributeError, OSError):  # no per-thread CPU clock: wall time only
+            clock = None
+        wall_limit = time.monotonic() + WALL_FACTOR * limit
+        while not done.wait(WATCHDOG_POLL_S):
+            try:
+                cpu = time.clock_gettime(clock) if clock is not None else 0.0
+            except OSError:  # the thread ended between the wait and the read
+                continue
+            if cpu > limit or time.monotonic() > wall_limit:
+                with self._lock:
+                    if done.is_set():  # it finished after all
+                        break
+                    self._stuck = True
+                self._count("worker_compile_timeouts")
+                logger.warning("the first compile of %s passed the compile limit (%g s) in "
+                               "this worker; the grammar cache compiles it in a child process "
+                               "(this compile runs on: xgrammar cannot stop it)",
+                               spec.describe(), limit)
+                return self._give_back(spec, key)
+        if "error" in box:
+            exc = box["error"]
+            if isinstance(exc, GrammarError):  # the grammar's own error, for everyone
+                self._publish(key, envelope.pack_error(str(exc), self.fingerprint, key,
+                                                       exc.kind))
+                raise exc
+            # not known to be the grammar's fault (memory, ...): the child decides
+            return self._give_back(spec, key)
+        compiled, compile_s = box["grammar"], box["compile_s"]
+        self._count("worker_compiles")
+        self._publish(key, lambda: self._pack(compiled, key, compile_s))
+        return compiled
+
+    def _pack(self, compiled, key: str, compile_s: float) -> bytes:
+        """What to publish for a grammar compiled here: its serialization, or a verdict where
+        loading that would cost more than compiling (as the actor decides for its own)."""
+        if _grammar_bytes(compiled) > self.config.worker_publish_max_grammar_bytes:
+            # xgrammar's JSON of it could take gigabytes to write (about 15x its size, and it
+            # is 3-35x the grammar's memory): say it compiles, and where, without it
+            return envelope.pack_local(self.fingerprint, key, compile_s)
+        serialized = compiled.serialize_json()
+        load_s = len(serialized) * LOAD_S_PER_BYTE
+        if load_s >= self.config.local_verdict_factor * compile_s:
+            return envelope.pack_local(self.fingerprint, key, compile_s)
+        return envelope.pack_serialized(serialized, self.fingerprint, key,
+                                        compile_s=compile_s, load_s=load_s)
+
+    def _publish(self, key: str, data) -> None:
+        """Sends the lease's result to the actor from a thread of its own (``data``: bytes,
+        or a callable making them there: serializing takes seconds for large grammars)."""
+
+        start = time.monotonic()
+
+        def run():
+            # a lower CPU priority, this thread only: serializing takes about as long as the
+            # compile did, and requests waiting for compiles go first (not the lowest: on a
+            # saturated machine that starved publications that other workers waited for)
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PUBLISH_NICE)
+            except (AttributeError, OSError):
+                pass
+            try:
+                body = data() if callable(data) else data
+                ok = ray.get(self._handle().publish.remote(self.fingerprint, key, body),
+                             timeout=self.rpc_timeout_s)
+                self._count("publishes" if ok else "publish_failures")
+                took = time.monotonic() - start
+                with self._lock:
+                    self._counts["publish_s"] += took
+                    self._counts["publish_max_s"] = max(self._counts["publish_max_s"], took)
+                if ok and "error" not in envelope.read_header(body):
+                    self._keep(key, body)
+            except Exception as exc:  # noqa: BLE001 - the lease lapses; the actor compiles it
+                self._count("publish_failures")
+                logger.warning("publishing a compiled grammar to the cache failed: %s", exc)
+            finally:
+                body = None
+                _trim_heap()
+        threading.Thread(target=run, name="grammar-publish", daemon=True).start()
+
+    def _give_back(self, spec: GrammarSpec, key: str):
+        """Hands the lease back (the actor compiles the grammar in its child process, under
+        the limits) and waits for that result like any other asker."""
+        self._count("lease_releases")
+        try:
+            ray.get(self._handle().release.remote(self.fingerprint, key),
+                    timeout=self.rpc_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the lease lapses on its own
+            logger.warning("handing a grammar compile back to the cache failed: %s", exc)
+        data = self._from_actor(spec, lease=False)
+        if data is None:
+            self._count("local_fallbacks")
+            return self._compile_in_child(spec, key)
+        try:
+            compiled = envelope.unpack(data, self.info, self.fingerprint, key)
+        except envelope.CompileLocally:
+            self._count("verdicts")
+            return self._compile_verdict(spec)
+        except (envelope.Leased, envelope.EnvelopeMismatch):
+            self._count("local_fallbacks")
+            return self._compile_in_child(spec, key)
+        self._count("actor_hits")
+        self._keep(key, data)
+        return compiled
+
     def _compile_verdict(self, spec: GrammarSpec):
         """In-process compile of a grammar the actor proved safe; see the module docstring
         for the bounds."""
-        if not self._verdict_slot.acquire(blocking=False):
+        if not self._slot.acquire(blocking=False):
             # another in-process compile (maybe one past its limit) holds the slot
             self._count("verdicts_in_child")
             return self._compile_in_child(spec, spec.key(self.fingerprint))
@@ -283,12 +451,16 @@ class GrammarCacheClient:
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                 box["error"] = exc
             finally:
-                self._verdict_slot.release()
-                done.set()
+                with self._lock:
+                    self._stuck = False
+                    self._slot.release()
+                    done.set()
 
         threading.Thread(target=run, name="grammar-verdict-compile", daemon=True).start()
         limit = self.config.compile_timeout_s
         if not done.wait(limit):
+            with self._lock:
+                self._stuck = not done.is_set()
             self._count("verdict_timeouts")
             logger.warning("in-process compile of %s (proven to compile within the limit by "
                            "the grammar cache) passed %g s in this worker; failing the "
@@ -353,3 +525,21 @@ class GrammarCacheClient:
         self._warm_timer.cancel()
         if self._local is not None:
             self._local.close()
+
+
+def _grammar_bytes(compiled) -> int:
+    try:
+        return int(compiled.memory_size_bytes)
+    except (AttributeError, TypeError):
+        return 0
+
+
+def _trim_heap() -> None:
+    """Gives the heap's free memory back to the system. xgrammar's JSON writer takes about
+    15x the JSON's size for a moment, and glibc keeps what a thread freed in that thread's
+    arena: measured, one 38 MB grammar left a worker 500 MB larger, and a bench run with
+    first compiles in the workers ran a 24 GB machine out of memory before this."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -31,6 +31,22 @@ class GrammarCacheConfig(BaseModel):
     # send a "compile locally" verdict when loading the serialized grammar takes longer
     # than this factor times compiling it (0: always; inf: never)
     local_verdict_factor: float = Field(1.0, ge=0)
+    # a grammar's first compile in the cluster runs in the worker that asked for it (a lease
+    # from the actor: the others wait for it; the worker publishes the result in the
+    # background), so the request waits for the compile alone, not for the child process's
+    # serialization and the worker's load of it. Off by default: where the workers' cores
+    # are all busy, the publications are late and whoever waits for them waits longer
+    # (bench/grammar_cache.py; README). Only for grammars that look ordinary:
+    # sources up to worker_compile_max_source_bytes with no number of worker_compile_max_digits
+    # digits or more (long length bounds and repetitions are what make compiles slow and
+    # big); the others compile in the actor's killable child processes, as do all when off
+    worker_first_compile: bool = False
+    worker_compile_max_source_bytes: int = Field(32 * 1024, ge=0)
+    worker_compile_max_digits: int = Field(4, ge=1)
+    # ... and the worker publishes xgrammar's serialization only for grammars up to this
+    # size in memory (its JSON is 3-35x that, and writing it takes about 15x the JSON's
+    # size for a moment); bigger ones are published as compile-locally verdicts
+    worker_publish_max_grammar_bytes: int = Field(5 * 2**20, ge=0)
     # how long a client waits for a starting cache actor (its compile processes import
     # xgrammar: seconds, tens of seconds on a loaded machine) before compiling locally
     ready_timeout_s: float = Field(60.0, gt=0)

@@ -8,7 +8,9 @@ own serialization (``CompiledGrammar.serialize_json``).
     (an ``ErrorKind`` value: the client's fault, or GRAMMAR_UNAVAILABLE for a compile process
     that failed, which is never cached);
     or a "local" verdict: the grammar is known to compile within the limits, and compiling
-    it costs less than loading xgrammar's serialization of it, so compile it yourself.
+    it costs less than loading xgrammar's serialization of it, so compile it yourself;
+    or a "lease" (the cache's answer to a worker that offered to compile a grammar nobody
+    has compiled yet): compile it yourself now, then publish the result to the cache.
 
 ``unpack`` raises ``GrammarError`` (with its kind) for a client-fault error,
 ``GrammarUnavailable`` for a transient one, and refuses an envelope made by another envelope version, another xgrammar (or
@@ -66,6 +68,10 @@ class CompileLocally(Exception):
         self.compile_s = compile_s
 
 
+class Leased(Exception):
+    """A lease envelope: the asker compiles the grammar itself and publishes it."""
+
+
 def _header(fingerprint: str, key: str) -> dict:
     return {"v": ENVELOPE_VERSION, "xgr": XGRAMMAR_VERSION,
             "ser": serialization_version(), "fp": fingerprint, "key": key}
@@ -85,6 +91,10 @@ def pack_serialized(serialized: str, fingerprint: str, key: str, *, compile_s: f
 
 def pack_local(fingerprint: str, key: str, compile_s: float) -> bytes:
     return msgpack.packb({**_header(fingerprint, key), "local": True, "compile_s": compile_s})
+
+
+def pack_lease(fingerprint: str, key: str) -> bytes:
+    return msgpack.packb({**_header(fingerprint, key), "lease": True})
 
 
 def pack_error(message: str, fingerprint: str, key: str,
@@ -122,7 +132,8 @@ def raise_error(message: str, kind) -> None:
 def unpack(data: bytes, tokenizer_info: "xgr.TokenizerInfo", fingerprint: str,
            key: str | None = None) -> "xgr.CompiledGrammar":
     """Returns the compiled grammar; raises GrammarError / GrammarUnavailable for an error
-    envelope (see ``raise_error``), CompileLocally for a local verdict, and EnvelopeMismatch when the envelope does not
+    envelope (see ``raise_error``), CompileLocally for a local verdict, Leased for a lease,
+    and EnvelopeMismatch when the envelope does not
     belong to this process's versions or to this tokenizer (or to ``key``, when given)."""
     env = read_header(data)
     expected = _header(fingerprint, key if key is not None else env.get("key"))
@@ -131,6 +142,8 @@ def unpack(data: bytes, tokenizer_info: "xgr.TokenizerInfo", fingerprint: str,
             raise EnvelopeMismatch(f"envelope {field}={env.get(field)!r}, expected {want!r}")
     if "error" in env:
         raise_error(env["error"], env.get("error_kind"))
+    if env.get("lease"):
+        raise Leased(key)
     if env.get("local"):
         raise CompileLocally(env.get("compile_s", 0.0))
     import xgrammar

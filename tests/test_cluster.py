@@ -28,6 +28,7 @@ def runtime(tiny_model_dir):
         model=str(tiny_model_dir), num_workers=3,
         worker={"num_cpus": 1, "num_threads": 1},
         engine={"num_kv_blocks": 128, "max_num_seqs": 16},
+        grammar_cache={"worker_first_compile": True},
         # a long poll: the tests see what callers' failure reports do on their own
         scheduler={"load_poll_interval_s": 300.0})
     handles = launch.up(config)
@@ -65,6 +66,27 @@ def test_workers_spread_over_nodes(runtime):
     nodes = {w["node_id"] for w in loads()}
     assert len(nodes) == 3
     assert len(launch.status()["scheduler"]["workers"]) == 3
+
+
+def test_a_grammar_compiles_once_for_all_nodes(runtime):
+    # issue 14 across nodes: whichever worker meets a grammar first compiles it (a lease),
+    # the others, each on its own node, get that compile through the cache
+    grammar = GrammarSpec.json_schema({"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
+        "required": ["city", "n"]})
+    cache = runtime["cache"]
+    before = ray.get(cache.stats.remote())
+    workers = launch.handles()["workers"]
+    for w in workers:  # one after another, each straight to its worker (its own node)
+        request = req(n=24, grammar=grammar, text="A city and a number, in JSON.")
+        chunks = [ray.get(ref) for ref in w.generate.remote(request)]
+        assert chunks and chunks[-1].finish_reason in ("stop", "length"), chunks[-1]
+    after = ray.get(cache.stats.remote())
+    assert after["compiles"] - before["compiles"] == 1
+    assert after["leases"] - before["leases"] == 1
+    clients = [ray.get(w.load.remote())["grammar_client"] for w in workers]
+    assert sum(c["worker_compiles"] for c in clients) >= 1
+    assert sum(c["local_fallbacks"] for c in clients) == 0
 
 
 def test_sessions_stick_and_new_ones_spread(runtime):

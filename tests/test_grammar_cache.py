@@ -63,6 +63,11 @@ def new_actor(name, **config):
     return actor
 
 
+def through_cache(st: dict) -> int:
+    """Fetches the cache served: hits, verdicts, and first compiles here under a lease."""
+    return st["actor_hits"] + st["verdicts"] + st["worker_compiles"]
+
+
 def default_info(tokenizer):
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[2])
 
@@ -85,8 +90,7 @@ def test_four_processes_one_compile(actor_name):
         "required": ["p0"]})
     results = ray.get([fetch_in_task.remote(actor_name, slowish) for _ in range(4)])
     assert all(ok for ok, _ in results)
-    assert all(st["actor_hits"] + st["verdicts"] == 1 and st["local_fallbacks"] == 0
-               for _, st in results)
+    assert all(through_cache(st) == 1 and st["local_fallbacks"] == 0 for _, st in results)
     stats = ray.get(actor.stats.remote())
     assert stats["compiles"] == 1
     assert stats["misses"] == 1 and stats["hits"] + stats["joined"] == 3
@@ -205,7 +209,7 @@ def test_actor_down_falls_back_then_back_in_use(actor_name):
         actor = new_actor(actor_name)  # the cache is back under its name
         client.fetch(spec(2))
         stats = client.stats()
-        assert stats["actor_hits"] + stats["verdicts"] == 2
+        assert through_cache(stats) == 2
         assert stats["local_fallbacks"] == 1
         assert ray.get(actor.stats.remote())["tokenizers"] == 1  # registered again
     finally:
@@ -229,13 +233,14 @@ def test_restarted_actor_is_used_again(actor_name):
     client.fetch(spec(1))
     stats = ray.get(actor.stats.remote())
     assert stats["compiles"] == 1 and stats["tokenizers"] == 1  # a fresh actor, used
-    assert client.stats()["actor_hits"] + client.stats()["verdicts"] == 2
+    assert through_cache(client.stats()) == 2
     client.close()
 
 
 def test_local_verdict_compiles_in_process(actor_name):
     actor = new_actor(actor_name, local_verdict_factor=0.0)  # every grammar gets a verdict
-    client = GrammarCacheClient(tiny_info(), name=actor_name)
+    client = GrammarCacheClient(tiny_info(), GrammarCacheConfig(worker_first_compile=False),
+                                name=actor_name)
     compiled = client.fetch(spec(3))
     assert xgr.GrammarMatcher(compiled).accept_string('{"p3": 12}')
     st = client.stats()
@@ -278,7 +283,7 @@ def test_fresh_actor_is_waited_for_not_skipped(actor_name):
         client.fetch(spec(5))
         st = client.stats()
         assert st["local_fallbacks"] == 0 and st["actor_failures"] == 0
-        assert st["actor_hits"] + st["verdicts"] == 1 and st["registrations"] == 1
+        assert through_cache(st) == 1 and st["registrations"] == 1
         assert st["fetches"] == 1 and st["fetch_wait_s"] > 0
         assert ray.get(actor.stats.remote())["ready"]
     finally:
@@ -442,7 +447,8 @@ def test_engines_compile_through_the_shared_cache(actor_name, default_model,
             out = engine.generate([req])[req.request_id]
             assert out.text in ("red", "green", "blue")
         stats = ray.get(actor.stats.remote())
-        assert stats["compiles"] == 1 and stats["hits"] == 1  # the second engine got a hit
+        # the second engine got the first one's grammar (or waited for its publication)
+        assert stats["compiles"] == 1 and stats["hits"] + stats["joined"] == 1
     finally:
         for c in clients:
             c.close()
@@ -554,3 +560,144 @@ def test_load_cost_measures_then_estimates_from_size(monkeypatch):
     small = LoadCost()  # under MEASURE_BYTES: always measured, no rate learned
     assert small(serialized, info)[1] and small(serialized, info)[1]
     assert small.rate is None
+
+
+# first compiles in the asking worker (leases) -------------------------------------------
+
+# ordinary (no long bounds: eligible for a first compile in the worker) and slow enough with
+# the default model's tokenizer to pass a sub-second limit
+SLOWISH_ORDINARY = GrammarSpec.json_schema({
+    "type": "object", "required": ["q"],
+    "properties": {"q": {"type": "string", "minLength": 10, "maxLength": 900}}})
+
+
+def wait_for(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+LEASES = GrammarCacheConfig(worker_first_compile=True)
+
+
+def test_leases_are_off_by_default(actor_name):
+    actor = new_actor(actor_name)  # noqa: F841 - kept: the actor lives while a handle does
+    client = GrammarCacheClient(tiny_info(), name=actor_name)
+    try:
+        assert not client._may_compile_here(spec(1))
+        client.fetch(spec(1))
+        st = client.stats()
+        assert st["worker_compiles"] == 0 and st["actor_hits"] + st["verdicts"] == 1
+    finally:
+        client.close()
+
+
+def test_first_compile_runs_in_the_asking_worker_and_is_published(actor_name):
+    actor = new_actor(actor_name)
+    client = GrammarCacheClient(tiny_info(), LEASES, name=actor_name)
+    try:
+        compiled = client.fetch(spec(11))
+        assert xgr.GrammarMatcher(compiled).accept_string('{"p11": 3}')
+        st = client.stats()
+        assert st["worker_compiles"] == 1 and st["actor_hits"] == 0
+        wait_for(lambda: ray.get(actor.stats.remote())["lease_publishes"] == 1)
+        stats = ray.get(actor.stats.remote())
+        assert stats["leases"] == 1 and stats["compiles"] == 1 and stats["entries"] == 1
+        assert client.stats()["publishes"] == 1
+        # another process gets what this one published: no second compile anywhere
+        other = ray.get(fetch_in_task.remote(actor_name, spec(0)))
+        assert other[0]
+        ok, st2 = ray.get(fetch_in_task.remote(actor_name, spec(11)))
+        assert st2["actor_hits"] == 1 and st2["worker_compiles"] == 0
+        assert ray.get(actor.stats.remote())["compiles"] == 2  # spec(11) once, spec(0) once
+    finally:
+        client.close()
+
+
+def test_grammar_error_found_under_a_lease_is_everyones(actor_name):
+    actor = new_actor(actor_name)
+    client = GrammarCacheClient(tiny_info(), LEASES, name=actor_name)
+    bad = GrammarSpec.regex("(unclosed")
+    try:
+        with pytest.raises(GrammarError, match="invalid regex grammar"):
+            client.fetch(bad)
+        wait_for(lambda: ray.get(actor.stats.remote())["lease_publishes"] == 1)
+        header = envelope.read_header(ray.get(actor.get.remote(bad, client.fingerprint)))
+        assert header["error_kind"] == ErrorKind.INVALID_GRAMMAR.value
+        stats = ray.get(actor.stats.remote())
+        assert stats["compiles"] == 1 and stats["errors"] == 1 and stats["cached_errors"] == 1
+    finally:
+        client.close()
+
+
+def test_grammars_that_do_not_look_ordinary_compile_in_the_child(actor_name):
+    actor = new_actor(actor_name)
+    client = GrammarCacheClient(tiny_info(), LEASES, name=actor_name)
+    long_bound = GrammarSpec.json_schema({"type": "string", "maxLength": 2000})
+    try:
+        assert not client._may_compile_here(long_bound)
+        assert client._may_compile_here(spec(1))
+        client.fetch(long_bound)
+        st = client.stats()
+        assert st["worker_compiles"] == 0 and st["actor_hits"] + st["verdicts"] == 1
+        assert ray.get(actor.stats.remote())["leases"] == 0
+    finally:
+        client.close()
+
+
+def test_first_compile_past_the_limit_goes_back_to_the_actor(actor_name, default_tokenizer):
+    # this worker's limit (0.3 s of CPU) is far below the grammar's compile: its watchdog
+    # hands the lease back and the actor's child (limit 120 s) compiles it for everyone
+    actor = new_actor(actor_name, compile_timeout_s=120)
+    client = GrammarCacheClient(default_info(default_tokenizer),
+                                GrammarCacheConfig(compile_timeout_s=0.3,
+                                                   worker_first_compile=True), name=actor_name,
+                                rpc_timeout_s=150)
+    try:
+        compiled = client.fetch(SLOWISH_ORDINARY)
+        assert xgr.GrammarMatcher(compiled).accept_string('{"q": "')
+        st = client.stats()
+        assert st["worker_compile_timeouts"] == 1 and st["lease_releases"] == 1
+        assert st["worker_compiles"] == 0 and st["actor_hits"] + st["verdicts"] == 1
+        stats = ray.get(actor.stats.remote())
+        assert stats["leases"] == 1 and stats["lease_releases"] == 1
+        assert stats["compiles"] == 2  # the lease, then the actor's own compile
+    finally:
+        client.close()
+
+
+def test_lease_waiters_get_the_publication_or_the_actors_compile(monkeypatch):
+    import grammar_cache.actor as actor_mod
+    cache = GrammarCache(GrammarCacheConfig(compile_processes=1, compile_timeout_s=0.1))
+    info = tiny_info()
+    fp = tokenizer_fingerprint(info)
+    cache.register_tokenizer(fp, info.serialize_json())
+    monkeypatch.setattr(actor_mod, "LEASE_SERIALIZE_S", 0.5)
+
+    async def published():
+        lease = await cache.get(spec(1), fp, lease=True)
+        assert envelope.read_header(lease)["lease"]
+        waiter = asyncio.ensure_future(cache.get(spec(1), fp, lease=True))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # it waits for the holder, not a second lease
+        data = envelope.pack(xgr.GrammarCompiler(info).compile_json_schema(
+            spec(1).source), fp, spec(1).key(fp))
+        assert cache.publish(fp, spec(1).key(fp), data)
+        return await waiter, data
+
+    async def lapsed():  # the holder never publishes: the actor compiles it
+        await cache.get(spec(2), fp, lease=True)
+        return await asyncio.wait_for(cache.get(spec(2), fp), 60)
+
+    try:
+        got, sent = asyncio.run(published())
+        assert got == sent and cache.counts["joined"] == 1
+        cache.wait_ready_for_test = None
+        data = asyncio.run(lapsed())
+        assert envelope.unpack(data, info, fp, spec(2).key(fp)) is not None
+        assert cache.counts["lease_lapses"] == 1 and cache.counts["compiles"] == 3
+        assert not cache.leases and not cache.inflight
+        assert not cache.publish(fp, spec(2).key(fp), sent)  # too late: ignored
+    finally:
+        cache.close()

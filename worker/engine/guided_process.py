@@ -65,7 +65,7 @@ class GuidedDecodingManager:
         self._lock = threading.Lock()
         # with a remote fetch (the cache actor) the threads mostly wait: several, so one
         # slow answer does not hold every other new grammar behind it
-        self._pool = ThreadPoolExecutor(max_workers=compile_threads if fetch is None else 4,
+        self._pool = ThreadPoolExecutor(max_workers=compile_threads if fetch is None else 8,
                                         thread_name_prefix="grammar-compile")
         self._fetch = fetch or (lambda spec: compile_spec(self.compiler, spec))
         self.cache_bytes = cache_bytes
