@@ -28,7 +28,11 @@ deserialize after their grammar's first compile in the cluster was done), its _l
 counterpart, compiles_per_distinct_grammar, ttft_p99_ratio_vs_local,
 warm_worker_first_hit_ms_p50, and the TTFT percentiles of both sides.
 
+``--worker-first-compile`` turns on the shared side's leases (a grammar's first compile in
+the worker that asked for it; README, grammar cache); off by default, as in the config.
+
     python bench/grammar_cache.py [--quick] [--json] [--no-record] [--no-cluster]
+                                  [--no-micro] [--worker-first-compile]
 """
 
 from __future__ import annotations
@@ -122,10 +126,12 @@ def main() -> None:
     ap = parser(__doc__.split("\n")[0])
     ap.add_argument("--no-cluster", action="store_true", help="skip the cluster run")
     ap.add_argument("--no-micro", action="store_true", help="skip the per-grammar table")
+    ap.add_argument("--worker-first-compile", action="store_true",
+                    help="shared side: first compiles in the asking worker (leases)")
     args = ap.parse_args()
     body, figures = ("", {}) if args.no_micro else micro(args)
     if not args.no_cluster:
-        cbody, cfigures = cluster_run(args.quick)
+        cbody, cfigures = cluster_run(args.quick, args.worker_first_compile)
         body = (body + "\n\n" + cbody).strip()
         figures.update(cfigures)
     # the cluster run alone records a section of its own (the per-grammar table stays)
@@ -323,7 +329,8 @@ def cpu_by_process() -> dict[str, float]:
     return out
 
 
-def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool) -> dict:
+def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool,
+             leases: bool = False) -> dict:
     """One side of the comparison on a fresh runtime: TTFT per request, the workers'
     per-request grammar log, the cache's stats; with ``shared``, a new worker joins at the
     end and serves known grammars."""
@@ -333,7 +340,8 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
     from cluster.client import GenerationRequest, RuntimeClient, SamplingParams
     from cluster.config import ClusterConfig
     cache_config = {"compile_timeout_s": 120, "compile_memory_mb": 16384,
-                    "disk": shared, "disk_dir": disk_dir, "shared": shared, "replicate": shared}
+                    "disk": shared, "disk_dir": disk_dir, "shared": shared, "replicate": shared,
+                    "worker_first_compile": leases}
     config = ClusterConfig(
         model=model, num_workers=WORKERS, worker={"num_cpus": 0.25, "num_threads": 1},
         # closing_window 0: no closing search (the tiny model's output is noise; what is
@@ -368,6 +376,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
                 errors.append(f"{chunk.error_kind}: {chunk.error}"[:160])
         ttft.append(first)
         by_kind.setdefault(kind, []).append(first)
+        timeline.append((request.request_id, kind, t - t0, first))
 
     async def worker_loop():
         while queue:
@@ -377,6 +386,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
         await asyncio.wait_for(asyncio.gather(*(worker_loop() for _ in range(CLIENTS))),
                                timeout=1500)
 
+    timeline: list[tuple] = []  # (request id, kind, sent at (s into the run), TTFT)
     cpu0 = cpu_by_process()
     t0 = time.perf_counter()
     asyncio.run(clients())
@@ -388,6 +398,11 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
               for k, v in sorted(by_kind.items())) + "; CPU s by process: " + ", ".join(
               f"{k} {v:.0f}" for k, v in sorted(cpu.items())), file=sys.stderr, flush=True)
     logs = [e for w in handles["workers"] for e in ray.get(w.grammar_requests.remote())]
+    waits = {e[0]: (e[3], e[4]) for e in logs}
+    print("slowest requests (kind, sent at s, TTFT s, waited for its grammar s): " + ", ".join(
+        f"{kind} {sent:.1f} {first:.1f} {waits.get(rid, (False, 0.0))[1]:.1f}"
+        for rid, kind, sent, first in sorted(timeline, key=lambda e: -e[3])[:8]),
+        file=sys.stderr, flush=True)
     loads = ray.get([w.load.remote() for w in handles["workers"]])
     out = {"ttft": ttft, "errors": errors, "logs": logs, "wall_s": wall, "loads": loads,
            "cpu": cpu, "by_kind": by_kind,
@@ -474,7 +489,7 @@ def wait_share(logs) -> tuple[float, int, int]:
     return (late / len(logs) if logs else 0.0), late, len(logs)
 
 
-def cluster_run(quick: bool) -> tuple[str, dict]:
+def cluster_run(quick: bool, leases: bool = False) -> tuple[str, dict]:
     import ray
     mix = grammar_mix(quick)
     n = CLIENTS * 5 // 4 if quick else CLIENTS * 8
@@ -485,7 +500,7 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  namespace="rayguide")
         local = run_side(model, mix, list(schedule), False, str(tmp / "disk-local"), quick)
-        shared = run_side(model, mix, list(schedule), True, str(tmp / "disk"), quick)
+        shared = run_side(model, mix, list(schedule), True, str(tmp / "disk"), quick, leases)
         ray.shutdown()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -503,7 +518,9 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
     clients = [ld["grammar_client"] for ld in shared["loads"]]
     csum = {k: sum(c.get(k, 0) for c in clients) for k in (
         "prefetches", "actor_hits", "verdicts", "disk_hits", "local_fallbacks",
-        "actor_failures")}
+        "actor_failures", "worker_compiles", "worker_compile_timeouts", "lease_releases",
+        "publishes", "publish_failures", "publish_s")}
+    csum["publish_max_s"] = max(c.get("publish_max_s", 0.0) for c in clients)
     figures = {
         "grammar_wait_share": round(share, 4),
         "grammar_wait_share_local": round(share_local, 4),
@@ -521,12 +538,14 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
         "warm_worker_first_hit_waits": warm["waited"],
         "cluster_requests": total, "cluster_errors": len(shared["errors"]),
         "cluster_errors_local": len(local["errors"]),
+        "cluster_joined": cache["joined"],
         **{f"cluster_{k}": v for k, v in csum.items()}}
     if csum["local_fallbacks"] or csum["actor_failures"]:
         # reported, not fatal: on an overloaded machine the client's 2 s ping can time out
         # (each failure skips the actor for 5 s); the table says so
         print(f"WARNING: workers compiled without the cache actor: {csum}", file=sys.stderr)
-    rows = [["shared cache + affinity + replication", total, late, f"{share:.3f}",
+    rows = [["shared cache + affinity + replication" + (" + leases" if leases else ""),
+             total, late, f"{share:.3f}",
              f"{cache['compiles']} / {cache['distinct_grammars']}",
              f"{figures['ttft_p50_ms']:.0f}", f"{figures['ttft_p99_ms']:.0f}",
              f"{shared['wall_s']:.1f}", len(shared["errors"])],
@@ -552,7 +571,11 @@ def cluster_run(quick: bool) -> tuple[str, dict]:
              f"grammar counting them), {csum['disk_hits']} disk hits, "
              f"{cache['hot']} hot grammars, {cache['disk_hits']} actor disk hits, "
              f"{csum['local_fallbacks']} local fallbacks after {csum['actor_failures']} "
-             "actor failures (ping or RPC timeouts). "
+             "actor failures (ping or RPC timeouts); the actor: "
+             f"{cache['joined']} asks joined a compile in flight, {cache.get('leases', 0)} "
+             f"leases ({cache.get('lease_lapses', 0)} lapsed, {csum['lease_releases']} given "
+             f"back), publications {csum['publish_s'] / max(1, csum['publishes']):.1f} s on "
+             f"average, at most {csum['publish_max_s']:.1f} s. "
              f"New worker: started in {warm['started_s']:.1f} s, replicated {warm['prefetches']}"
              f" grammars in {warm['replicated_s']:.1f} s; its first request for each of "
              f"{warm['known']} known grammars: time to first chunk p50 "
