@@ -74,6 +74,7 @@ REGISTER_ATTEMPTS = 4  # backoff 0.1, 0.2, 0.4 s between them
 LOAD_S_PER_BYTE = 25e-3 / 2**20
 WATCHDOG_POLL_S = 0.02
 PUBLISH_NICE = 10
+TRIM_AFTER_BYTES = 2**20  # envelopes this big are worth a malloc_trim after loading
 
 
 class GrammarCacheClient:
@@ -168,7 +169,7 @@ class GrammarCacheClient:
             data = self.disk.get(self.fingerprint, key)
             if data is not None:
                 try:
-                    compiled = envelope.unpack(data, self.info, self.fingerprint, key)
+                    compiled = self._unpack(data, key)
                     self._count("disk_hits")
                     return compiled
                 except envelope.CompileLocally:
@@ -180,7 +181,7 @@ class GrammarCacheClient:
         data = self._from_actor(spec, lease=self._may_compile_here(spec))
         if data is not None:
             try:
-                compiled = envelope.unpack(data, self.info, self.fingerprint, key)
+                compiled = self._unpack(data, key)
                 self._count("actor_hits")
                 self._keep(key, data)
                 return compiled
@@ -194,6 +195,16 @@ class GrammarCacheClient:
                 self._fallback(f"its envelope does not match this worker ({exc})")
         self._count("local_fallbacks")
         return self._compile_in_child(spec, key)
+
+    def _unpack(self, data: bytes, key: str):
+        """``envelope.unpack`` for this worker; after loading a big grammar, the heap's
+        free memory goes back to the system (see ``_trim_heap``: parsing a 38 MB grammar
+        left 120-320 MB behind in the loading thread's arena, 30 MB with the trim)."""
+        try:
+            return envelope.unpack(data, self.info, self.fingerprint, key)
+        finally:
+            if len(data) >= TRIM_AFTER_BYTES:
+                _trim_heap()
 
     def _may_compile_here(self, spec: GrammarSpec) -> bool:
         """Whether to offer to compile ``spec`` here if nobody has yet: an ordinary-looking
@@ -424,7 +435,7 @@ class GrammarCacheClient:
             self._count("local_fallbacks")
             return self._compile_in_child(spec, key)
         try:
-            compiled = envelope.unpack(data, self.info, self.fingerprint, key)
+            compiled = self._unpack(data, key)
         except envelope.CompileLocally:
             self._count("verdicts")
             return self._compile_verdict(spec)
@@ -475,7 +486,7 @@ class GrammarCacheClient:
 
     def _compile_in_child(self, spec: GrammarSpec, key: str):
         result = self._local_pool().compile(spec, self.fingerprint, self._tokenizer_json, key)
-        compiled = envelope.unpack(result.data, self.info, self.fingerprint, key)
+        compiled = self._unpack(result.data, key)
         # compiled without the actor: the node keeps it anyway (as the actor would: a
         # verdict where loading it costs more than compiling it)
         if result.load_s >= self.config.local_verdict_factor * result.compile_s:
@@ -536,9 +547,11 @@ def _grammar_bytes(compiled) -> int:
 
 def _trim_heap() -> None:
     """Gives the heap's free memory back to the system. xgrammar's JSON writer takes about
-    15x the JSON's size for a moment, and glibc keeps what a thread freed in that thread's
-    arena: measured, one 38 MB grammar left a worker 500 MB larger, and a bench run with
-    first compiles in the workers ran a 24 GB machine out of memory before this."""
+    15x the JSON's size for a moment, its reader less, and glibc keeps what a thread freed
+    in that thread's arena: measured, writing one 38 MB grammar left a process 500 MB
+    larger and loading it 120-320 MB, and a bench run with first compiles in the workers
+    ran a 24 GB machine out of memory before this. A trim costs a few milliseconds (60 ms
+    on a fragmented 1.3 GB heap), on the fetch or publishing thread, never the step loop."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

@@ -701,3 +701,23 @@ def test_lease_waiters_get_the_publication_or_the_actors_compile(monkeypatch):
         assert not cache.publish(fp, spec(2).key(fp), sent)  # too late: ignored
     finally:
         cache.close()
+
+
+def test_big_loads_give_the_heap_back(actor_name, monkeypatch):
+    # loading a big grammar leaves hundreds of MB in the loading thread's arena unless the
+    # heap is trimmed; small envelopes are not worth a trim
+    import grammar_cache.client as client_mod
+    calls = []
+    monkeypatch.setattr(client_mod, "_trim_heap", lambda: calls.append(1))
+    monkeypatch.setattr(client_mod, "TRIM_AFTER_BYTES", 0)
+    actor = new_actor(actor_name)  # noqa: F841 - kept: the actor lives while a handle does
+    client = GrammarCacheClient(tiny_info(), name=actor_name)
+    try:
+        client.fetch(spec(12))
+        assert calls
+        calls.clear()
+        monkeypatch.setattr(client_mod, "TRIM_AFTER_BYTES", 1 << 40)
+        client.fetch(spec(13))
+        assert not calls
+    finally:
+        client.close()
