@@ -16,9 +16,10 @@
    schema that completes), 16 concurrent clients. Throughput and validity on both sides.
 4. A worker killed under load (tiny model, 2 workers, 32 clients, 60% streaming): requests
    failed (mid-stream ones continue on the other worker), the longest pause a client saw,
-   and how soon a new request succeeds. ``--quick`` runs the same with fewer requests.
+   and how soon a new request succeeds. ``--quick`` runs the same with fewer requests;
+   ``--smoke`` every part in the fewest requests, the tiny model in part 2 and 3 as well.
 
-    python bench/cluster.py [--quick] [--json] [--no-record]
+    python bench/cluster.py [--quick | --smoke] [--json] [--no-record]
 
 JSON keys: ratio_vs_baseline_16_clients, ratio_guided_stack, failed_requests_worker_kill,
 longest_pause_worker_kill_s, recovery_worker_kill_s, plus the overhead figures.
@@ -41,10 +42,12 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from bench.report import finish, parser, table  # noqa: E402
+from bench.report import percentile as pct  # noqa: E402
 from cluster import launch  # noqa: E402
 from cluster.client import (GenerationRequest, RuntimeClient,  # noqa: E402
                             SamplingParams)
 from cluster.config import ClusterConfig  # noqa: E402
+from worker.models.tiny_model import build_tiny_model  # noqa: E402
 
 CLIENTS = 16
 ANSWER_SCHEMA = {"type": "object", "properties": {
@@ -58,35 +61,7 @@ TOPICS = ["a sailor", "a chemist", "a painter", "a pilot", "a baker", "a poet", 
           "a miner", "a nurse", "a farmer", "a singer", "a tailor"]
 
 
-def pct(values, p):
-    """The p-th percentile (linear interpolation between samples)."""
-    if len(values) == 1 or p >= 100:
-        return max(values) if p >= 100 else values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
-
-
 # 1. overhead ----------------------------------------------------------------------------
-
-def tiny_model(root: Path) -> str:
-    import shutil
-
-    import torch
-    import transformers
-
-    from worker.models.loader import resolve_model_dir
-    path = root / "tiny-llama"
-    cfg = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    for f in Path(resolve_model_dir(None)).iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja",
-                                                         "generation_config.json"):
-            shutil.copy(f, path / f.name)
-    return str(path)
-
 
 def stream_request(n_tokens: int, session: str | None = None) -> GenerationRequest:
     return GenerationRequest([{"role": "user", "content": "Hello"}],
@@ -139,14 +114,14 @@ async def broadcast(client: RuntimeClient, handles: dict, n_real: int, n_total: 
             "send_s": sent - t0}
 
 
-def overhead(quick: bool, model: str) -> tuple[list, dict]:
+def overhead(quick: bool, model: str, smoke: bool = False) -> tuple[list, dict]:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     local = LLMEngine(EngineConfig(model=model, num_threads=1, progress=False,
                                    num_kv_blocks=128))
     rows, figs = [], {}
-    n_tok = 64 if quick else 128
-    for workers in ((2,) if quick else (1, 2, 4)):
+    n_tok = 8 if smoke else 64 if quick else 128
+    for workers in ((2,) if quick or smoke else (1, 2, 4)):
         handles = launch.up(ClusterConfig(
             model=model, num_workers=workers, worker={"num_cpus": 0.1, "num_threads": 1},
             engine={"num_kv_blocks": 1024, "max_num_seqs": 256}))
@@ -155,7 +130,7 @@ def overhead(quick: bool, model: str) -> tuple[list, dict]:
 
         async def measure():
             route = []
-            for _ in range(100 if quick else 300):
+            for _ in range(10 if smoke else 100 if quick else 300):
                 t = time.perf_counter()
                 await sched.route.remote(None, 16)
                 route.append(time.perf_counter() - t)
@@ -163,7 +138,8 @@ def overhead(quick: bool, model: str) -> tuple[list, dict]:
             for _ in range(2 if quick else 4):  # interleaved rounds
                 ray_tok.append(await per_token_via_ray(client, n_tok))
                 local_tok.append(per_token_local(local, n_tok))
-            b = await broadcast(client, handles, 50 if quick else 300, 1000)
+            b = await (broadcast(client, handles, 4, 100) if smoke else
+                       broadcast(client, handles, 50 if quick else 300, 1000))
             return route, ray_tok, local_tok, b
 
         route, ray_tok, local_tok, b = asyncio.run(measure())
@@ -237,8 +213,9 @@ def messages(i: int, long: bool = False):
     return [{"role": "user", "content": ask}]
 
 
-async def run_clients(fn, n_requests: int) -> tuple[float, list]:
-    """16 concurrent clients share n_requests calls of fn(i); returns (seconds, results)."""
+async def run_clients(fn, n_requests: int, clients: int = CLIENTS) -> tuple[float, list]:
+    """``clients`` concurrent clients share n_requests calls of fn(i); returns (seconds,
+    results)."""
     queue = list(range(n_requests))
     results = []
 
@@ -247,11 +224,12 @@ async def run_clients(fn, n_requests: int) -> tuple[float, list]:
             results.append(await fn(queue.pop()))
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(CLIENTS)))
+    await asyncio.gather(*(worker() for _ in range(clients)))
     return time.perf_counter() - t0, results
 
 
-def stack(quick: bool) -> tuple[str, dict]:
+def stack(quick: bool, smoke_model: str | None = None) -> tuple[str, dict]:
+    """``smoke_model``: a --smoke run's tiny model on both sides, with the fewest requests."""
     import httpx2 as httpx
     import openai
 
@@ -260,19 +238,22 @@ def stack(quick: bool) -> tuple[str, dict]:
 
     workers = 2
     port = 8000 + int(time.time()) % 1000
-    svc = service.start(ClusterConfig(num_workers=workers,
+    smoke = smoke_model is not None
+    svc = service.start(ClusterConfig(model=smoke_model, num_workers=workers,
                                       worker={"num_cpus": 0.1, "num_threads": 1},
                                       engine={"num_kv_blocks": 1024}),
                         port=port)
-    serve.run(HFBaseline.options(num_replicas=workers).bind(str(resolve_model_dir(None))),
+    serve.run(HFBaseline.options(num_replicas=workers).bind(
+        smoke_model or str(resolve_model_dir(None))),
               name="baseline", route_prefix="/baseline")
     oai = openai.AsyncOpenAI(base_url=svc.url + "/v1", api_key="none", max_retries=0,
                              timeout=600, http_client=httpx.AsyncClient(timeout=600))
     http = httpx.AsyncClient(timeout=600)
-    model = "SmolLM2-135M-Instruct"
-    rounds = 1 if quick else 3
-    n_cmp = 16 if quick else 32  # at least one request per client: 16 in flight
-    n_tok = 24 if quick else 48
+    model = openai.OpenAI(base_url=svc.url + "/v1", api_key="none").models.list().data[0].id
+    rounds = 1 if quick or smoke else 3
+    clients = 4 if smoke else CLIENTS
+    n_cmp = 4 if smoke else 16 if quick else 32  # at least one request per client
+    n_tok = 8 if smoke else 24 if quick else 48
 
     async def ours_guided_long(i):
         r = await oai.chat.completions.create(
@@ -315,15 +296,15 @@ def stack(quick: bool) -> tuple[str, dict]:
         g_rates, u_rates = [], []
         ours, base = {"s": 0.0, "n": 0, "valid": 0, "tok": 0}, {"s": 0.0, "n": 0, "valid": 0,
                                                                  "tok": 0}
-        n_gu = CLIENTS * (1 if quick else 2)
+        n_gu = clients * (1 if quick or smoke else 2)
         for r in range(rounds):
             order = [("g", ours_guided_long), ("u", ours_unguided)]
             for name, fn in (order if r % 2 == 0 else order[::-1]):
-                secs, toks = await run_clients(fn, n_gu)
+                secs, toks = await run_clients(fn, n_gu, clients)
                 (g_rates if name == "g" else u_rates).append(sum(toks) / secs)
             sides = [("ours", ours_answer, ours), ("base", baseline_answer, base)]
             for name, fn, acc in (sides if r % 2 == 0 else sides[::-1]):
-                secs, res = await run_clients(fn, n_cmp)
+                secs, res = await run_clients(fn, n_cmp, clients)
                 acc["s"] += secs
                 acc["n"] += len(res)
                 acc["valid"] += sum(valid(t) for t, _, _ in res)
@@ -337,7 +318,8 @@ def stack(quick: bool) -> tuple[str, dict]:
         service.stop(svc)
     ratio_guided = statistics.median(g_rates) / statistics.median(u_rates)
     ours_rps, base_rps = ours["n"] / ours["s"], base["n"] / base["s"]
-    body = table(["through the stack (default model, 16 clients)", "value"], [
+    body = table([f"through the stack ({'tiny' if smoke else 'default'} model, {clients} "
+                  "clients)", "value"], [
         ["guided (JSON schema) output tok/s, per round",
          ", ".join(f"{x:.1f}" for x in g_rates)],
         ["unguided output tok/s, per round", ", ".join(f"{x:.1f}" for x in u_rates)],
@@ -360,7 +342,7 @@ def stack(quick: bool) -> tuple[str, dict]:
 
 # 4. a worker killed under load --------------------------------------------------------
 
-def fault(quick: bool, model: str) -> tuple[str, dict]:
+def fault(quick: bool, model: str, smoke: bool = False) -> tuple[str, dict]:
     """32 clients (streaming and not, guided) against 2 workers with the tiny model; worker
     0 is killed 2 s in. Mid-stream requests continue on the other worker (failover)."""
     import threading
@@ -377,8 +359,9 @@ def fault(quick: bool, model: str) -> tuple[str, dict]:
                                       scheduler={"load_poll_interval_s": 0.5}), port=port)
     try:
         box: dict = {}
-        cfg = LoadConfig(url=svc.url, clients=32, requests=64 if quick else 192,
-                         duration_s=300, max_tokens=48, stream_share=0.6, session_share=0.2,
+        cfg = LoadConfig(url=svc.url, clients=8 if smoke else 32,
+                         requests=16 if smoke else 64 if quick else 192,
+                         duration_s=300, max_tokens=16 if smoke else 48, stream_share=0.6, session_share=0.2,
                          request_timeout_s=60.0, leak_timeout_s=30.0)
         th = threading.Thread(target=lambda: box.update(r=asyncio.run(LoadTest(cfg).run())))
         th.start()
@@ -426,14 +409,14 @@ def main() -> None:
     ray.init(address="local", namespace="rayguide", num_cpus=8, include_dashboard=False,
              log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(Path(tmp))
-        rows, figs = overhead(args.quick, model)
-        fault_body, fault_figs = fault(args.quick, model)
+        model = str(build_tiny_model(Path(tmp) / "tiny-llama"))
+        rows, figs = overhead(args.quick, model, args.smoke)
+        fault_body, fault_figs = fault(args.quick, model, args.smoke)
         figs.update(fault_figs)
+        stack_body, stack_figs = stack(args.quick, model if args.smoke else None)
     body = table(["workers", "route() p50 / p99 ms", "per token via Ray ms",
                   "per token in-process ms", "Ray hop per token ms",
                   "broadcast msgs / 1,000 ends", "release after last end ms"], rows)
-    stack_body, stack_figs = stack(args.quick)
     figs.update(stack_figs)
     ray.shutdown()
     body = ("Runtime overhead (tiny random-weight model):\n\n" + body +

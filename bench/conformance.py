@@ -5,6 +5,7 @@
     python -m bench.conformance --closing-window 0 --no-guards --whitespace bounded
                                                        # "before": no closing, no guards
     python -m bench.conformance --http --quick --json   # the same through HTTP and Serve
+    python -m bench.conformance --smoke --json          # seconds: tiny model, 4 requests
 
 Reports the share valid (parses and passes full-schema validation) overall, among "stop"
 and among "length"; the share closed early; the runaway share (ended at the budget without
@@ -22,7 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository's packages, not bench/'s
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 STR = {"type": "string"}
 SCHEMAS = {
@@ -70,12 +76,12 @@ PROMPTS = [
 ]
 
 
-def cases(quick: bool):
+def cases(quick: bool, smoke: bool = False):
     """(name, schema, prompt, temperature, budget) for every combination."""
     names = list(SCHEMAS)[:4] + ["numbers", "tags"] if quick else list(SCHEMAS)
-    names = list(dict.fromkeys(names))
-    prompts = PROMPTS[:2] if quick else PROMPTS
-    budgets = (32, 128) if quick else (32, 64, 128, 256)
+    names = ["planet", "tags"] if smoke else list(dict.fromkeys(names))
+    prompts = PROMPTS[:1] if smoke else PROMPTS[:2] if quick else PROMPTS
+    budgets = (32,) if smoke else (32, 128) if quick else (32, 64, 128, 256)
     for name in names:
         for p in prompts:
             for t in (1.0, 0.0):
@@ -212,6 +218,8 @@ def run_http(items, *, concurrency: int = 16, threads: int = 2) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds: the tiny random-weight model, 4 requests (checks it runs)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--closing-window", type=int, default=None,
                     help="EngineConfig.closing_window (0: no budget-aware closing)")
@@ -222,7 +230,7 @@ def main(argv=None) -> None:
                     help="through the whole stack (rayguide serve's service, openai client)")
     args = ap.parse_args(argv)
     if args.http:
-        figures = run_http(list(cases(args.quick)), threads=args.threads)
+        figures = run_http(list(cases(args.quick, args.smoke)), threads=args.threads)
         figures["config"] = {"path": "http"}
         print(json.dumps(figures) if args.json else figures)
         return
@@ -231,6 +239,11 @@ def main(argv=None) -> None:
     from worker.engine.engine import LLMEngine
 
     cfg = dict(progress=False, num_threads=args.threads, seed=0)
+    if args.smoke:
+        import tempfile
+
+        from worker.models.tiny_model import build_tiny_model
+        cfg["model"] = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
     if args.closing_window is not None:
         cfg["closing_window"] = args.closing_window
     engine = LLMEngine(EngineConfig(**cfg))
@@ -239,7 +252,7 @@ def main(argv=None) -> None:
         opts.update(max_int_digits=0, max_frac_digits=0, max_exp_digits=0)
     if args.whitespace:
         opts["whitespace"] = args.whitespace
-    figures = run(engine, list(cases(args.quick)), spec_options=opts)
+    figures = run(engine, list(cases(args.quick, args.smoke)), spec_options=opts)
     figures["config"] = dict(closing_window=engine.config.closing_window, **opts)
     if args.json:
         print(json.dumps(figures))  # one object, the last line

@@ -16,7 +16,9 @@ Rounds alternate between the two sides so machine noise hits both alike. ``--qui
 the mixed workload's shape (request count, length ranges, static batches of 8 for HF) scaled
 down by QUICK_SCALE, so its ratio measures the same thing on less work.
 
-    python bench/engine_throughput.py [--quick] [--json] [--no-record] [--no-int8]
+    python bench/engine_throughput.py [--quick | --smoke] [--json] [--no-record] [--no-int8]
+
+``--smoke``: both sides on the tiny random-weight model, a few short requests, no llama.cpp.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +40,7 @@ from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
 from worker.engine.sequence import GenerationRequest  # noqa: E402
 from worker.models.loader import resolve_model_dir  # noqa: E402
+from worker.models.tiny_model import build_tiny_model  # noqa: E402
 
 TEXT = (
     "The river wound through the valley, past orchards and stone bridges, carrying the "
@@ -161,6 +165,7 @@ def draw_ms(rows: int, vocab: int, reps: int = 20) -> tuple[float, float]:
 # of 8 become 2, every length range halves), keeping the proportions that decide the ratio.
 MIXED_COUNT, MIXED_PROMPTS, MIXED_NEW = 32, (32, 512), (16, 256)
 QUICK_SCALE = 0.5
+SMOKE_SCALE = 0.125
 QUALITY_TOKENS = 3000
 SAMPLED_TEMPERATURE = 0.8
 
@@ -181,18 +186,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    quick = args.quick
-    b1_tokens = 32 if quick else 128
+    smoke = args.smoke
+    quick = args.quick or smoke
+    b1_tokens = 8 if smoke else 32 if quick else 128
     rounds = args.rounds or (1 if quick else 3)
-    scale = QUICK_SCALE if quick else 1.0
+    scale = SMOKE_SCALE if smoke else QUICK_SCALE if quick else 1.0
     mixed_count = int(MIXED_COUNT * scale)
     prompt_range = tuple(int(v * scale) for v in MIXED_PROMPTS)
     new_range = tuple(int(v * scale) for v in MIXED_NEW)
 
     from transformers import AutoModelForCausalLM
 
-    model_dir = resolve_model_dir(None, progress=False)
-    engine = LLMEngine(EngineConfig(progress=False, num_threads=args.threads))
+    model_dir = (build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")) if smoke
+                 else resolve_model_dir(None, progress=False))
+    # smoke: a small KV cache too (the default one takes seconds to allocate)
+    model = {"model": str(model_dir), "num_kv_blocks": 256} if smoke else {}
+    engine = LLMEngine(EngineConfig(progress=False, num_threads=args.threads, **model))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = engine.tokenizer
     pool = tok(TEXT * 40, add_special_tokens=False)["input_ids"]
@@ -229,18 +238,18 @@ def main() -> None:
         fp32_model = engine.model
         del engine  # one engine's KV cache at a time
         qengine = LLMEngine(EngineConfig(progress=False, dtype="int8",
-                                         num_threads=args.threads))
+                                         num_threads=args.threads, **model))
         qbytes = weight_bytes(qengine.model)
         ours_b1(qengine, prompt, 4)
         b1_q = [ours_b1(qengine, prompt, b1_tokens) for _ in range(rounds)]
         mixed_q = [ours_mixed(qengine, work) for _ in range(1 if quick else min(rounds, 2))]
-        ids = quality_ids(tok)[: 512 if quick else QUALITY_TOKENS]
+        ids = quality_ids(tok)[: 64 if smoke else 512 if quick else QUALITY_TOKENS]
         agreement = top1_agreement(fp32_model, qengine.model, ids)
         s_q, m_q = statistics.median(b1_q), min(mixed_q)
         q = dict(s=s_q, m=m_q, bytes=qbytes, agreement=agreement, tokens=len(ids))
         from bench import llamacpp_side
 
-        if llamacpp_side.available():  # same prompt, same thread count, side by side
+        if llamacpp_side.available() and not smoke:  # same prompt, same thread count, side by side
             from worker.models.gguf_convert import default_gguf_path
 
             q4 = default_gguf_path()

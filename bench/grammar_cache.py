@@ -21,7 +21,11 @@ twice in the same process: with the shared cache + grammar-affinity routing + wa
 replication (a fresh disk tier), and with per-worker local compiles (no actor, no
 affinity). Then a new worker joins the warm cluster and serves known grammars. The full
 run sends 256 requests; ``--quick`` sends 40 (smaller large schemas and tool tags, 5 known
-grammars for the new worker), about three minutes in all.
+grammars for the new worker), about three minutes in all. ``--smoke`` runs every part in
+seconds: two grammars in the per-grammar table, then 2 workers, 4 clients, 8 requests.
+
+The per-grammar table runs with the disk tier off: a grammar this node's disk already
+holds would be served from there, and the actor would be neither asked nor measured.
 
 JSON keys of the cluster run: grammar_wait_share (requests that waited for a compile or a
 deserialize after their grammar's first compile in the cluster was done), its _local
@@ -31,13 +35,14 @@ warm_worker_first_hit_ms_p50, and the TTFT percentiles of both sides.
 ``--worker-first-compile`` turns on the shared side's leases (a grammar's first compile in
 the worker that asked for it; README, grammar cache); off by default, as in the config.
 
-    python bench/grammar_cache.py [--quick] [--json] [--no-record] [--no-cluster]
+    python bench/grammar_cache.py [--quick | --smoke] [--json] [--no-record] [--no-cluster]
                                   [--no-micro] [--worker-first-compile]
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import shutil
@@ -50,7 +55,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import finish, parser, table  # noqa: E402
+from bench.report import finish, parser, percentile, table  # noqa: E402
+from worker.models.tiny_model import build_tiny_model  # noqa: E402
 
 STR = {"type": "string", "maxLength": 64}
 
@@ -131,7 +137,8 @@ def main() -> None:
     args = ap.parse_args()
     body, figures = ("", {}) if args.no_micro else micro(args)
     if not args.no_cluster:
-        cbody, cfigures = cluster_run(args.quick, args.worker_first_compile)
+        size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
+        cbody, cfigures = cluster_run(size, args.worker_first_compile)
         body = (body + "\n\n" + cbody).strip()
         figures.update(cfigures)
     # the cluster run alone records a section of its own (the per-grammar table stays)
@@ -139,7 +146,7 @@ def main() -> None:
 
 
 def micro(args) -> tuple[str, dict]:
-    reps = 1 if args.quick else 5
+    reps = 1 if args.quick or args.smoke else 5
 
     import ray
     import xgrammar as xgr
@@ -162,10 +169,12 @@ def micro(args) -> tuple[str, dict]:
         cases = cases[:2] + [
             ("large schema (8 entities)", GrammarSpec.json_schema(large_schema(8))),
             ("10-tool structural tag", GrammarSpec.structural_tag(tools_tag(10)))]
+    if args.smoke:
+        cases = [cases[0], ("2-tool structural tag", GrammarSpec.structural_tag(tools_tag(2)))]
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     name = f"bench-{uuid.uuid4().hex[:6]}"
-    config = GrammarCacheConfig(compile_timeout_s=120, compile_memory_mb=16384)
+    config = GrammarCacheConfig(compile_timeout_s=120, compile_memory_mb=16384, disk=False)
     actor = get_or_create_actor(config, name=name)
     t = time.perf_counter()
     wait_ready(actor)  # a fresh actor starts its compile processes first
@@ -228,8 +237,17 @@ def micro(args) -> tuple[str, dict]:
 
 # the cluster run ------------------------------------------------------------------------
 
-CLIENTS = 32
-WORKERS = 4
+@dataclasses.dataclass(frozen=True)
+class ClusterSize:
+    workers: int
+    clients: int
+    requests: int
+    known: int  # the most requested grammars the joining worker is asked for
+    small_mix: bool  # fewer and smaller large schemas and tool tags
+
+
+SIZES = {"full": ClusterSize(4, 32, 256, 30, False), "quick": ClusterSize(4, 32, 40, 5, True),
+         "smoke": ClusterSize(2, 4, 8, 2, True)}
 
 
 def small_variant(i: int) -> dict:
@@ -282,31 +300,6 @@ def zipf_schedule(mix, n: int, seed: int = 14) -> list[int]:
     return [ranking[rng.choices(range(len(mix)), weights)[0]] for _ in range(n)]
 
 
-def tiny_model(root: Path) -> str:
-    """A tiny random-weight Llama with the default model's tokenizer (as tests/conftest.py)."""
-    import torch
-    import transformers
-
-    from worker.models.loader import resolve_model_dir
-    path = root / "tiny-llama"
-    cfg = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    for f in Path(resolve_model_dir(None, progress=False)).iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja",
-                                                         "generation_config.json"):
-            shutil.copy(f, path / f.name)
-    return str(path)
-
-
-def pct(values, q):
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
 def cpu_by_process() -> dict[str, float]:
     """CPU seconds (user + system) so far of this machine's processes, by kind: the
     workers, the cache actor, its compile processes, the scheduler, Ray's own."""
@@ -329,7 +322,7 @@ def cpu_by_process() -> dict[str, float]:
     return out
 
 
-def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool,
+def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, size: ClusterSize,
              leases: bool = False) -> dict:
     """One side of the comparison on a fresh runtime: TTFT per request, the workers'
     per-request grammar log, the cache's stats; with ``shared``, a new worker joins at the
@@ -343,7 +336,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
                     "disk": shared, "disk_dir": disk_dir, "shared": shared, "replicate": shared,
                     "worker_first_compile": leases}
     config = ClusterConfig(
-        model=model, num_workers=WORKERS, worker={"num_cpus": 0.25, "num_threads": 1},
+        model=model, num_workers=size.workers, worker={"num_cpus": 0.25, "num_threads": 1},
         # closing_window 0: no closing search (the tiny model's output is noise; what is
         # measured is the wait for grammars)
         engine={"num_kv_blocks": 512, "max_num_seqs": 64, "closing_window": 0,
@@ -383,7 +376,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
             await one(*mix[queue.pop()])
 
     async def clients():
-        await asyncio.wait_for(asyncio.gather(*(worker_loop() for _ in range(CLIENTS))),
+        await asyncio.wait_for(asyncio.gather(*(worker_loop() for _ in range(size.clients))),
                                timeout=1500)
 
     timeline: list[tuple] = []  # (request id, kind, sent at (s into the run), TTFT)
@@ -394,7 +387,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
     cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_by_process().items()}
     print(f"{'shared' if shared else 'local'} side: {len(ttft)} requests in {wall:.1f} s; "
           "TTFT p50 / max s by grammar kind: " + ", ".join(
-              f"{k} {pct(v, 0.5):.1f} / {max(v):.1f} ({len(v)})"
+              f"{k} {percentile(v, 50):.1f} / {max(v):.1f} ({len(v)})"
               for k, v in sorted(by_kind.items())) + "; CPU s by process: " + ", ".join(
               f"{k} {v:.0f}" for k, v in sorted(cpu.items())), file=sys.stderr, flush=True)
     logs = [e for w in handles["workers"] for e in ray.get(w.grammar_requests.remote())]
@@ -409,7 +402,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
            "cache": ray.get(handles["cache"].stats.remote()) if shared else None}
     if shared:
         try:
-            out["warm"] = warm_worker(config, handles, mix, schedule, quick)
+            out["warm"] = warm_worker(config, handles, mix, schedule, size)
         except ray.exceptions.RayError as exc:  # e.g. Ray's memory monitor killed it
             print(f"WARNING: the new worker failed: {exc}", file=sys.stderr)
             out["warm"] = {"first_hit_s": [], "waited": -1, "known": 0, "prefetches": 0,
@@ -425,7 +418,7 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, quick: bool
     return out
 
 
-def warm_worker(config, handles, mix, schedule, quick: bool) -> dict:
+def warm_worker(config, handles, mix, schedule, size: ClusterSize) -> dict:
     """A new worker joins the warm cluster: once its background replication is done, its
     first request for each known (hot) grammar, time to the first chunk."""
     import dataclasses
@@ -437,9 +430,9 @@ def warm_worker(config, handles, mix, schedule, quick: bool) -> dict:
     from scheduler.actor import NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX
     from worker.actor import WorkerActor
     t0 = time.perf_counter()
-    new = WorkerActor.options(name=f"{WORKER_PREFIX}{WORKERS}", namespace=NAMESPACE,
+    new = WorkerActor.options(name=f"{WORKER_PREFIX}{size.workers}", namespace=NAMESPACE,
                               num_cpus=0.25).remote(
-        dataclasses.asdict(config.engine_config()), f"w{WORKERS}",
+        dataclasses.asdict(config.engine_config()), f"w{size.workers}",
         (SCHEDULER_NAME, NAMESPACE), (ACTOR_NAME, NAMESPACE, dict(config.grammar_cache)))
     ray.get(new.health.remote())
     started = time.perf_counter() - t0
@@ -449,7 +442,7 @@ def warm_worker(config, handles, mix, schedule, quick: bool) -> dict:
         counts[i] = counts.get(i, 0) + 1
     # known grammars: requested at least twice in the run (so hot), the most requested first
     known = [i for i, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n >= 2]
-    known = known[:5 if quick else 30]
+    known = known[:size.known]
     want = {mix[i][1].family for i in known}
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:  # its background replication has fetched them
@@ -489,18 +482,18 @@ def wait_share(logs) -> tuple[float, int, int]:
     return (late / len(logs) if logs else 0.0), late, len(logs)
 
 
-def cluster_run(quick: bool, leases: bool = False) -> tuple[str, dict]:
+def cluster_run(size: ClusterSize, leases: bool = False) -> tuple[str, dict]:
     import ray
-    mix = grammar_mix(quick)
-    n = CLIENTS * 5 // 4 if quick else CLIENTS * 8
+    mix = grammar_mix(size.small_mix)
+    n = size.requests
     schedule = zipf_schedule(mix, n)
     tmp = Path(tempfile.mkdtemp(prefix="rayguide-bench-"))
     try:
-        model = tiny_model(tmp)
+        model = str(build_tiny_model(tmp / "tiny-llama"))
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  namespace="rayguide")
-        local = run_side(model, mix, list(schedule), False, str(tmp / "disk-local"), quick)
-        shared = run_side(model, mix, list(schedule), True, str(tmp / "disk"), quick, leases)
+        local = run_side(model, mix, list(schedule), False, str(tmp / "disk-local"), size)
+        shared = run_side(model, mix, list(schedule), True, str(tmp / "disk"), size, leases)
         ray.shutdown()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -509,8 +502,8 @@ def cluster_run(quick: bool, leases: bool = False) -> tuple[str, dict]:
     cache = shared["cache"]
     distinct = len(set(schedule))
     local_compiles = sum(ld["grammar_cache"].get("compiles", 0) for ld in local["loads"])
-    p99 = pct(shared["ttft"], 0.99)
-    p99_local = pct(local["ttft"], 0.99)
+    p99 = percentile(shared["ttft"], 99)
+    p99_local = percentile(local["ttft"], 99)
     warm = shared["warm"]
     kinds: dict[str, int] = {}
     for i in set(schedule):
@@ -530,11 +523,11 @@ def cluster_run(quick: bool, leases: bool = False) -> tuple[str, dict]:
             (cache["compiles"] + csum["verdicts"]) / max(1, cache["distinct_grammars"]), 3),
         "compiles_per_distinct_grammar_local": round(local_compiles / distinct, 3),
         "ttft_p99_ratio_vs_local": round(p99 / p99_local, 3),
-        "ttft_p50_ms": round(pct(shared["ttft"], 0.5) * 1e3, 1),
+        "ttft_p50_ms": round(percentile(shared["ttft"], 50) * 1e3, 1),
         "ttft_p99_ms": round(p99 * 1e3, 1),
-        "ttft_p50_ms_local": round(pct(local["ttft"], 0.5) * 1e3, 1),
+        "ttft_p50_ms_local": round(percentile(local["ttft"], 50) * 1e3, 1),
         "ttft_p99_ms_local": round(p99_local * 1e3, 1),
-        "warm_worker_first_hit_ms_p50": round(pct(warm["first_hit_s"], 0.5) * 1e3, 1),
+        "warm_worker_first_hit_ms_p50": round(percentile(warm["first_hit_s"], 50) * 1e3, 1),
         "warm_worker_first_hit_waits": warm["waited"],
         "cluster_requests": total, "cluster_errors": len(shared["errors"]),
         "cluster_errors_local": len(local["errors"]),
@@ -559,8 +552,8 @@ def cluster_run(quick: bool, leases: bool = False) -> tuple[str, dict]:
         ["side", "requests", "waited after first compile", "wait share",
          "compiles / distinct grammars", "TTFT p50 ms", "TTFT p99 ms", "wall s", "errors"],
         rows))
-    body += (f"\n\n{WORKERS} workers (tiny random-weight model, default tokenizer), "
-             f"{CLIENTS} clients, {total} requests, Zipf (s=1.1) over 100 grammars "
+    body += (f"\n\n{size.workers} workers (tiny random-weight model, default tokenizer), "
+             f"{size.clients} clients, {total} requests, Zipf (s=1.1) over 100 grammars "
              f"({distinct} distinct ones drawn: "
              + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) +
              f"). Error kinds (both sides): {', '.join(kinds_seen) or 'none'}. "
@@ -583,7 +576,7 @@ def cluster_run(quick: bool, leases: bool = False) -> tuple[str, dict]:
              "a grammar.")
     for name, side in (("shared", shared), ("local", local)):
         body += (f"\n\n{name.capitalize()} side, TTFT p50 / max s by grammar kind: " + ", ".join(
-            f"{k} {pct(v, 0.5):.1f} / {max(v):.1f} (n={len(v)})"
+            f"{k} {percentile(v, 50):.1f} / {max(v):.1f} (n={len(v)})"
             for k, v in sorted(side["by_kind"].items())) + "; CPU seconds during the run: "
             + ", ".join(f"{k} {v:.0f}" for k, v in sorted(side["cpu"].items()) if v >= 0.5)
             + ".")

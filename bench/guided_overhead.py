@@ -8,8 +8,12 @@ long the step still waited for it after the forward, mask apply time and accept 
 Also, at batch 1: HF transformers generate() with xgrammar's HF logits processor on the
 same schema, what a user would otherwise run.
 
-    python bench/guided_overhead.py [--quick] [--json] [--no-record] [--dtype int8]
-                                    [--closing-window N]
+    python bench/guided_overhead.py [--quick | --smoke] [--json] [--no-record]
+                                    [--dtype int8] [--closing-window N]
+
+``--quick``: 2 rounds instead of 8, same budget (24 tokens: the schema's shortest output
+is about 20, a smaller budget is refused). ``--smoke``: the tiny random-weight model,
+batches 1 and 2, one round.
 
 ``--dtype int8`` runs the engine with int8 weights: shorter steps, so the mask's share of a
 step is larger there; its table is recorded as its own section (guided_overhead_int8).
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import finish, parser, table  # noqa: E402
+from worker.models.tiny_model import build_tiny_model  # noqa: E402
 from grammar_cache.spec import GrammarSpec  # noqa: E402
 from worker.engine import bitmask  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
@@ -65,20 +71,26 @@ def run_side(engine: LLMEngine, batch: int, new_tokens: int, guided: bool):
     def all_decoding():
         return len(running) == batch and all(s.num_pending == 1 for s in running)
 
+    def step():
+        for out in engine.step():
+            if out.finish_reason == "error":  # e.g. a budget below the schema's shortest
+                raise SystemExit(f"a {'guided' if guided else 'plain'} request failed: "
+                                 f"{out.error}")
+
     while engine.has_work() and not all_decoding():  # grammar compile + prefill
-        engine.step()
+        step()
     steps, timings = [], []
     while engine.has_work():
         full = all_decoding()
         t = time.perf_counter()
-        engine.step()
+        step()
         if full:
             steps.append(time.perf_counter() - t)
             timings.append(engine.last_timings)
         else:
             break
     while engine.has_work():
-        engine.step()
+        step()
     return steps, timings
 
 
@@ -115,18 +127,20 @@ def main() -> None:
                          "closing search's steering is measured with the mask; 0 measures "
                          "the mask alone")
     args = ap.parse_args()
-    batches = (1, 8, 32)
+    batches = (1, 2) if args.smoke else (1, 8, 32)
     # many short rounds: this VM's speed drifts over minutes, so the sides alternate often
-    new_tokens = 12 if args.quick else 24
-    rounds = 1 if args.quick else 8
+    new_tokens = 24
+    rounds = 1 if args.smoke else 2 if args.quick else 8
 
     extra = {} if args.closing_window is None else {"closing_window": args.closing_window}
+    if args.smoke:
+        extra["model"] = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
     engine = LLMEngine(EngineConfig(progress=False, dtype=args.dtype, **extra))
     window = engine.config.closing_window
     bitmask.warmup()
     figures, rows = {}, []
     for batch in batches:
-        run_side(engine, batch, 4, guided=True)  # warm: compile the grammar, size buffers
+        run_side(engine, batch, new_tokens, guided=True)  # warm: compile, size buffers
         pairs, fill, wait, apply, accept = [], [], [], [], []
         for r in range(rounds):
             # alternate which side goes first, so drift within a round cancels out
@@ -141,6 +155,9 @@ def main() -> None:
             wait += [t.fill_wait_us for t in timings]
             apply += [t.apply_us for t in timings]
             accept += [t.accept_us for t in timings]
+        if not pairs:
+            raise SystemExit(f"batch {batch}: no decode step had every sequence of both "
+                             "sides decoding (all outputs ended too early to compare)")
         plain_s = statistics.median(p for p, _ in pairs)
         guided_s = statistics.median(g for _, g in pairs)
         ratio = plain_s / guided_s
@@ -155,7 +172,7 @@ def main() -> None:
         rows.append([batch, len(pairs), batch / plain_s, batch / guided_s, ratio,
                      statistics.mean(fill), statistics.mean(wait), f"{100 * hidden:.0f}%",
                      statistics.mean(apply), statistics.mean(accept)])
-    figures["apply_us_per_row_b32"] = figures["apply_us_b32"] / 32
+    figures["apply_us_per_row_b32"] = figures[f"apply_us_b{batches[-1]}"] / batches[-1]
 
     from transformers import AutoModelForCausalLM
 
@@ -170,8 +187,8 @@ def main() -> None:
                   "fill us", "fill wait us", "fill hidden", "apply us", "accept us"], rows)
     body += (f"\n\nBatch 1 guided vs HF generate() + xgrammar HF logits processor (same schema):"
              f" rayguide {1 / ours_b1:.1f} tok/s, HF {1 / hf_s:.1f} tok/s, ratio "
-             f"{figures['ratio_guided_b1_vs_hf_xgrammar']:.2f}. Mask apply at batch 32: "
-             f"{figures['apply_us_per_row_b32']:.1f} us per row (vocab 49152). Step times are "
+             f"{figures['ratio_guided_b1_vs_hf_xgrammar']:.2f}. Mask apply at batch "
+             f"{batches[-1]}: {figures['apply_us_per_row_b32']:.1f} us per row (vocab 49152). Step times are "
              f"medians of decode steps paired by step index at full occupancy; "
              f"{new_tokens} new tokens, {rounds} rounds; closing_window {window}"
              + (" (every guided step within it: the closing search steers each step)"

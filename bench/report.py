@@ -1,6 +1,10 @@
 """Shared output for the benchmarks: a markdown table on stdout, the same table recorded
 in docs/benchmarks.md (between markers named after the benchmark), and with --json one
-JSON object of figures as the last line."""
+JSON object of figures as the last line.
+
+Every bench takes ``--quick`` (the same shape, scaled down: figures worth reading) and
+``--smoke`` (seconds, the tiny random-weight model where the model does not matter: the
+same code path, figures meaningless; tests/test_bench_smoke.py runs it), neither recorded."""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import argparse
 import json
 import os
 import platform
+import math
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,6 +60,17 @@ def record(name: str, body: str) -> None:
     DOCS.write_text(text)
 
 
+def percentile(values, p: float) -> float:
+    """The p-th percentile (0-100) of ``values``, interpolated linearly between samples;
+    nan when there are none."""
+    values = sorted(values)
+    if not values:
+        return math.nan
+    if len(values) == 1 or p >= 100:
+        return values[-1] if p >= 100 else values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[max(1, int(p)) - 1]
+
+
 def emit_json(figures: dict) -> None:
     print(json.dumps(figures, sort_keys=True))
 
@@ -61,7 +78,9 @@ def emit_json(figures: dict) -> None:
 def parser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--quick", action="store_true", help="reduced run (under a minute)")
+    ap.add_argument("--quick", action="store_true", help="reduced run, same shape")
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds, tiny model where it does not matter: checks the bench runs")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON last")
     ap.add_argument("--no-record", action="store_true", help="do not update docs/benchmarks.md")
     return ap
@@ -70,7 +89,7 @@ def parser(description: str) -> argparse.ArgumentParser:
 def finish(name: str, body: str, figures: dict, args) -> None:
     """Prints the table, records full runs in docs/benchmarks.md, then the JSON line."""
     print(body)
-    if not args.no_record and not args.quick:
+    if not args.no_record and not args.quick and not getattr(args, "smoke", False):
         record(name, body)
     if args.json:
         emit_json(figures)

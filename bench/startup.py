@@ -8,11 +8,12 @@ next ones reuse it (warm: a restart). Each start's stage lines (Ray, grammar cac
 load, worker registration, Serve, app) are parsed from its log; the log is also checked
 for warnings and tracebacks on a normal start and stop.
 
-    python bench/startup.py [--quick] [--json] [--no-record] [--warm-runs N]
+    python bench/startup.py [--quick | --smoke] [--json] [--no-record] [--warm-runs N]
 
 ``--json`` keys: ``warm_start_s`` (median of the warm starts), ``cold_start_s``,
 ``first_request_s`` (the first request after a warm start), ``stop_s``, ``log_warnings``.
-``--quick`` makes one warm start instead of three.
+``--quick`` makes one warm start instead of three; ``--smoke`` one cold start of the tiny
+random-weight model (the warm figures are then null).
 """
 
 from __future__ import annotations
@@ -60,14 +61,16 @@ def _rayguide() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "cli.main"]
 
 
-def one_start(env: dict, workers: int, timeout_s: float = 600.0) -> dict:
+def one_start(env: dict, workers: int, timeout_s: float = 600.0,
+              model: str | None = None) -> dict:
     """One `rayguide serve`: seconds to /health 200, stage times, the first request's
     latency and answer, the stop's time, and the log's alarming lines."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     proc = subprocess.Popen(_rayguide() + ["serve", "--port", str(port), "--workers",
-                                           str(workers)],
+                                           str(workers)]
+                            + (["--model", model] if model else []),
                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -130,15 +133,20 @@ def main() -> None:
                     "--quick: 1)")
     ap.add_argument("--workers", type=int, default=1)
     args = ap.parse_args()
-    warm_runs = args.warm_runs or (1 if args.quick else 3)
+    warm_runs = (args.warm_runs if args.warm_runs is not None
+                 else 0 if args.smoke else 1 if args.quick else 3)
     folder = tempfile.mkdtemp(prefix="rayguide-startup-")
+    model = None
+    if args.smoke:
+        from worker.models.tiny_model import build_tiny_model
+        model = str(build_tiny_model(Path(folder) / "tiny-llama"))
     env = dict(os.environ, RAYGUIDE_GRAMMAR_CACHE_DIR=folder, RAYGUIDE_GRAMMAR_DISK="1",
                PYTHONUNBUFFERED="1")
     runs = []
     for i in range(1 + warm_runs):
         kind = "cold" if i == 0 else "warm"
         print(f"startup: {kind} start {i}/{warm_runs} ...", file=sys.stderr, flush=True)
-        res = one_start(env, args.workers)
+        res = one_start(env, args.workers, model=model)
         res["kind"] = kind
         runs.append(res)
         print(f"startup: {kind}: healthy after {res['health_s']:.1f} s, first request "
@@ -157,7 +165,8 @@ def main() -> None:
                + ["first request s", "first answer", "Ctrl-C to exit s", "exit status",
                   "alarming log lines"])
     body = report.table(headers, rows)
-    body += (f"\n\n{args.workers} worker(s), default model, `rayguide serve` as a process. "
+    which = "tiny random-weight model" if model else "default model"
+    body += (f"\n\n{args.workers} worker(s), {which}, `rayguide serve` as a process. "
              "Cold: the model already converted, an empty grammar disk folder; warm: the "
              "next starts. Stage times are each stage's own, in the order reported (the "
              "runtime's actors load while Serve starts: a stage after `app` is what was "
@@ -168,8 +177,9 @@ def main() -> None:
         body += "\n\nAlarming log lines seen: " + "; ".join(f"`{a}`" for a in alarms[:8])
     figures = {
         "cold_start_s": round(cold["health_s"], 2),
-        "warm_start_s": round(statistics.median(r["health_s"] for r in warm), 2),
-        "first_request_s": round(warm[0]["first_request_s"], 3),
+        "warm_start_s": round(statistics.median(r["health_s"] for r in warm), 2)
+        if warm else None,
+        "first_request_s": round(warm[0]["first_request_s"], 3) if warm else None,
         "stop_s": round(statistics.median(r["stop_s"] for r in runs), 2),
         "log_warnings": len(alarms),
         "first_answer_valid": all(r["valid"] for r in runs),

@@ -1,6 +1,7 @@
 """Shared fixtures. The default model is converted once per machine (cached under
 ~/.cache/rayguide or $RAYGUIDE_CACHE_DIR) and loaded once per test session."""
 
+import contextlib
 import os
 import tempfile
 
@@ -22,6 +23,46 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def _private_ray(*, num_cpus: int = 4, nodes: int = 0, node_cpus: int = 2,
+                 head_resources: dict | None = None):
+    """A Ray of this test module's own: a local instance, or with ``nodes`` a
+    ray.cluster_utils.Cluster (a head of ``num_cpus`` and ``nodes`` more). Yields the Cluster
+    (None for a local instance). Serve, Ray and the cluster are shut down on the way out,
+    also when the start itself (or whatever the module starts inside) fails, so the next
+    module starts from a clean slate."""
+    import ray
+
+    cluster = None
+    try:
+        if nodes:
+            from ray.cluster_utils import Cluster
+            cluster = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": num_cpus, "resources": head_resources or {}})
+            for _ in range(nodes):
+                cluster.add_node(num_cpus=node_cpus)
+            ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                     namespace="rayguide")
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            from ray import serve
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_runtime():
+    """``with ray_runtime(num_cpus=4) as cluster:`` in a module (or function) fixture: a
+    private Ray that is always shut down; see ``_private_ray`` for the arguments."""
+    return _private_ray
 
 
 @pytest.fixture(scope="session")
@@ -49,22 +90,9 @@ def default_model(default_model_dir):
 def tiny_model_dir(default_model_dir, tmp_path_factory):
     """A tiny random-weight Llama with the default model's real tokenizer: fast to load,
     for tests of the runtime's plumbing."""
-    import shutil
+    from worker.models.tiny_model import build_tiny_model
 
-    import transformers
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    for f in default_model_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja",
-                                                         "generation_config.json"):
-            shutil.copy(f, path / f.name)
-    return path
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
 
 
 @pytest.fixture

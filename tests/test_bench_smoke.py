@@ -1,0 +1,68 @@
+"""Every bench runs: each one's ``--smoke --json`` size (seconds, the tiny model where the
+model does not matter, the same code path as a full run) in a subprocess of its own, and
+its last line is one JSON object holding the bench's figures. The figures themselves are
+meaningless at this size; what is checked is that the bench finishes and reports."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+# bench file -> figures its JSON line must hold (a subset: the ones its docs promise)
+BENCHES = {
+    "guided_overhead.py": {"ratio_guided_b1", "guided_tok_s_b1", "unguided_tok_s_b1",
+                           "fill_us_b1", "apply_us_b1", "accept_us_b1", "fill_hidden_b1",
+                           "hf_xgrammar_tok_s_b1", "ratio_guided_b1_vs_hf_xgrammar",
+                           "closing_window", "dtype"},
+    "engine_throughput.py": {"b1_ours_tok_s", "b1_hf_tok_s", "ratio_b1_vs_hf",
+                             "ratio_mixed_vs_hf", "ratio_mixed_sampled_vs_hf",
+                             "draw_ms_per_step", "quant_b1_tok_s", "quant_top1_agreement"},
+    "conformance.py": {"valid_share_all", "valid_share_stop", "valid_share_length",
+                       "runaway_share", "closed_early_share", "mean_output_tokens",
+                       "validation_us_p50", "wall_s", "requests", "refused"},
+    "grammar_cache.py": {"cold_ms_small", "actor_hit_ms_small", "local_hit_us_small",
+                         "client_local_fallbacks", "grammar_wait_share",
+                         "grammar_wait_share_local", "compiles_per_distinct_grammar",
+                         "ttft_p99_ratio_vs_local", "warm_worker_first_hit_ms_p50"},
+    "startup.py": {"cold_start_s", "warm_start_s", "first_request_s", "stop_s",
+                   "log_warnings", "first_answer_valid"},
+    "cluster.py": {"ratio_vs_baseline_16_clients", "ratio_guided_stack",
+                   "failed_requests_worker_kill", "longest_pause_worker_kill_s",
+                   "recovery_worker_kill_s", "valid_share_worker_kill", "route_ms_p50_2w",
+                   "ray_hop_ms_per_token_2w"},
+    "load.py": {"requests", "failed", "valid_share", "leaks"},
+}
+# modules of bench/ that are not benches themselves
+HELPERS = {"__init__.py", "report.py", "llamacpp_side.py"}
+
+
+@pytest.mark.unit
+def test_every_bench_has_a_smoke_run():
+    benches = {p.name for p in BENCH.glob("*.py")} - HELPERS
+    assert benches == set(BENCHES), (
+        "a bench without a smoke run here (or a listed one that is gone): "
+        f"{sorted(benches ^ set(BENCHES))}")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_bench_smoke(name, default_model_dir):
+    # default_model_dir: the default model converted once, before any bench wants its
+    # tokenizer (a conversion inside a bench would count against its timeout)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(BENCH / name), "--smoke", "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-3000:])
+    assert proc.returncode == 0, tail
+    lines = proc.stdout.strip().splitlines()
+    assert lines, tail
+    figures = json.loads(lines[-1])
+    assert isinstance(figures, dict), tail
+    missing = BENCHES[name] - set(figures)
+    assert not missing, (sorted(missing), tail)
