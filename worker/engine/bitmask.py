@@ -16,15 +16,12 @@ releases the GIL). Without a compiler, the plain-torch reference below is used.
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 
 import torch
 
 from worker.models import native
 
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "kernels" / "bitmask_cpu.c"
 
@@ -38,27 +35,16 @@ def reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~allowed, float("-inf"))
 
 
-_kernel = None
-_kernel_failed = False
-_lock = threading.Lock()
+def _bind(lib: ctypes.CDLL):
+    fn = lib.apply_bitmask_f32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_int64]
+    fn.restype = None
+    return fn
 
 
-def _cpu_kernel():
-    global _kernel, _kernel_failed
-    if _kernel is None and not _kernel_failed:
-        with _lock:
-            if _kernel is None and not _kernel_failed:
-                try:
-                    fn = ctypes.CDLL(str(native.build(_SOURCE))).apply_bitmask_f32
-                    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
-                    fn.restype = None
-                    _kernel = fn
-                except Exception as exc:  # no C compiler, or an unusual platform
-                    _kernel_failed = True
-                    logger.warning("could not build the CPU bitmask kernel (%s); using the "
-                                   "slower plain-torch path", exc)
-    return _kernel
+_cpu_kernel = native.LazyKernel(_SOURCE, _bind, "using the slower plain-torch path",
+                                needs_avx2=False)
 
 
 def warmup() -> bool:

@@ -9,8 +9,6 @@ is the definition these are tested against (tests/test_layer_ops.py).
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 
 import torch
 
@@ -19,36 +17,22 @@ import torch.nn.functional as F
 
 from worker.models import native
 
-logger = logging.getLogger(__name__)
 
-_lib = None
-_failed = False
-_lock = threading.Lock()
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.rms_norm_f32.argtypes = [p, i64, p, p, p, p, i64, i64, i64, f32, i64]
+    lib.rms_norm_f32.restype = None
+    lib.rope_f32.argtypes = [p, i64, p, p, i64, i64, i64, i64]
+    lib.rope_f32.restype = None
+    lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
+    lib.silu_mul_f32.restype = None
+    lib.f32_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
+    lib.f32_linear.restype = None
+    return lib
 
 
-def _library():
-    global _lib, _failed
-    if _lib is None and not _failed:
-        with _lock:
-            if _lib is None and not _failed:
-                try:
-                    lib = native.load(native.KERNELS / "layer_ops_cpu.c")
-                    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-                    lib.rms_norm_f32.argtypes = [p, i64, p, p, p, p, i64, i64, i64, f32, i64]
-                    lib.rms_norm_f32.restype = None
-                    lib.rope_f32.argtypes = [p, i64, p, p, i64, i64, i64, i64]
-                    lib.rope_f32.restype = None
-                    lib.silu_mul_f32.argtypes = [p, i64, p, i64, i64, i64]
-                    lib.silu_mul_f32.restype = None
-                    lib.f32_linear.argtypes = [p, i64, p, p, p, i64, i64, i64, i64, i64]
-                    lib.f32_linear.restype = None
-                    _lib = lib
-                except Exception as exc:
-                    _failed = True
-                    logger.warning("could not build the CPU layer-ops kernel (%s); norms, "
-                                   "RoPE and SiLU run as torch ops (slower at small batches)",
-                                   exc)
-    return _lib
+_library = native.LazyKernel(native.KERNELS / "layer_ops_cpu.c", _bind,
+                             "norms, RoPE and SiLU run as torch ops (slower at small batches)")
 
 
 def available() -> bool:

@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable, Generic, TypeVar
 
 import torch
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 KERNELS = Path(__file__).parent / "kernels"
@@ -71,3 +77,33 @@ def load(source: Path) -> ctypes.CDLL:
         raise RuntimeError("the kernel needs x86-64 with AVX2 and FMA")
     torch.empty(1).add_(1)  # torch's OpenMP runtime is loaded first: the kernel shares it
     return ctypes.CDLL(str(build(source)))
+
+
+class LazyKernel(Generic[T]):
+    """A kernel built and loaded on its first call (by whichever thread comes first), then
+    kept: ``kernel()`` is ``bind(library)`` (the library's functions with their ctypes
+    signatures set), or None from then on where it cannot be built, after one warning
+    that says what runs instead (``fallback``). ``needs_avx2``: refuse without AVX2 and
+    FMA (``load``); False builds for whatever this CPU has (``build``)."""
+
+    def __init__(self, source: Path, bind: Callable[[ctypes.CDLL], T], fallback: str,
+                 needs_avx2: bool = True):
+        self.source, self.bind, self.fallback = source, bind, fallback
+        self.needs_avx2 = needs_avx2
+        self._value: T | None = None
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def __call__(self) -> T | None:
+        if self._value is None and not self._failed:
+            with self._lock:
+                if self._value is None and not self._failed:
+                    try:
+                        lib = (load(self.source) if self.needs_avx2
+                               else ctypes.CDLL(str(build(self.source))))
+                        self._value = self.bind(lib)
+                    except Exception as exc:  # no C compiler, or an unusual platform
+                        self._failed = True
+                        logger.warning("could not build the %s kernel (%s); %s",
+                                       self.source.stem, exc, self.fallback)
+        return self._value

@@ -17,16 +17,12 @@ layers see all tokens at once; only attention is split:
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from worker.models import native
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -186,30 +182,18 @@ def paged_attention(
 
 # --- the CPU decode kernel ---------------------------------------------------------------
 
-_kernel = None
-_kernel_failed = False
-_lock = threading.Lock()
+def _bind(lib: ctypes.CDLL):
+    fn = lib.paged_decode_attention_f32
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                   i64]
+    fn.restype = ctypes.c_int
+    return fn
 
 
-def _decode_kernel():
-    """The C decode kernel, built on first use; None where it cannot be (see native)."""
-    global _kernel, _kernel_failed
-    if _kernel is None and not _kernel_failed:
-        with _lock:
-            if _kernel is None and not _kernel_failed:
-                try:
-                    fn = native.load(native.KERNELS / "paged_attention_cpu.c") \
-                        .paged_decode_attention_f32
-                    p, i64 = ctypes.c_void_p, ctypes.c_int64
-                    fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, i64,
-                                   ctypes.c_float, i64]
-                    fn.restype = ctypes.c_int
-                    _kernel = fn
-                except Exception as exc:
-                    _kernel_failed = True
-                    logger.warning("could not build the CPU decode-attention kernel (%s); "
-                                   "decode rows gather their KV blocks (slower)", exc)
-    return _kernel
+# the C decode kernel, built on first use; None where it cannot be (see native)
+_decode_kernel = native.LazyKernel(native.KERNELS / "paged_attention_cpu.c", _bind,
+                                   "decode rows gather their KV blocks (slower)")
 
 
 def decode_kernel_available() -> bool:

@@ -29,7 +29,6 @@ Semantics (the reference the kernel is tested against):
 from __future__ import annotations
 
 import ctypes
-import logging
 import threading
 
 import torch
@@ -37,7 +36,6 @@ from torch import nn
 
 from worker.models import native
 
-logger = logging.getLogger(__name__)
 
 _SOURCE = native.KERNELS / "int8_linear_cpu.c"
 # From this many rows on, the fp32 sgemm on a dequantized copy is faster than the int8
@@ -198,29 +196,10 @@ class _Kernel:
         self.dequant.restype = None
 
 
-_kernel_obj: _Kernel | None = None
-_kernel_failed = False
-_lock = threading.Lock()
-
-
-def _has_avx2_fma() -> bool:
-    return native.has_avx2_fma()
-
-
-def _kernel() -> _Kernel | None:
-    """The compiled kernel, built on first use; None where it cannot be built (no C
-    compiler, not x86-64 with AVX2)."""
-    global _kernel_obj, _kernel_failed
-    if _kernel_obj is None and not _kernel_failed:
-        with _lock:
-            if _kernel_obj is None and not _kernel_failed:
-                try:
-                    _kernel_obj = _Kernel(native.load(_SOURCE))
-                except Exception as exc:
-                    _kernel_failed = True
-                    logger.warning("could not build the int8 CPU kernel (%s); int8 weights "
-                                   "are dequantized per call (correct, not faster)", exc)
-    return _kernel_obj
+# the compiled kernel, built on first use; None where it cannot be built (no C compiler,
+# not x86-64 with AVX2)
+_kernel = native.LazyKernel(_SOURCE, _Kernel, "int8 weights are dequantized per call "
+                            "(correct, not faster)")
 
 
 def kernel_available() -> bool:
