@@ -168,7 +168,9 @@ def test_tokenizer_chat_template_and_special_tokens(converted, gguf_model):
 
 
 @pytest.mark.integration
-def test_second_ensure_converted_is_fast_and_does_not_reconvert(converted, monkeypatch):
+def test_second_ensure_converted_does_not_reconvert(converted, monkeypatch):
+    # no conversion (it would call _convert_into) and no rewrite of the directory: the
+    # seconds that saves are the startup bench's figure, not asserted here
     marker = converted / gguf_convert._MARKER
     before = (converted.stat().st_ino, marker.stat().st_mtime_ns)
 
@@ -176,8 +178,6 @@ def test_second_ensure_converted_is_fast_and_does_not_reconvert(converted, monke
         raise AssertionError("reconverted an already complete directory")
 
     monkeypatch.setattr(gguf_convert, "_convert_into", fail)
-    start = time.perf_counter()
     assert ensure_converted(progress=False) == converted
     assert convert_gguf(default_gguf_path(), converted, progress=False) == converted
-    assert time.perf_counter() - start < 2.0
     assert (converted.stat().st_ino, marker.stat().st_mtime_ns) == before

@@ -76,21 +76,24 @@ def test_json_schemas_validate(make_engine):
     reqs = [GenerationRequest(chat(f"Reply in JSON matching this schema: {json.dumps(s)}"),
                               greedy(), grammar=GrammarSpec.json_schema(s)) for s in SCHEMAS]
     outs = run(engine, reqs)
-    stopped = 0
-    for schema, out in zip(SCHEMAS, outs):
+    for schema, out in zip(SCHEMAS, outs):  # valid whatever ended it (a budget cut closes)
         assert out.finish_reason in ("stop", "length"), out.error
-        if out.finish_reason == "stop":
-            stopped += 1
-            jsonschema.validate(json.loads(out.text), schema)
-    assert stopped >= len(SCHEMAS) * 0.75
+        jsonschema.validate(json.loads(out.text), schema)
+        assert out.validation == "valid", (out.finish_reason, out.text)
+    assert sum(o.finish_reason == "stop" for o in outs) >= len(SCHEMAS) * 0.75
     assert engine.stats().live_processors == 0
 
 
 def test_regex_choice_ebnf_and_structural_tag(make_engine):
     engine = make_engine()
-    tag = {"structures": [{"begin": "<call>", "schema": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 20}}, "required": ["city"]}, "end": "</call>"}],
-           "triggers": ["<call>"]}
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"]}
+    # at least one call: the check below has a call to check in every run
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<call>"], "at_least_one": True,
+        "stop_after_first": True, "tags": [{"type": "tag", "begin": "<call>", "end": "</call>",
+                                            "content": {"type": "json_schema",
+                                                        "json_schema": city}}]}}
     cases = [
         (chat("What is the phone number?"), GrammarSpec.regex(r"\(\d{3}\) \d{3}-\d{4}"),
          lambda t: re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", t)),
@@ -100,16 +103,21 @@ def test_regex_choice_ebnf_and_structural_tag(make_engine):
             'root ::= "- " item ("\\n- " item)*\nitem ::= "apple" | "pear" | "plum"'),
          lambda t: re.fullmatch(r"- (apple|pear|plum)(\n- (apple|pear|plum))*", t)),
         (chat("Call the weather tool for Paris: <call>{...}</call>"), GrammarSpec.structural_tag(tag),
-         lambda t: all(json.loads(m)["city"] is not None
-                       for m in re.findall(r"<call>(.*?)</call>", t, re.S))),
+         tag_calls_valid),
         (chat("Give a JSON object about a cat."), GrammarSpec.json_object(),
          lambda t: isinstance(json.loads(t), dict)),
     ]
     reqs = [GenerationRequest(p, greedy(48), grammar=g) for p, g, _ in cases]
     for (_, spec, check), out in zip(cases, run(engine, reqs)):
         assert out.finish_reason in ("stop", "length"), out.error
-        if out.finish_reason == "stop" or spec.kind in ("structural_tag",):
-            assert check(out.text), (spec.kind, out.text)
+        assert check(out.text), (spec.kind, out.finish_reason, out.text)
+
+
+def tag_calls_valid(text: str) -> bool:
+    """At least one call, and every call opened is whole: a JSON object with a city."""
+    calls = re.findall(r"<call>(.*?)</call>", text, re.S)
+    return (len(calls) >= 1 and text.count("<call>") == len(calls)
+            and all(isinstance(json.loads(c)["city"], str) for c in calls))
 
 
 def test_bad_grammar_fails_alone(make_engine):

@@ -8,6 +8,8 @@ import torch
 
 from worker.models import native, paged_attention as pa
 
+pytestmark = pytest.mark.unit
+
 needs_kernel = pytest.mark.skipif(not native.has_avx2_fma() or not pa.decode_kernel_available(),
                                   reason="the kernel needs x86-64 with AVX2, FMA and a C compiler")
 
