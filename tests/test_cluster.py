@@ -4,11 +4,11 @@ processor, worker death (mid-stream error, retry of requests that streamed nothi
 scheduler restart. Workers run a tiny random-weight model with the real tokenizer."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
 from cluster import launch
 from cluster.client import GenerationRequest, RuntimeClient, SamplingParams
@@ -18,12 +18,44 @@ from grammar_cache.spec import GrammarSpec
 pytestmark = pytest.mark.integration
 
 
+class Runtimes:
+    """One runtime at a time in this process: ``shared()`` is the module's, started on first
+    use; ``fresh()`` gives a destructive test one of its own and shuts it down after, so the
+    next test starts a shared one again (no test depends on running before or after it)."""
+
+    def __init__(self, open_ray, config: ClusterConfig):
+        self._open_ray, self._config = open_ray, config
+        self._stack: contextlib.ExitStack | None = None
+        self.handles = None
+
+    def shared(self):
+        if self._stack is None:
+            self._start()
+        return self.handles
+
+    @contextlib.contextmanager
+    def fresh(self):
+        self.stop()
+        self._start()
+        try:
+            yield self.handles
+        finally:
+            self.stop()
+
+    def _start(self):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._open_ray(num_cpus=2, nodes=2))
+            self.handles = launch.up(self._config)
+            self._stack = stack.pop_all()  # started: kept open until stop()
+
+    def stop(self):
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = self.handles = None
+
+
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
+def runtimes(ray_runtime, tiny_model_dir):
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=3,
         worker={"num_cpus": 1, "num_threads": 1},
@@ -31,10 +63,21 @@ def runtime(tiny_model_dir):
         grammar_cache={"worker_first_compile": True},
         # a long poll: the tests see what callers' failure reports do on their own
         scheduler={"load_poll_interval_s": 300.0})
-    handles = launch.up(config)
-    yield handles
-    ray.shutdown()
-    cluster.shutdown()
+    holder = Runtimes(ray_runtime, config)
+    yield holder
+    holder.stop()
+
+
+@pytest.fixture
+def runtime(runtimes):
+    return runtimes.shared()
+
+
+@pytest.fixture
+def own_runtime(runtimes):
+    """A runtime for this test alone (it kills workers for good)."""
+    with runtimes.fresh() as handles:
+        yield handles
 
 
 def run(coro):
@@ -174,7 +217,7 @@ def test_restarted_worker_registers_again(runtime):
     wait_released()
 
 
-def test_worker_death_mid_stream_and_before_streaming(runtime):
+def test_worker_death_mid_stream_and_before_streaming(own_runtime):
     client = RuntimeClient()
 
     async def mid_stream():

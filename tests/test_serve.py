@@ -32,22 +32,14 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def svc(default_model_dir):
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+def svc(default_model_dir, ray_runtime):
     config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 256},
                            scheduler={"load_poll_interval_s": 0.3})
-    # two front-end replicas: sessions stay sticky because the scheduler routes them
-    s = service.start(config, port=free_port(), api_key=KEY, num_replicas=2,
-                      app_args={"max_body_bytes": 1_000_000})
-    yield s
-    serve_shutdown()
-    ray.shutdown()
-
-
-def serve_shutdown():
-    from ray import serve
-    serve.shutdown()
+    with ray_runtime(num_cpus=4):
+        # two front-end replicas: sessions stay sticky because the scheduler routes them
+        yield service.start(config, port=free_port(), api_key=KEY, num_replicas=2,
+                            app_args={"max_body_bytes": 1_000_000})
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +133,9 @@ def test_json_object_and_lmdeploy_regex(client):
     r = client.chat.completions.create(model=MODEL, messages=ask("A JSON object about cats."),
                                        response_format={"type": "json_object"},
                                        max_tokens=40, temperature=0)
-    if r.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    # valid whatever ended it: a budget cut closes the object
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
     r = client.chat.completions.create(
         model=MODEL, messages=ask("A date?"), max_tokens=20,
         response_format={"type": "regex_schema", "regex_schema": r"\d{4}-\d{2}-\d{2}"})
@@ -233,8 +226,8 @@ def test_n_samples_and_logprobs(client):
             "type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
     assert [c.index for c in r.choices] == [0, 1]
     for c in r.choices:
-        if c.finish_reason == "stop":
-            jsonschema.validate(json.loads(c.message.content), schema)
+        assert c.finish_reason in ("stop", "length")
+        jsonschema.validate(json.loads(c.message.content), schema)  # whatever ended it
         lp = c.logprobs.content
         # sampled tokens carry 2 alternatives; tokens forced to close the output early none
         assert lp and all(len(t.top_logprobs) in (0, 2) and t.logprob <= 0 for t in lp)
