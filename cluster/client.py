@@ -28,10 +28,12 @@ from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
 from scheduler.routing import NoWorkers, Overloaded
+from worker.engine.loop_guard import LoopGuardParams
 from worker.engine.params import SamplingParams
 from worker.engine.sequence import GenerationRequest, RequestOutput
 
 __all__ = ["RuntimeClient", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
+           "LoopGuardParams",
            "GrammarSpec", "ErrorKind", "GrammarError", "GrammarUnavailable", "NoWorkers",
            "Overloaded", "RayTaskError", "NAMESPACE"]
 

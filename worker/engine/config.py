@@ -39,6 +39,9 @@ class EngineConfig:
     # wall-time cap of one shortest-completion search (it runs on the engine thread; a
     # search cut short is retried a few tokens later, see closing.py)
     closing_search_ms: float = 100.0
+    # the loop guard (loop_guard.py): a JSON value that repeats itself is ended where the
+    # repetition began; on for every guided JSON request unless a request turns it off
+    loop_guard: bool = True
 
     def __post_init__(self):
         if isinstance(self.dtype, str):

@@ -24,7 +24,6 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
@@ -34,16 +33,15 @@ import xgrammar as xgr
 from grammar_cache.errors import ErrorKind, GrammarError
 from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
-from worker.engine.closing import Completion
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
+from worker.engine.output_policy import OutputPolicy, OutputState, PolicyStats
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence, SeqStatus
-from worker.engine.validation import approximated_keywords, validate_json
 from worker.models import loader
 
 logger = logging.getLogger(__name__)
@@ -77,6 +75,8 @@ class EngineStats:
     closing_reused: int = 0  # ... skipped: the last step's path still closes (replayed)
     budget_checks: int = 0  # guided requests whose budget was checked at admission
     budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
+    loop_cuts: int = 0  # repeating values the loop guard ended
+    loop_cut_outputs: int = 0  # guided outputs with at least one loop cut
 
 
 class LLMEngine:
@@ -122,14 +122,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self.num_steps = 0
         self.last_timings = StepTimings()
-        self.counters = {"closed_early": 0, "validated": 0, "invalid": 0, "runaway": 0,
-                         "closing_giveups": 0, "closing_steered": 0,
-                         "closing_searches": 0, "closing_reused": 0,
-                         "budget_checks": 0, "budget_checks_memo": 0}
-        # (grammar key, budget) -> (time, certain, closing path or None, refusal or None):
-        # a fresh request's grammar state depends only on its grammar, so the admission
-        # search's verdict holds for every request with the same grammar and budget
-        self._budget_memo: OrderedDict[tuple[str, int], tuple] = OrderedDict()
+        # how guided outputs end: budget checks, closing, the loop guard, validation
+        self.policy = OutputPolicy(config, self.guided, self._remaining) \
+            if self.guided is not None else None
 
     # requests ---------------------------------------------------------------------------
 
@@ -282,15 +277,8 @@ class LLMEngine:
             s.seq.num_computed += s.num_tokens
         if sampling:
             result = self.sampler(logits, inputs.rows, proc)
-            for i, seq in enumerate(sampling):
-                if seq.forced_path:  # closing from the start (see _plan_close_at_start)
-                    forced = seq.forced_path[0]
-                else:
-                    forced = self._keep_closable(seq, result.token_ids[i])
-                if forced is not None and forced != result.token_ids[i]:
-                    result.token_ids[i] = forced
-                    if result.logprobs:
-                        result.logprobs[i] = None  # forced: not sampled from the model
+            if self.policy is not None:
+                self.policy.steer(sampling, result.token_ids, result.logprobs)
             status = proc.accept_token(result.token_ids)
             outputs += [self._append_token(seq, tok, lp, status.get(i))
                         for i, (seq, tok, lp) in enumerate(
@@ -318,16 +306,16 @@ class LLMEngine:
                 compiled = fut.result()
                 matcher = self.guided.add_matcher(seq.matcher_key, compiled)
                 seq.compiled = compiled
+                seq.ending = OutputState()
                 if seq.num_output and not self._advance_resumed(seq, matcher, outputs):
                     continue
-                too_small = self._budget_too_small(seq, matcher)
+                too_small = self.policy.admit(seq, matcher)
                 if too_small is not None:
                     outputs.append(self._finish(seq, "error", error=too_small,
                                                 error_kind=ErrorKind.BUDGET_TOO_SMALL))
                     continue
                 if seq.params.stop:  # a stop string only where the grammar may end
                     seq.detokenizer.stop_check = _grammar_accepts(compiled)
-                self._plan_close_at_start(seq, matcher)
                 self.waiting_for_grammar.remove(seq)
                 seq.status = SeqStatus.WAITING
                 self.scheduler.add(seq)
@@ -353,245 +341,20 @@ class LLMEngine:
             return False
         return True
 
-    def _plan_close_at_start(self, seq: Sequence, matcher) -> None:
-        """A budget already down to the grammar's shortest output (plus ``closing_margin``)
-        gets that output: one freely sampled token could leave no room to close. The
-        prompt still runs (a session keeps its KV); its first token is the path's first,
-        and the rest follows at once (``_maybe_close``)."""
-        path, seq.closing_start = seq.closing_start, None
-        if not path or self._remaining(seq) > len(path) + self.config.closing_margin:
-            return
-        probe = matcher.fork()
-        if all(probe.accept_token(t) for t in path):
-            seq.forced_path = path
-
     def _remaining(self, seq: Sequence) -> int:
         """Tokens the request may still generate: its max_new_tokens, or the context."""
         return min(seq.params.max_new_tokens - seq.num_output,
                    self.max_model_len - len(seq.token_ids))
 
-    def _budget_too_small(self, seq: Sequence, matcher) -> str | None:
-        """A message when the grammar's shortest output needs more tokens than the
-        request's budget (checked only for budgets within the closing window).
-
-        A fresh request's verdict is remembered per (grammar, budget): a verdict the
-        searches proved is kept; one from searches cut short by their time limit (a busy
-        engine, a grammar with no short completion) is reused for ``_MEMO_UNSURE_S`` and
-        then searched again, so such grammars cost one search per few seconds, not one per
-        request."""
-        budget = self._remaining(seq)
-        if not self.config.closing_window or budget > self.config.closing_window:
-            return None
-        self.counters["budget_checks"] += 1
-        key = None
-        if not seq.output_ids:  # a continuation's state depends on what it resumes
-            key = (seq.grammar.key(self.guided.fingerprint), budget)
-            hit = self._budget_memo.get(key)
-            if hit is not None and (hit[1] or time.monotonic() - hit[0] < _MEMO_UNSURE_S):
-                self._budget_memo.move_to_end(key)
-                self.counters["budget_checks_memo"] += 1
-                path, need = hit[2], hit[3]
-                return self._budget_verdict(seq, budget, path, need)
-        closer = self.guided.closer
-        timeouts = closer.stats["timeouts"]
-        path, need = self._budget_search(matcher, budget, closer.pending_bytes(seq.output_ids))
-        if key is not None:
-            certain = closer.stats["timeouts"] == timeouts
-            self._budget_memo[key] = (time.monotonic(), certain, path, need)
-            while len(self._budget_memo) > _BUDGET_MEMO_SIZE:
-                self._budget_memo.popitem(last=False)
-        return self._budget_verdict(seq, budget, path, need)
-
-    def _budget_search(self, matcher, budget: int, pending: int
-                       ) -> tuple[list[int] | None, str | None]:
-        """(a closing path that fits the budget, or None; the tokens the shortest output
-        needs when the budget is refused, else None)."""
-        closer = self.guided.closer
-        found = closer.fitting(matcher, budget, pending=pending)
-        if found.tokens is not None and len(found.tokens) <= budget:
-            return found.tokens, None
-        if found.tokens is None:
-            more = closer.shortest(matcher, max(4 * budget, 256), pending=pending)
-            if more.tokens is not None and len(more.tokens) <= budget:
-                return None, None  # the first search was cut short; this one fits
-            if more.tokens is None and not more.exhausted:
-                return None, None  # nothing found in time: we do not know: no refusal
-            found = more
-        # the searches are heuristic: refuse what they prove (exhausted), or where the
-        # shortest they found is well over the budget (a field of 36 fixed characters
-        # opened at max_tokens=32: the output could only end invalid)
-        if (found.tokens is not None and not found.exhausted
-                and len(found.tokens) <= budget + budget // 4):
-            return None, None
-        return None, (f"more than {budget}" if found.tokens is None else
-                      f"at least {len(found.tokens)}" if found.exhausted else
-                      f"about {len(found.tokens)}")
-
-    @staticmethod
-    def _budget_verdict(seq: Sequence, budget: int, path: list[int] | None,
-                        need: str | None) -> str | None:
-        if path is not None:
-            seq.closing_estimate = (seq.num_output, len(path))
-            seq.closing_start = list(path)
-            seq.closing_path = (seq.num_output, list(path), 0)  # for _maybe_close
-            return None
-        if need is None:
-            return None
-        which = ("max_tokens" if budget == seq.params.max_new_tokens
-                 else "the context left after the prompt")
-        return (f"the {seq.grammar.kind} grammar's shortest output needs {need} tokens, but "
-                f"{which} allows {budget}; raise max_tokens (or shorten the prompt)")
-
-    def _maybe_close(self, seq: Sequence) -> tuple[list[int], str] | None:
-        """Budget-aware closing (see closing.py). When the tokens left are down to the
-        grammar's shortest completion (plus ``closing_margin``), returns that completion,
-        already accepted by the request's matcher, and the finish reason; else None."""
-        if seq.forced_path is not None:  # its first token was just taken: the rest now
-            path, seq.forced_path = seq.forced_path[1:], None
-            return self._force(seq, path)
-        cfg = self.config
-        left = self._remaining(seq)
-        if not cfg.closing_window or left > cfg.closing_window or seq.closing_failed:
-            return None
-        if seq.num_output < seq.closing_retry_at:
-            return None
-        est = seq.closing_estimate
-        if est is not None:
-            # one token grows the shortest completion by a few tokens at most (it can open
-            # a string, an object and a key at once): skip the search while far from it
-            # (within _GUARD_ZONE of it, every step searches: the guard in _keep_closable
-            # needs this step's path, and one token such as ', {"' can add more than that)
-            at, need = est
-            if left > max(need + _GROWTH * (seq.num_output - at),
-                          need + _GUARD_ZONE) + cfg.closing_margin:
-                return None
-        matcher = self.guided.matchers.get(seq.matcher_key)
-        if matcher is None:
-            return None
-        carried, slack = self._carried_path(seq, matcher)
-        if carried is not None and (left > len(carried) + cfg.closing_margin
-                                    or slack <= _TRUSTED_SLACK and len(carried) <= left):
-            # the last path still closes from here (followed or replayed: microseconds,
-            # where a search costs milliseconds). One that may be longer than the
-            # shortest from here by more than _TRUSTED_SLACK is searched again before it
-            # is emitted
-            self.counters["closing_reused"] += 1
-            found = Completion(carried, False)
-        else:
-            closer = self.guided.closer
-            pending = closer.pending_bytes(seq.output_ids)
-            self.counters["closing_searches"] += 1
-            found = closer.fitting(matcher, left, pending=pending)
-            if carried is not None and (found.tokens is None
-                                        or len(found.tokens) > len(carried)):
-                found = Completion(carried, found.exhausted)  # cut short: the replayed one
-            else:
-                slack = 0
-            if found.tokens is None or len(found.tokens) > left:
-                # no completion fits: stop searching once that is certain (the shortest
-                # only grows as the budget shrinks); a search that gave up is tried again
-                # a few tokens later, at most _GIVEUPS times
-                if not found.exhausted:
-                    seq.closing_giveups += 1
-                    seq.closing_retry_at = seq.num_output + 2 ** (seq.closing_giveups - 1)
-                    seq.closing_failed = seq.closing_giveups >= _GIVEUPS
-                    self.counters["closing_giveups"] += 1
-                else:
-                    seq.closing_failed = True
-                return None
-        seq.closing_estimate = (seq.num_output, len(found.tokens))
-        if left > len(found.tokens) + cfg.closing_margin:
-            # near the end, the next sampled token is checked against this path: one
-            # token can cost many (", " in an array opens a whole object)
-            seq.closing_path = (seq.num_output, found.tokens, slack)
-            return None
-        if not found.tokens and self.guided.only_stop_allowed(matcher):
-            return [], "stop"  # complete, and the grammar allows nothing more
-        return self._force(seq, found.tokens)
-
-    @staticmethod
-    def _carried_path(seq: Sequence, matcher) -> tuple[list[int] | None, int]:
-        """The closing path last found for this request, if it still closes the output
-        from here, and its slack: by how many tokens it may be longer than the shortest
-        from here. Its rest, when the tokens since were its own (the rest of a shortest
-        path is the shortest from there); else the whole path, when the matcher, forked,
-        accepts it and may end after it (the usual case inside a string: another word
-        leaves '", "tags": []}' as it was).
-
-        The slack follows from one bound: a token shortens the shortest completion by one
-        at most. A path found by a search has none (a search is the reference); k tokens
-        after a path of length L with slack s, the shortest is at least L - s - k long."""
-        at = seq.closing_path
-        if at is None:
-            return None, _UNKNOWN
-        at_output, path, slack = at
-        since = seq.output_ids[at_output:]
-        if since == path[:len(since)]:
-            return path[len(since):], slack
-        if _closes(matcher, path):
-            return list(path), slack + len(since)
-        return None, _UNKNOWN
-
-    def _keep_closable(self, seq: Sequence, token: int) -> int | None:
-        """Within ``_GUARD_ZONE`` tokens of the closing path found for this very state: the
-        sampled token if the output can still close after it within the budget, else the
-        path's first token (which can). None: not checked."""
-        at_path = seq.closing_path
-        if at_path is None or at_path[0] != seq.num_output or not at_path[1]:
-            return None
-        path = at_path[1]
-        left = self._remaining(seq) - 1  # after this token
-        if token == path[0] or left > len(path) + _GUARD_ZONE:
-            return None
-        matcher = self.guided.matchers.get(seq.matcher_key)
-        if matcher is None:
-            return None
-        probe = matcher.fork()
-        if not probe.accept_token(token):
-            return None  # not the grammar's: the guard in the sampler handles it
-        closer = self.guided.closer
-        # no search where the path still closes after this token: as it was (another word
-        # in a string), or what is left of its text once the token's own is taken off
-        # (' "' sampled where the path begins '""'). Its slack (see _carried_path) grows
-        # by one unless it got one shorter, or the token left the parser where it was
-        for again in (path, closer.rest_after(path, token)):
-            if again is not None and len(again) <= left and _closes(probe, again):
-                slack = at_path[2] + 1 - (len(path) - len(again))
-                if closer.same_place(matcher, probe):
-                    slack = min(slack, at_path[2])
-                seq.closing_path = (seq.num_output + 1, again, max(slack, 0))
-                return None
-        self.counters["closing_searches"] += 1
-        found = closer.shortest(probe, 2 * left + 8,
-                                pending=closer.pending_bytes(seq.output_ids + [token]))
-        if found.tokens is not None and len(found.tokens) <= left:
-            seq.closing_path = (seq.num_output + 1, found.tokens, 0)  # for _maybe_close
-            return None
-        self.counters["closing_steered"] += 1
-        return path[0]
-
-    def _force(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str]:
-        """Feeds a closing path to the request's matcher (which checks every token)."""
-        matcher = self.guided.matchers.get(seq.matcher_key)
-        for i, t in enumerate(tokens):
-            if matcher is None or not matcher.accept_token(t):
-                logger.error("closing: the grammar refused forced token %d", t)
-                return tokens[:i], "length"
-        return tokens, "length"
-
     def _append_token(self, seq: Sequence, token: int, logprob,
                       status: RowStatus | None = None) -> RequestOutput:
         p = seq.params
-        # None in the list: a forced token (not sampled), still one entry per token
-        lps = [logprob] if logprob is not None or p.logprobs is not None else None
-        if status is not None and status.error:
-            seq.token_ids.append(token)
-            return self._finish(seq, "error", new_tokens=[token], logprobs=lps,
-                                error=f"request {seq.request_id}: {status.error}",
-                                error_kind=status.error_kind or ErrorKind.INTERNAL)
         seq.token_ids.append(token)
+        seq.held_logprobs.append(logprob)  # None: a forced token (not sampled)
+        if status is not None and status.error:
+            return self._finish(seq, "error", error=f"request {seq.request_id}: {status.error}",
+                                error_kind=status.error_kind or ErrorKind.INTERNAL)
         reason = None
-        text = ""
         if seq.grammar is not None:
             # a guided row ends where its grammar says: EOS (terminated) or a stop token id
             # where the grammar may end; other stop ids were grammar content
@@ -599,34 +362,50 @@ class LLMEngine:
                 reason = "stop"
         elif (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
-        new_tokens = [token]
-        if reason is None:
-            text = seq.detokenizer.add_tokens([token])
-            if seq.detokenizer.stopped is not None:
-                reason = "stop"
-        if reason is None and seq.grammar is not None and self.guided is not None:
-            closed = self._maybe_close(seq)
+        if reason is not None:
+            return self._finish(seq, reason)
+        new_tokens, lps, text = self._release(seq, final=False)
+        if seq.detokenizer.stopped is not None:
+            return self._finish(seq, "stop", text=text, new_tokens=new_tokens, logprobs=lps)
+        if seq.ending is not None:
+            closed = self.policy.after_token(seq)
             if closed is not None:
-                forced, reason = closed
-                seq.closed_early = reason == "length"
-                if forced:
-                    seq.token_ids.extend(forced)
-                    new_tokens += forced
-                    if lps is not None:
-                        lps += [None] * len(forced)  # forced: not sampled from the model
-                    text += seq.detokenizer.add_tokens(forced)
-                    if seq.detokenizer.stopped is not None:
-                        reason = "stop"
+                reason = closed[1]
         if reason is None and self._remaining(seq) <= 0:
             reason = "length"
         if reason is not None:
-            text += seq.detokenizer.flush()
             return self._finish(seq, reason, text=text, new_tokens=new_tokens, logprobs=lps)
         return RequestOutput(seq.request_id, text, new_tokens, lps, **self._usage(seq))
+
+    def _release(self, seq: Sequence, final: bool) -> tuple[list[int], list | None, str]:
+        """The output tokens the stream may have now (a guided row's newest are held back
+        for the loop guard; see OutputPolicy.release): (tokens, logprobs, their text)."""
+        n = (self.policy.release(seq, final) if seq.ending is not None
+             else len(seq.held_logprobs))
+        if not n:
+            return [], None, ""
+        new_tokens = seq.output_ids[seq.num_output - len(seq.held_logprobs):][:n]
+        lps = seq.held_logprobs[:n]
+        del seq.held_logprobs[:n]
+        text = seq.detokenizer.add_tokens(new_tokens)
+        if seq.params.logprobs is None and all(lp is None for lp in lps):
+            lps = None
+        return new_tokens, lps, text
 
     def _finish(self, seq: Sequence, reason: str, *, text: str = "", new_tokens=(),
                 logprobs=None, error: str | None = None, error_kind: ErrorKind | None = None,
                 keep_session: bool = True) -> RequestOutput:
+        """Ends a request: what it still held back is streamed with this last chunk (a
+        stop string may still cut it), its matcher and blocks are released (or its KV
+        kept for the session), and the output policy reports onto the chunk."""
+        if seq.status is not SeqStatus.WAITING_FOR_GRAMMAR and reason != "abort":
+            more, more_lps, more_text = self._release(seq, final=True)
+            new_tokens = list(new_tokens) + more
+            if more_lps is not None:
+                logprobs = (logprobs or [None] * (len(new_tokens) - len(more))) + more_lps
+            text += more_text + seq.detokenizer.flush()
+            if seq.detokenizer.stopped is not None and reason == "length":
+                reason = "stop"
         if seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
             self.waiting_for_grammar.remove(seq)
             seq.status = SeqStatus.FINISHED
@@ -645,30 +424,9 @@ class LLMEngine:
         out = RequestOutput(seq.request_id, text, list(new_tokens), logprobs, finished=True,
                             finish_reason=reason, error=error, error_kind=error_kind,
                             **self._usage(seq))
-        if seq.grammar is not None and reason in ("stop", "length"):
-            self._report_conformance(seq, reason, out)
+        if seq.ending is not None and reason in ("stop", "length"):
+            self.policy.report(seq, reason, out)
         return out
-
-    def _report_conformance(self, seq: Sequence, reason: str, out: RequestOutput) -> None:
-        """Closing and validation results onto the final chunk (once per request)."""
-        out.closed_early = seq.closed_early
-        if seq.closed_early:
-            self.counters["closed_early"] += 1
-        elif reason == "length":
-            self.counters["runaway"] += 1
-        kind = seq.grammar.kind
-        if kind not in ("json_schema", "json_object"):
-            return
-        schema = seq.grammar.source if kind == "json_schema" else None
-        out.approximated = approximated_keywords(schema) if schema else []
-        if seq.validation == "off":
-            return
-        error = validate_json(schema, seq.resumed_text + seq.detokenizer.text)
-        self.counters["validated"] += 1
-        out.validation = "valid" if error is None else "invalid"
-        if error is not None:
-            self.counters["invalid"] += 1
-            out.validation_error = error
 
     def _unschedulable(self) -> list[RequestOutput]:
         """Nothing could run: the head of the queue needs more KV than the whole cache
@@ -715,22 +473,8 @@ class LLMEngine:
             grammar_cache=dict(self.guided.stats) if self.guided else {},
             session_ids=sorted(set(self.blocks.sessions) | {
                 s.session_id for s in self.seqs.values() if s.session_id is not None}),
-            **self.counters,
+            **(self.policy.stats if self.policy else PolicyStats()).as_dict(),
         )
-
-
-_GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
-_GIVEUPS = 4  # searches that hit their node cap before a request stops searching
-_TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
-_UNKNOWN = 1 << 30  # the slack of a path that no search stands behind
-_GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
-
-
-def _closes(matcher, tokens: list[int]) -> bool:
-    """Whether ``tokens`` take the matcher's output to where it may end (tried on a fork:
-    microseconds)."""
-    probe = matcher.fork()
-    return all(probe.accept_token(t) for t in tokens) and probe.is_completed()
 
 
 def _grammar_accepts(compiled):
@@ -739,5 +483,4 @@ def _grammar_accepts(compiled):
         m = xgr.GrammarMatcher(compiled)
         return m.accept_string(text) and m.is_completed()
     return check
-_BUDGET_MEMO_SIZE = 4096  # (grammar, budget) admission verdicts kept
-_MEMO_UNSURE_S = 5.0  # how long a verdict from searches cut short is reused
+

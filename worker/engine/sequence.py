@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
+from worker.engine.loop_guard import LoopGuardParams
 from worker.engine.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class GenerationRequest:
     # the text the caller already has of those tokens (its chunks' text, concatenated);
     # None: their decode, less an unfinished last character
     resume_text: str | None = None
+    # the loop guard's settings for this request (worker/engine/loop_guard.py); None: the
+    # engine's default (on for JSON grammars unless EngineConfig.loop_guard is off)
+    loop_guard: LoopGuardParams | None = None
 
     def __post_init__(self):
         if self.validation not in VALIDATION_MODES:
@@ -84,6 +88,9 @@ class RequestOutput:
     validation_error: str | None = None
     # schema keywords xgrammar's grammar only approximates (validation is what enforces them)
     approximated: list[str] | None = None
+    # values the loop guard ended where they began to repeat (then closed; see
+    # worker/engine/loop_guard.py); an output that then ended on its own finishes "stop"
+    loop_cuts: int = 0
 
     def merge(self, chunk: "RequestOutput") -> "RequestOutput":
         """Accumulates a later chunk of the same request into this one (texts, tokens and
@@ -105,7 +112,7 @@ class RequestOutput:
 # fields a later chunk overrides when merged (the last chunk carries the final values)
 _FINAL_FIELDS = ("finished", "finish_reason", "error", "error_kind", "prompt_tokens",
                  "completion_tokens", "cached_tokens", "worker_id", "closed_early",
-                 "validation", "validation_error", "approximated")
+                 "validation", "validation_error", "approximated", "loop_cuts")
 
 
 class SeqStatus(enum.Enum):
@@ -137,19 +144,9 @@ class Sequence:
         self.grammar_future = None  # Future of the compiled grammar while it compiles
         self.compiled = None  # the compiled grammar once ready (stop-string checks)
         self.validation = request.validation
-        self.closed_early = False
-        # budget-aware closing: (output length when computed, shortest completion length)
-        self.closing_estimate: tuple[int, int] | None = None
-        self.closing_failed = False  # no completion fits the budget: not searched again
-        # a search that gave up (node cap) is tried again after 1, 2, 4 tokens, then never:
-        # its cost (up to a second on 2 cores) must not be paid on every token
-        self.closing_giveups = 0
-        self.closing_start: list[int] | None = None  # shortest output found at admission
-        self.forced_path: list[int] | None = None  # the output, when that is all that fits
-        # the last closing path: (at output length, path, by how many tokens it may be
-        # longer than the shortest there; see LLMEngine._carried_path)
-        self.closing_path: tuple[int, list[int], int] | None = None
-        self.closing_retry_at = 0
+        self.loop_guard = request.loop_guard  # None: the engine's default
+        self.ending = None  # OutputState of the output policy, for a guided request
+        self.held_logprobs: list = []  # per output token not yet streamed (None: forced)
         self.detokenizer = detokenizer
         self.resumed_text = ""  # a continuation's output streamed before its worker died
         self.generator = generator
@@ -170,6 +167,10 @@ class Sequence:
         """Tokens this request may still generate (max_new_tokens; the context is applied
         by the engine, which knows the model length)."""
         return self.params.max_new_tokens - self.num_output
+
+    def truncate_kv(self, num_tokens: int) -> None:
+        """The tokens from ``num_tokens`` on were replaced: their KV is computed again."""
+        self.num_computed = min(self.num_computed, num_tokens)
 
     @property
     def num_prompt(self) -> int:

@@ -1,0 +1,220 @@
+"""The loop guard (worker/engine/loop_guard.py, output_policy.py): a guided JSON value that
+repeats itself is ended where the repetition began, closed, and the document goes on.
+
+The detector is tested on the real tokenizer's token ids; the engine tests script the
+model: the real default model runs, and its logits are replaced by a script (the next
+token of a looping text while the output follows it, then "end what is open") so the
+loop is certain and everything after the forward (mask, policy, matcher, streaming) is
+the real path."""
+
+import json
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+
+from grammar_cache.spec import GrammarSpec
+from worker.engine.loop_guard import LoopGuard, LoopGuardParams, closer_ids
+from worker.engine.sampling import SamplingParams
+from worker.engine.sequence import GenerationRequest
+
+pytestmark = pytest.mark.integration
+
+STORE = {"type": "object", "properties": {"store": {"type": "string"}},
+         "required": ["store"], "additionalProperties": False}
+ITEM = {"type": "object", "properties": {"name": {"type": "string"},
+                                         "quantity": {"type": "integer"}},
+        "required": ["name", "quantity"], "additionalProperties": False}
+ITEMS = {"type": "object", "properties": {"items": {"type": "array", "items": ITEM}},
+         "required": ["items"], "additionalProperties": False}
+FREE_KEYS = {"type": "object", "additionalProperties": {"type": "integer"}}
+FIVE = {"type": "object", "properties": {"n": {"type": "array", "items": {"type": "integer"},
+                                               "minItems": 5}},
+        "required": ["n"], "additionalProperties": False}
+PATTERN = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^a{24}$"}},
+           "required": ["s"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def vocab(default_tokenizer):
+    info = xgr.TokenizerInfo.from_huggingface(default_tokenizer, vocab_size=49152)
+    return list(info.decoded_vocab), info
+
+
+def detect(tok, vocab_info, schema, text, params=LoopGuardParams()):
+    """Feeds ``text`` token by token; returns the cut text (kept + closers) or None."""
+    vocab, info = vocab_info
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    m = xgr.GrammarMatcher(compiled)
+    guard = LoopGuard(params, vocab, closer_ids(vocab))
+    out = []
+    for t in tok(text, add_special_tokens=False)["input_ids"]:
+        assert m.accept_token(t)
+        out.append(t)
+        guard.push(t)
+
+        def may(keep, closers):  # as OutputPolicy._may_cut
+            probe = m.fork()
+            probe.rollback(len(out) - keep)
+            forced = probe.find_jump_forward_string() if keep == len(out) else ""
+            if forced and forced.encode().startswith(b"".join(vocab[c] for c in closers)):
+                return False
+            return all(probe.accept_token(c) for c in closers)
+
+        cut = guard.find(may)
+        if cut is not None:
+            return tok.decode(out[:cut.keep] + list(cut.closers))
+    return None
+
+
+@pytest.mark.parametrize("schema, text, unit, closer", [
+    (STORE, '{"store": "Pancake, eggs, bacon, eggs, bacon, eggs, bacon, eggs, bacon, eggs',
+     "bacon", '"'),
+    (STORE, '{"store": "Ko...Ko...Ko...Ko...Ko...Ko...', "Ko", '"'),
+    (ITEMS, '{"items": [{"name": "Ava", "quantity": 2}, {"name": "Ava", "quantity": 2}, '
+            '{"name": "Ava", "quantity": 2}, {"name": "Ava", "quantity": 2}', "Ava", "}]"),
+    (FREE_KEYS, '{"a": 1, "a": 1, "a": 1, "a": 1, "a": 1', '"a"', "}"),
+])
+def test_a_loop_is_cut_where_it_began(default_tokenizer, vocab, schema, text, unit, closer):
+    got = detect(default_tokenizer, vocab, schema, text)
+    assert got is not None and got.endswith(closer), got
+    kept = got[:-len(closer)]
+    assert text.startswith(kept) and len(kept) < len(text), got
+    assert 1 <= kept.count(unit) <= 2, got  # one copy of the repeated span kept
+
+
+@pytest.mark.parametrize("schema, text", [
+    (FIVE, '{"n": [5, 5, 5, 5, 5'),  # minItems asks for the repetition
+    (PATTERN, '{"s": "aaaaaaaaaaaaaaaaaaaaaaaa'),  # the pattern asks for it
+    ({"type": "object", "properties": {"n": {"type": "integer"}}},
+     '{"n": 1000000000000000'),  # numbers are never cut
+    (STORE, '{"store": "one two three four five six seven eight nine ten'),  # no loop
+])
+def test_a_repetition_the_schema_asks_for_is_not_cut(default_tokenizer, vocab, schema, text):
+    assert detect(default_tokenizer, vocab, schema, text) is None
+
+
+def test_minitems_repetition_is_cut_only_after_the_minimum(default_tokenizer, vocab):
+    got = detect(default_tokenizer, vocab, FIVE, '{"n": [5, 5, 5, 5, 5, 5, 5, 5, 5')
+    assert got == '{"n": [5, 5, 5, 5, 5]', got
+
+
+def test_params_are_checked():
+    assert LoopGuardParams.from_value(False).enabled is False
+    assert LoopGuardParams.from_value({"min_repeats": 4}).min_repeats == 4
+    with pytest.raises(ValueError, match="unknown loop_guard field"):
+        LoopGuardParams.from_value({"repeats": 4})
+    with pytest.raises(ValueError, match="min_repeats"):
+        LoopGuardParams(min_repeats=1)
+
+
+# through the engine, with a scripted model ---------------------------------------------------
+
+def scripted(engine, text):
+    """Makes the engine's model follow ``text`` while the output is a prefix of its tokens;
+    off the script, it prefers EOS, then closers (so a cut value ends and the rest closes)."""
+    tok = engine.tokenizer
+    script = tok(text, add_special_tokens=False)["input_ids"]
+    eos = sorted(engine.eos_ids)[0]
+    closers = [tok.convert_tokens_to_ids(t) for t in ("}", "]", '"')]
+    run = engine.runner.run
+
+    def run_scripted(scheduled):
+        logits, rows = run(scheduled)
+        logits = logits.clone()
+        sampled = [s.seq for s in scheduled if s.samples]
+        for i, seq in enumerate(sampled):
+            out = seq.output_ids
+            logits[i] = 0.0
+            if out == script[:len(out)] and len(out) < len(script):
+                logits[i, script[len(out)]] = 100.0
+            else:
+                logits[i, eos] = 100.0
+                for rank, t in enumerate(closers):
+                    logits[i, t] = 50.0 - rank
+        return logits, rows
+
+    engine.runner.run = run_scripted
+
+
+def generate(engine, schema, max_tokens=200, **request):
+    req = GenerationRequest([{"role": "user", "content": "go"}],
+                            SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
+                            grammar=GrammarSpec.json_schema(schema), **request)
+    engine.add_request(req)
+    chunks = []
+    while engine.has_work():
+        chunks += [o for o in engine.step() if o.request_id == req.request_id]
+    final = chunks[-1]
+    assert final.finished
+    return chunks, final
+
+
+LOOPS = [
+    (STORE, '{"store": "Pancake, ' + "bacon, eggs, " * 40),
+    (ITEMS, '{"items": [' + '{"name": "Ava", "quantity": 2}, ' * 20),
+    (FREE_KEYS, "{" + '"a": 1, ' * 40),
+]
+
+
+@pytest.mark.parametrize("schema, text", LOOPS, ids=["string", "array-items", "free-keys"])
+def test_engine_cuts_a_loop_and_the_answer_completes(make_engine, schema, text):
+    engine = make_engine()
+    scripted(engine, text)
+    chunks, final = generate(engine, schema)
+    streamed = "".join(c.text for c in chunks)
+    answer = json.loads(streamed)  # streamed text is the whole answer: nothing taken back
+    jsonschema.validate(answer, schema)
+    assert final.finish_reason == "stop" and final.loop_cuts == 1
+    assert final.validation == "valid"
+    assert final.completion_tokens < 80  # ended near where the loop began, not at 200
+    assert sum(len(c.token_ids) for c in chunks) == final.completion_tokens
+    stats = engine.stats()
+    assert stats.loop_cuts == 1 and stats.loop_cut_outputs == 1
+    assert stats.live_processors == 0
+
+
+def test_a_loop_found_after_its_text_was_streamed_ends_where_it_is(make_engine):
+    engine = make_engine()
+    scripted(engine, LOOPS[0][1])
+    chunks, final = generate(engine, STORE,
+                             loop_guard=LoopGuardParams(hold_tokens=0))
+    text = "".join(c.text for c in chunks)
+    jsonschema.validate(json.loads(text), STORE)
+    assert final.finish_reason == "stop" and final.loop_cuts == 1
+
+
+def test_the_guard_can_be_turned_off_per_request(make_engine):
+    engine = make_engine()
+    scripted(engine, LOOPS[0][1])
+    chunks, final = generate(engine, STORE, max_tokens=60,
+                             loop_guard=LoopGuardParams(enabled=False))
+    assert final.finish_reason == "length" and final.loop_cuts == 0
+    assert final.closed_early and final.validation == "valid"
+
+
+def test_the_stream_holds_back_only_the_newest_tokens(make_engine):
+    engine = make_engine()
+    scripted(engine, '{"store": "' + " ".join(f"w{i}" for i in range(60)))
+    req = GenerationRequest([{"role": "user", "content": "go"}],
+                            SamplingParams(max_new_tokens=40, temperature=0.0),
+                            grammar=GrammarSpec.json_schema(STORE))
+    seq = engine.add_request(req)
+    streamed = 0
+    hold = LoopGuardParams().hold_tokens
+    while engine.has_work():
+        for out in engine.step():
+            streamed += len(out.token_ids)
+            if not out.finished:
+                assert streamed == max(0, seq.num_output - hold)
+    assert streamed == seq.num_output
+
+
+def test_a_legitimate_repetition_through_the_engine_is_kept(make_engine):
+    engine = make_engine()
+    text = '{"n": [5, 5, 5, 5, 5]}'
+    scripted(engine, text)
+    chunks, final = generate(engine, FIVE)
+    assert "".join(c.text for c in chunks) == text
+    assert final.loop_cuts == 0 and final.finish_reason == "stop"

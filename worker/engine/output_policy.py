@@ -1,0 +1,479 @@
+"""The output policy: one object decides how a guided output ends well.
+
+    policy.admit(seq, matcher)      # at admission: refuse a budget the grammar cannot fit,
+                                    # plan the shortest output when that is all that fits
+    policy.steer(seqs, token_ids)   # once per batch, after sampling: near the end of a
+                                    # budget, a token after which the output could not
+                                    # close in time is replaced by the closing path's
+    policy.after_token(seq, token)  # per appended token: the loop guard (cut a repeating
+                                    # value, close it, go on), then budget-aware closing
+    policy.release(seq, final)      # how many output tokens may be streamed now
+    policy.report(seq, reason, out) # closing, loop cuts and post-validation onto the last chunk
+
+Its per-request state is one ``OutputState`` (``Sequence.ending``); its counters are one
+``PolicyStats``. The searches themselves live in closing.py (the shortest completion) and
+loop_guard.py (the repeating span and where to end it); post-validation in validation.py.
+
+Budget-aware closing: near the end of its budget a guided request is steered to the
+grammar's shortest completion (``_maybe_close``), so a response cut by its budget still
+parses. Loop guard: a value that repeats itself is cut back to where the repetition
+began (never before what was streamed: the newest ``hold_tokens`` are held back from the
+stream for that), closed, and the document goes on; an output that then ends on its own
+finishes with ``stop`` and says ``loop_cut`` (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+from worker.engine.closing import Completion
+from worker.engine.config import EngineConfig
+from worker.engine.loop_guard import LoopCut, LoopGuard, LoopGuardParams, closer_ids
+from worker.engine.sequence import RequestOutput, Sequence
+from worker.engine.validation import approximated_keywords, validate_json
+
+logger = logging.getLogger(__name__)
+
+_LOOP_KINDS = ("json_schema", "json_object")  # grammars whose values the guard can see
+
+
+@dataclass
+class OutputState:
+    """One guided request's state in the output policy."""
+
+    closed_early: bool = False  # steered to the shortest completion at the budget's end
+    # budget-aware closing: (output length when computed, shortest completion length)
+    closing_estimate: tuple[int, int] | None = None
+    closing_failed: bool = False  # no completion fits the budget: not searched again
+    # a search that gave up (node cap) is tried again after 1, 2, 4 tokens, then never:
+    # its cost (up to a second on 2 cores) must not be paid on every token
+    closing_giveups: int = 0
+    closing_retry_at: int = 0
+    closing_start: list[int] | None = None  # shortest output found at admission
+    forced_path: list[int] | None = None  # the output, when that is all that fits
+    # the last closing path: (at output length, path, by how many tokens it may be
+    # longer than the shortest there; see OutputPolicy._carried_path)
+    closing_path: tuple[int, list[int], int] | None = None
+    loop: LoopGuard | None = None
+    loop_cuts: list[LoopCut] = field(default_factory=list)
+    released: int = 0  # output tokens handed to the stream (a cut never goes below)
+    hold: int = 0  # the newest output tokens held back from the stream
+
+    def reset_closing(self) -> None:
+        """After a cut the output is another: no closing estimate or path holds."""
+        self.closing_estimate = self.closing_path = None
+        self.closing_failed = False
+        self.closing_giveups = self.closing_retry_at = 0
+
+
+@dataclass
+class PolicyStats:
+    """Counters of the output policy (exported on /metrics through EngineStats)."""
+
+    closed_early: int = 0  # guided outputs closed at their budget
+    validated: int = 0  # JSON outputs validated against their full schema
+    invalid: int = 0  # ... found invalid
+    runaway: int = 0  # guided outputs that ended at the budget unclosed
+    closing_giveups: int = 0  # completion searches cut short (node cap or time)
+    closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
+    closing_searches: int = 0  # completion searches run near the end of a budget
+    closing_reused: int = 0  # ... skipped: the last step's path still closes (replayed)
+    budget_checks: int = 0  # guided requests whose budget was checked at admission
+    budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
+    loop_cuts: int = 0  # repeating values the loop guard ended
+    loop_cut_outputs: int = 0  # outputs with at least one cut
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class OutputPolicy:
+    def __init__(self, config: EngineConfig, guided, remaining: Callable[[Sequence], int]):
+        """``remaining(seq)``: the tokens a request may still generate (its budget, or
+        the context left: the engine knows the model's length)."""
+        self.config = config
+        self.guided = guided
+        self.remaining = remaining
+        self.stats = PolicyStats()
+        self.loop_defaults = LoopGuardParams(enabled=config.loop_guard)
+        self._closers: dict[str, int] | None = None  # the closers' token ids (first use)
+        # (grammar key, budget) -> (time, certain, closing path or None, refusal or None):
+        # a fresh request's grammar state depends only on its grammar, so the admission
+        # search's verdict holds for every request with the same grammar and budget
+        self._budget_memo: OrderedDict[tuple[str, int], tuple] = OrderedDict()
+
+    # admission ----------------------------------------------------------------------------
+
+    def admit(self, seq: Sequence, matcher) -> str | None:
+        """A guided request whose grammar is ready: a refusal message when its budget
+        cannot hold the grammar's shortest output; else its state is set up (the loop
+        guard, the shortest output planned when that is all that fits) and None."""
+        too_small = self._budget_too_small(seq, matcher)
+        if too_small is not None:
+            return too_small
+        st = seq.ending
+        params = seq.loop_guard or self.loop_defaults
+        if self._closers is None:
+            self._closers = closer_ids(self.guided.closer.vocab)
+        if params.enabled and seq.grammar.kind in _LOOP_KINDS and len(self._closers) == 3:
+            st.loop = LoopGuard(params, self.guided.closer.vocab, self._closers)
+            # with stop strings the text is checked as it is made: nothing is held back
+            st.hold = 0 if seq.params.stop else params.hold_tokens
+        st.released = seq.num_output  # a continuation's output was streamed already
+        self._plan_close_at_start(seq, matcher)
+        return None
+
+    # after sampling -------------------------------------------------------------------------
+
+    def steer(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> None:
+        """Once per batch, before the matchers accept: a guided row planned to its shortest
+        output takes the plan's token; one near its budget's end whose sampled token would
+        leave no room to close takes the closing path's. A replaced token has no logprob."""
+        for i, seq in enumerate(seqs):
+            if seq.grammar is None:
+                continue
+            st = seq.ending
+            forced = st.forced_path[0] if st.forced_path else self._keep_closable(
+                seq, token_ids[i])
+            if forced is not None and forced != token_ids[i]:
+                token_ids[i] = forced
+                if logprobs:
+                    logprobs[i] = None
+
+    def after_token(self, seq: Sequence) -> tuple[list[int], str] | None:
+        """After a guided row's token was accepted (and the request goes on): a repeating
+        value is cut and closed (the output is rewritten, None is returned: it goes on);
+        then near the budget's end the closing path is forced: (its tokens, appended to
+        the output already, and the finish reason)."""
+        st = seq.ending
+        if st.loop is not None:
+            st.loop.push(seq.token_ids[-1])
+            if st.loop.active:
+                cut = st.loop.find(lambda keep, closers: self._may_cut(seq, keep, closers))
+                if cut is not None:
+                    self._cut(seq, cut)
+        closed = self._maybe_close(seq)
+        if closed is not None:
+            forced, reason = closed
+            st.closed_early = reason == "length"
+            seq.token_ids.extend(forced)
+            seq.held_logprobs.extend([None] * len(forced))
+        return closed
+
+    def release(self, seq: Sequence, final: bool) -> int:
+        """How many more output tokens the stream may have now: all when the request
+        finishes, else all but the newest ``hold`` (which a loop cut may still remove)."""
+        st = seq.ending
+        upto = seq.num_output if final else max(st.released, seq.num_output - st.hold)
+        n, st.released = upto - st.released, upto
+        return n
+
+    def _may_cut(self, seq: Sequence, keep: int, closers: tuple[int, ...]) -> bool:
+        """Whether the loop guard may cut after ``keep`` output tokens and force
+        ``closers``: nothing streamed is taken back, the grammar accepts them, and (cut at
+        the newest token) the grammar does not force them anyway (``"aaaa"`` for
+        ``a{4}``: that is no cut)."""
+        if keep < seq.ending.released:
+            return False
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        if matcher is None:
+            return False
+        probe = matcher.fork()
+        probe.rollback(seq.num_output - keep)
+        if keep == seq.num_output:
+            forced = probe.find_jump_forward_string()
+            if forced and forced.encode().startswith(
+                    b"".join(self.guided.closer.vocab[t] for t in closers)):
+                return False
+        return all(probe.accept_token(t) for t in closers)
+
+    def _cut(self, seq: Sequence, cut: LoopCut) -> None:
+        """Rolls the output, its matcher and its KV back to ``cut.keep`` tokens, then
+        appends the closers (accepted by the matcher; their KV is computed next step)."""
+        st = seq.ending
+        drop = seq.num_output - cut.keep
+        matcher = self.guided.matchers[seq.matcher_key]
+        matcher.rollback(drop)
+        for t in cut.closers:
+            matcher.accept_token(t)
+        del seq.token_ids[len(seq.token_ids) - drop:]
+        del seq.held_logprobs[len(seq.held_logprobs) - drop:]
+        seq.token_ids.extend(cut.closers)
+        seq.held_logprobs.extend([None] * len(cut.closers))
+        seq.truncate_kv(len(seq.token_ids) - len(cut.closers))
+        st.loop.cut(cut.keep, cut.closers)
+        st.loop_cuts.append(cut)
+        st.reset_closing()
+        self.stats.loop_cuts += 1
+        if len(st.loop_cuts) == 1:
+            self.stats.loop_cut_outputs += 1
+
+    # the end -------------------------------------------------------------------------------
+
+    def report(self, seq: Sequence, reason: str, out: RequestOutput) -> None:
+        """Closing, loop cuts and validation onto the final chunk (once per request)."""
+        st = seq.ending
+        out.closed_early = st.closed_early
+        out.loop_cuts = len(st.loop_cuts)
+        if st.closed_early:
+            self.stats.closed_early += 1
+        elif reason == "length":
+            self.stats.runaway += 1
+        kind = seq.grammar.kind
+        if kind not in ("json_schema", "json_object"):
+            return
+        schema = seq.grammar.source if kind == "json_schema" else None
+        out.approximated = approximated_keywords(schema) if schema else []
+        if seq.validation == "off":
+            return
+        error = validate_json(schema, seq.resumed_text + seq.detokenizer.text)
+        self.stats.validated += 1
+        out.validation = "valid" if error is None else "invalid"
+        if error is not None:
+            self.stats.invalid += 1
+            out.validation_error = error
+
+    # budget-aware closing (see closing.py) ----------------------------------------------------
+
+    def _plan_close_at_start(self, seq: Sequence, matcher) -> None:
+        """A budget already down to the grammar's shortest output (plus ``closing_margin``)
+        gets that output: one freely sampled token could leave no room to close. The
+        prompt still runs (a session keeps its KV); its first token is the path's first,
+        and the rest follows at once (``_maybe_close``)."""
+        path, seq.ending.closing_start = seq.ending.closing_start, None
+        if not path or self.remaining(seq) > len(path) + self.config.closing_margin:
+            return
+        probe = matcher.fork()
+        if all(probe.accept_token(t) for t in path):
+            seq.ending.forced_path = path
+
+    def _budget_too_small(self, seq: Sequence, matcher) -> str | None:
+        """A message when the grammar's shortest output needs more tokens than the
+        request's budget (checked only for budgets within the closing window).
+
+        A fresh request's verdict is remembered per (grammar, budget): a verdict the
+        searches proved is kept; one from searches cut short by their time limit (a busy
+        engine, a grammar with no short completion) is reused for ``_MEMO_UNSURE_S`` and
+        then searched again, so such grammars cost one search per few seconds, not one per
+        request."""
+        budget = self.remaining(seq)
+        if not self.config.closing_window or budget > self.config.closing_window:
+            return None
+        self.stats.budget_checks += 1
+        key = None
+        if not seq.output_ids:  # a continuation's state depends on what it resumes
+            key = (seq.grammar.key(self.guided.fingerprint), budget)
+            hit = self._budget_memo.get(key)
+            if hit is not None and (hit[1] or time.monotonic() - hit[0] < _MEMO_UNSURE_S):
+                self._budget_memo.move_to_end(key)
+                self.stats.budget_checks_memo += 1
+                path, need = hit[2], hit[3]
+                return self._budget_verdict(seq, budget, path, need)
+        closer = self.guided.closer
+        timeouts = closer.stats["timeouts"]
+        path, need = self._budget_search(matcher, budget, closer.pending_bytes(seq.output_ids))
+        if key is not None:
+            certain = closer.stats["timeouts"] == timeouts
+            self._budget_memo[key] = (time.monotonic(), certain, path, need)
+            while len(self._budget_memo) > _BUDGET_MEMO_SIZE:
+                self._budget_memo.popitem(last=False)
+        return self._budget_verdict(seq, budget, path, need)
+
+    def _budget_search(self, matcher, budget: int, pending: int
+                       ) -> tuple[list[int] | None, str | None]:
+        """(a closing path that fits the budget, or None; the tokens the shortest output
+        needs when the budget is refused, else None)."""
+        closer = self.guided.closer
+        found = closer.fitting(matcher, budget, pending=pending)
+        if found.tokens is not None and len(found.tokens) <= budget:
+            return found.tokens, None
+        if found.tokens is None:
+            more = closer.shortest(matcher, max(4 * budget, 256), pending=pending)
+            if more.tokens is not None and len(more.tokens) <= budget:
+                return None, None  # the first search was cut short; this one fits
+            if more.tokens is None and not more.exhausted:
+                return None, None  # nothing found in time: we do not know: no refusal
+            found = more
+        # the searches are heuristic: refuse what they prove (exhausted), or where the
+        # shortest they found is well over the budget (a field of 36 fixed characters
+        # opened at max_tokens=32: the output could only end invalid)
+        if (found.tokens is not None and not found.exhausted
+                and len(found.tokens) <= budget + budget // 4):
+            return None, None
+        return None, (f"more than {budget}" if found.tokens is None else
+                      f"at least {len(found.tokens)}" if found.exhausted else
+                      f"about {len(found.tokens)}")
+
+    @staticmethod
+    def _budget_verdict(seq: Sequence, budget: int, path: list[int] | None,
+                        need: str | None) -> str | None:
+        if path is not None:
+            seq.ending.closing_estimate = (seq.num_output, len(path))
+            seq.ending.closing_start = list(path)
+            seq.ending.closing_path = (seq.num_output, list(path), 0)  # for _maybe_close
+            return None
+        if need is None:
+            return None
+        which = ("max_tokens" if budget == seq.params.max_new_tokens
+                 else "the context left after the prompt")
+        return (f"the {seq.grammar.kind} grammar's shortest output needs {need} tokens, but "
+                f"{which} allows {budget}; raise max_tokens (or shorten the prompt)")
+
+    def _maybe_close(self, seq: Sequence) -> tuple[list[int], str] | None:
+        """Budget-aware closing (see closing.py). When the tokens left are down to the
+        grammar's shortest completion (plus ``closing_margin``), returns that completion,
+        already accepted by the request's matcher, and the finish reason; else None."""
+        if seq.ending.forced_path is not None:  # its first token was just taken: the rest now
+            path, seq.ending.forced_path = seq.ending.forced_path[1:], None
+            return self._force(seq, path)
+        cfg = self.config
+        left = self.remaining(seq)
+        if not cfg.closing_window or left > cfg.closing_window or seq.ending.closing_failed:
+            return None
+        if seq.num_output < seq.ending.closing_retry_at:
+            return None
+        est = seq.ending.closing_estimate
+        if est is not None:
+            # one token grows the shortest completion by a few tokens at most (it can open
+            # a string, an object and a key at once): skip the search while far from it
+            # (within _GUARD_ZONE of it, every step searches: the guard in _keep_closable
+            # needs this step's path, and one token such as ', {"' can add more than that)
+            at, need = est
+            if left > max(need + _GROWTH * (seq.num_output - at),
+                          need + _GUARD_ZONE) + cfg.closing_margin:
+                return None
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        if matcher is None:
+            return None
+        carried, slack = self._carried_path(seq, matcher)
+        if carried is not None and (left > len(carried) + cfg.closing_margin
+                                    or slack <= _TRUSTED_SLACK and len(carried) <= left):
+            # the last path still closes from here (followed or replayed: microseconds,
+            # where a search costs milliseconds). One that may be longer than the
+            # shortest from here by more than _TRUSTED_SLACK is searched again before it
+            # is emitted
+            self.stats.closing_reused += 1
+            found = Completion(carried, False)
+        else:
+            closer = self.guided.closer
+            pending = closer.pending_bytes(seq.output_ids)
+            self.stats.closing_searches += 1
+            found = closer.fitting(matcher, left, pending=pending)
+            if carried is not None and (found.tokens is None
+                                        or len(found.tokens) > len(carried)):
+                found = Completion(carried, found.exhausted)  # cut short: the replayed one
+            else:
+                slack = 0
+            if found.tokens is None or len(found.tokens) > left:
+                # no completion fits: stop searching once that is certain (the shortest
+                # only grows as the budget shrinks); a search that gave up is tried again
+                # a few tokens later, at most _GIVEUPS times
+                if not found.exhausted:
+                    seq.ending.closing_giveups += 1
+                    seq.ending.closing_retry_at = seq.num_output + 2 ** (seq.ending.closing_giveups - 1)
+                    seq.ending.closing_failed = seq.ending.closing_giveups >= _GIVEUPS
+                    self.stats.closing_giveups += 1
+                else:
+                    seq.ending.closing_failed = True
+                return None
+        seq.ending.closing_estimate = (seq.num_output, len(found.tokens))
+        if left > len(found.tokens) + cfg.closing_margin:
+            # near the end, the next sampled token is checked against this path: one
+            # token can cost many (", " in an array opens a whole object)
+            seq.ending.closing_path = (seq.num_output, found.tokens, slack)
+            return None
+        if not found.tokens and self.guided.only_stop_allowed(matcher):
+            return [], "stop"  # complete, and the grammar allows nothing more
+        return self._force(seq, found.tokens)
+
+    @staticmethod
+    def _carried_path(seq: Sequence, matcher) -> tuple[list[int] | None, int]:
+        """The closing path last found for this request, if it still closes the output
+        from here, and its slack: by how many tokens it may be longer than the shortest
+        from here. Its rest, when the tokens since were its own (the rest of a shortest
+        path is the shortest from there); else the whole path, when the matcher, forked,
+        accepts it and may end after it (the usual case inside a string: another word
+        leaves '", "tags": []}' as it was).
+
+        The slack follows from one bound: a token shortens the shortest completion by one
+        at most. A path found by a search has none (a search is the reference); k tokens
+        after a path of length L with slack s, the shortest is at least L - s - k long."""
+        at = seq.ending.closing_path
+        if at is None:
+            return None, _UNKNOWN
+        at_output, path, slack = at
+        since = seq.output_ids[at_output:]
+        if since == path[:len(since)]:
+            return path[len(since):], slack
+        if _closes(matcher, path):
+            return list(path), slack + len(since)
+        return None, _UNKNOWN
+
+    def _keep_closable(self, seq: Sequence, token: int) -> int | None:
+        """Within ``_GUARD_ZONE`` tokens of the closing path found for this very state: the
+        sampled token if the output can still close after it within the budget, else the
+        path's first token (which can). None: not checked."""
+        at_path = seq.ending.closing_path
+        if at_path is None or at_path[0] != seq.num_output or not at_path[1]:
+            return None
+        path = at_path[1]
+        left = self.remaining(seq) - 1  # after this token
+        if token == path[0] or left > len(path) + _GUARD_ZONE:
+            return None
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        if matcher is None:
+            return None
+        probe = matcher.fork()
+        if not probe.accept_token(token):
+            return None  # not the grammar's: the guard in the sampler handles it
+        closer = self.guided.closer
+        # no search where the path still closes after this token: as it was (another word
+        # in a string), or what is left of its text once the token's own is taken off
+        # (' "' sampled where the path begins '""'). Its slack (see _carried_path) grows
+        # by one unless it got one shorter, or the token left the parser where it was
+        for again in (path, closer.rest_after(path, token)):
+            if again is not None and len(again) <= left and _closes(probe, again):
+                slack = at_path[2] + 1 - (len(path) - len(again))
+                if closer.same_place(matcher, probe):
+                    slack = min(slack, at_path[2])
+                seq.ending.closing_path = (seq.num_output + 1, again, max(slack, 0))
+                return None
+        self.stats.closing_searches += 1
+        found = closer.shortest(probe, 2 * left + 8,
+                                pending=closer.pending_bytes(seq.output_ids + [token]))
+        if found.tokens is not None and len(found.tokens) <= left:
+            seq.ending.closing_path = (seq.num_output + 1, found.tokens, 0)  # for _maybe_close
+            return None
+        self.stats.closing_steered += 1
+        return path[0]
+
+    def _force(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str]:
+        """Feeds a closing path to the request's matcher (which checks every token)."""
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        for i, t in enumerate(tokens):
+            if matcher is None or not matcher.accept_token(t):
+                logger.error("closing: the grammar refused forced token %d", t)
+                return tokens[:i], "length"
+        return tokens, "length"
+
+
+
+_GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
+_GIVEUPS = 4  # searches that hit their node cap before a request stops searching
+_TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
+_UNKNOWN = 1 << 30  # the slack of a path that no search stands behind
+_GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
+
+
+def _closes(matcher, tokens: list[int]) -> bool:
+    """Whether ``tokens`` take the matcher's output to where it may end (tried on a fork:
+    microseconds)."""
+    probe = matcher.fork()
+    return all(probe.accept_token(t) for t in tokens) and probe.is_completed()
+
+_BUDGET_MEMO_SIZE = 4096  # (grammar, budget) admission verdicts kept
+_MEMO_UNSURE_S = 5.0  # how long a verdict from searches cut short is reused
