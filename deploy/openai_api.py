@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.client import GenerationRequest, GrammarSpec, SamplingParams
+from cluster.client import GenerationRequest, GrammarSpec, LoopGuardParams, SamplingParams
 from deploy import dialects, tools
 from deploy.errors import APIError, bad_request, for_kind
 from deploy.settings import Limits
@@ -50,6 +50,9 @@ class _Request(BaseModel):
     # rayguide: what to do when a finished JSON output fails its full schema ("flag":
     # say so in the response; "retry": resample a non-streamed request; "off")
     validation: Validation | None = None
+    # rayguide: the loop guard (a JSON value that repeats itself is ended where the
+    # repetition began): true / false, or an object of its settings; null: on
+    loop_guard: bool | dict[str, Any] | None = None
     # vLLM-compatible extras
     top_k: int | None = None
     min_p: float | None = None
@@ -130,6 +133,7 @@ class Plan:
     temp_session: str | None = None  # a session the server made (n > 1) and must end
     model: str | None = None
     validation: Validation = "flag"
+    loop_guard: LoopGuardParams | None = None  # None: the engine's default
     # tokens in the prompt of each choice (completions with several prompts differ)
     prompt_index: list[int] = field(default_factory=list)
 
@@ -168,7 +172,7 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None 
     plan = Plan("chat", [], grammar, stream=req.stream, include_usage=_include_usage(req),
                 logprobs=req.logprobs, tools=functions, tool_mode=mode,
                 session_id=req.session_id, model=req.model,
-                validation=req.validation or "flag")
+                validation=req.validation or "flag", loop_guard=_loop_guard(req))
     _fill(plan, [messages], req, params)
     return plan
 
@@ -197,7 +201,7 @@ def plan_completion(req: CompletionRequest, limits: Limits,
     plan = Plan("completion", [], _grammar(req), stream=req.stream,
                 include_usage=_include_usage(req), logprobs=req.logprobs is not None,
                 session_id=req.session_id, model=req.model,
-                validation=req.validation or "flag")
+                validation=req.validation or "flag", loop_guard=_loop_guard(req))
     _fill(plan, list(prompts), req, params)
     return plan
 
@@ -220,8 +224,18 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> N
                 sid = session if len(prompts) == 1 else f"{session}-{p_index}"
             plan.requests.append(GenerationRequest(
                 prompt=prompt, params=p, request_id=uuid.uuid4().hex, session_id=sid,
-                grammar=plan.grammar, seq_id=i, validation=plan.validation))
+                grammar=plan.grammar, seq_id=i, validation=plan.validation,
+                loop_guard=plan.loop_guard))
             plan.prompt_index.append(p_index)
+
+
+def _loop_guard(req: _Request) -> LoopGuardParams | None:
+    if req.loop_guard is None:
+        return None
+    try:
+        return LoopGuardParams.from_value(req.loop_guard)
+    except (TypeError, ValueError) as exc:
+        raise bad_request(str(exc), "loop_guard") from None
 
 
 def _fields(params: SamplingParams) -> dict:

@@ -42,6 +42,8 @@ def guided_report(out: RequestOutput) -> dict:
     return {"validation": getattr(out, "validation", None),
             "validation_error": getattr(out, "validation_error", None),
             "closed_early": bool(getattr(out, "closed_early", False)),
+            "loop_cut": bool(getattr(out, "loop_cuts", 0)),
+            "loop_cuts": int(getattr(out, "loop_cuts", 0) or 0),
             "approximated": list(getattr(out, "approximated", None) or [])}
 
 
