@@ -25,8 +25,6 @@ import time
 import openai
 import pytest
 import ray
-from ray import serve
-from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
 from cluster import launch
@@ -42,26 +40,21 @@ CLEAR_ERRORS = {"http_503", "http_429", "APIError"}  # 503 worker died / 429 ove
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir):
+def stack(tiny_model_dir, ray_runtime):
     # the front end, scheduler and cache stay on the head (as on a real cluster's CPU
     # head), so removing a worker node costs what losing a GPU node costs
     launch.fast_death_notice()  # as rayguide serve / up set it
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 2, "resources": {"head": 1}})
-    nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=3, worker={"num_cpus": 1, "num_threads": 1},
         engine={"num_kv_blocks": 512, "max_num_seqs": 64},
         scheduler={"load_poll_interval_s": 0.5, "rpc_timeout_s": 3.0},
         control_resources={"head": 0.01})
     from tests.test_serve import free_port
-    svc = service.start(config, port=free_port(),
-                        app_args={"replica_resources": {"head": 0.01}})
-    yield {"cluster": cluster, "nodes": nodes, "svc": svc}
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    with ray_runtime(num_cpus=2, nodes=2, head_resources={"head": 1}) as cluster:
+        svc = service.start(config, port=free_port(),
+                            app_args={"replica_resources": {"head": 0.01}})
+        nodes = list(cluster.worker_nodes)  # the two added to the head
+        yield {"cluster": cluster, "nodes": nodes, "svc": svc}
 
 
 def load(svc, **kw) -> dict:
@@ -94,8 +87,10 @@ def test_load_64_clients(stack):
     assert r["leaks"]["workers"] == 3
 
 
-def serves_again(svc, timeout=60.0) -> float:
-    """Seconds until a new guided request succeeds."""
+def serves_again(svc, timeout=300.0) -> float:
+    """Seconds until a new guided request succeeds (``timeout``: a guard against a runtime
+    that never serves again, not a speed bound; the seconds are printed, the benches'
+    figures say how fast)."""
     client = openai.OpenAI(base_url=svc.url + "/v1", api_key="none", max_retries=0,
                            timeout=20)
     t0 = time.monotonic()
@@ -118,7 +113,27 @@ def actor_node(class_name: str) -> set[str]:
                                                     ("state", "=", "ALIVE")])}
 
 
-def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dict:
+def whole_again(stack, timeout=300.0) -> None:
+    """The runtime is whole after a fault: all 3 workers registered with the scheduler and
+    serving gauges, the scheduler and the grammar cache answering (``timeout``: a hang
+    guard)."""
+    handles = launch.handles()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ready = (asyncio.run(read_worker_gauges(stack["svc"].url))["workers"] == 3
+                     and len(ray.get(handles["scheduler"].stats.remote(), timeout=10)
+                             ["workers"]) == 3
+                     and ray.get(handles["cache"].ping.remote(), timeout=10))
+        except (ray.exceptions.RayError, OSError):
+            ready = False
+        if ready:
+            return
+        assert time.monotonic() < deadline, "the runtime did not become whole again"
+        time.sleep(1)
+
+
+def under_fault(stack, name: str, inject) -> dict:
     """Runs load in a thread, times one new request under it, injects the fault about 2 s
     in, and checks the pass rules."""
     box = {}
@@ -145,9 +160,9 @@ def under_fault(stack, name: str, inject, recovery_limit_s: float = 30.0) -> dic
     unclear = {k: v for k, v in r["errors"].items() if k not in CLEAR_ERRORS}
     assert not unclear, (unclear, r["error_examples"])  # no timeout, no truncation
     assert r["completed"] + r["failed"] == r["requests"]
-    assert r["valid_share"] in (None, 1.0)
+    assert r["guided_checked"] > 0 and r["valid_share"] == 1.0, r["invalid_examples"]
     assert r["leaks"]["leak_free"], r["leaks"]
-    assert recovery < recovery_limit_s
+    whole_again(stack)
     return r
 
 
@@ -161,10 +176,7 @@ def test_fault_worker_killed(stack):
 
 def test_fault_grammar_cache_killed(stack):
     cache = launch.handles()["cache"]
-    # a new grammar waits for a compile while the cache restarts: measured 20-30 s under
-    # this load on 2 cores, hence the wider bound (see the closing note of issue 7)
-    r = under_fault(stack, "grammar cache killed", lambda: ray.kill(cache, no_restart=False),
-                    recovery_limit_s=60.0)
+    r = under_fault(stack, "grammar cache killed", lambda: ray.kill(cache, no_restart=False))
     assert r["failed"] == 0  # workers compile locally until the cache is back
 
 
@@ -191,10 +203,6 @@ def test_fault_node_removed(stack):
         stack["nodes"].remove(node)
         stack["nodes"].append(stack["cluster"].add_node(num_cpus=2))  # room to restart
 
-    r = under_fault(stack, "node removed", remove)
+    r = under_fault(stack, "node removed", remove)  # the lost worker comes back: whole again
     assert r["failed"] == 0, r["error_examples"]  # its worker's requests fail over
-    deadline = time.monotonic() + 60
-    while asyncio.run(read_worker_gauges(stack["svc"].url))["workers"] < 3:
-        assert time.monotonic() < deadline, "the lost worker did not come back"
-        time.sleep(1)
 
