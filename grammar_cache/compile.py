@@ -166,10 +166,17 @@ def json_schema_ebnf(schema: str, *, max_int_digits: int = 0, max_frac_digits: i
 
 
 _DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.M)
+# one or more digits as a right-recursive rule: how xgrammar writes the fraction of a
+# ``date-time`` / ``time`` format ("12:30:00.000000000000...", unbounded)
+_DIGITS_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\] \1\) \| \(\[0-9\]\)\)$", re.M)
 
 
 def _bound_digits(ebnf: str, int_digits: int, frac_digits: int, exp_digits: int) -> str:
-    """Bounds the unbounded digit runs of an xgrammar JSON grammar (see json_schema_ebnf)."""
+    """Bounds the unbounded digit runs of an xgrammar JSON grammar (see json_schema_ebnf).
+    A format's digit run (a ``date-time``'s fraction of a second) gets the fraction bound."""
+    if frac_digits:
+        ebnf = _DIGITS_RULE.sub(lambda m: f"{m.group(1)} ::= (([0-9]{{1, {frac_digits}}}))",
+                                ebnf)
     digit_rules = set(_DIGIT_RULE.findall(ebnf))
 
     def bound(kind: str, lead: bool, low: int) -> int | None:

@@ -31,7 +31,7 @@ from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-ENVELOPE_VERSION = 2  # 2: error_kind holds ErrorKind values
+ENVELOPE_VERSION = 3  # 2: error_kind holds ErrorKind values; 3: format fractions bounded
 XGRAMMAR_VERSION = version("xgrammar")
 _serialization: str | None = None
 
