@@ -18,13 +18,12 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def runtime(default_model_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+def runtime(default_model_dir, ray_runtime):
     config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 256},
                            scheduler={"session_idle_timeout_s": 5.0, "load_poll_interval_s": 0.5})
-    yield launch.up(config)
-    ray.shutdown()
+    with ray_runtime(num_cpus=2):
+        yield launch.up(config)
 
 
 @pytest.fixture
