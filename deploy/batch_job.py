@@ -157,7 +157,7 @@ def parse_line(text: str | None, line: int, *, defaults: dict,
         return Item(line, line, error=f"line {line} is not valid UTF-8")
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # not JSON, or an integer of 4,300+ digits
         return Item(line, line, error=f"line {line} is not valid JSON: {exc}")
     except RecursionError:
         return Item(line, line, error=f"line {line} is nested too deeply to read")

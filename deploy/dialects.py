@@ -79,7 +79,7 @@ def json_schema(schema: Any, param: str = "json_schema", **options) -> GrammarSp
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # also a 4,300+ digit integer
             raise DialectError(f"invalid grammar in {param} (json_schema): not valid JSON: {exc}",
                                param) from None
     check_depth(schema, param)

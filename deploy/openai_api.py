@@ -351,7 +351,7 @@ def _tool_call_texts(calls: Any, i: int) -> list[str]:
         args = fn.get("arguments", "{}")
         try:
             args = json.loads(args) if isinstance(args, str) else args
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # ValueError: also a 4,300+ digit integer
             raise bad_request(f"messages[{i}].tool_calls[{k}]: arguments are not JSON",
                               f"{where}.{k}") from None
         try:

@@ -221,7 +221,7 @@ class OpenAIServer:
         depth = self.limits.max_json_depth
         try:
             body = json.loads(bytes(raw))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # not JSON, not UTF-8, or an integer of 4,300+ digits
             raise bad_request(f"the request body is not valid JSON: {exc}") from None
         except RecursionError:  # nested past Python's stack: far over the limit
             body, too_deep = None, True

@@ -121,7 +121,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
         try:
             obj = json.loads(m.group(1))
             name, args = obj["name"], obj.get("arguments", {})
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             continue
         kept.append(text[pos:m.start()])
         pos = m.end()

@@ -83,12 +83,11 @@ class GrammarSpec:
                 raise ValueError(f"{name} must be an integer in [0, 1000] (0: no bound), "
                                  f"got {value!r}")
         if kind in ("json_schema", "choice", "structural_tag"):
-            try:
-                value = json.loads(self.source)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{kind} is not valid JSON: {exc}") from None
+            value = _parse_json(kind, self.source)
             if kind == "json_schema" and not isinstance(value, (dict, bool)):
                 raise ValueError("json_schema must be a JSON object (or true/false)")
+            if kind == "json_schema":
+                _check_refs(value)
             if kind == "choice":
                 _check_choices(value)
             if kind == "structural_tag" and not isinstance(value, dict):
@@ -101,12 +100,12 @@ class GrammarSpec:
         """A JSON schema as a dict, a JSON string, or the OpenAI shape
         ``{"name": ..., "schema": {...}, "strict": bool}``."""
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
-        if isinstance(schema, dict) and "schema" in schema and (
-                "name" in schema or "strict" in schema):
+            schema = _parse_json("json_schema", schema)
+        # OpenAI's wrapper; ``name`` is required there but some clients omit it: a dict of
+        # only wrapper keys around a schema is the wrapper (``schema`` is no JSON-schema
+        # keyword), so the inner schema is what is enforced
+        if isinstance(schema, dict) and isinstance(schema.get("schema"), (dict, bool)) and (
+                "name" in schema or "strict" in schema or set(schema) <= _WRAPPER_KEYS):
             if "strict" in schema and schema["strict"] is not None:
                 options.setdefault("strict", bool(schema["strict"]))
             schema = schema["schema"]
@@ -184,6 +183,37 @@ def _canonical_json(value) -> str:
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"grammar is not JSON-serializable: {exc}") from None
+
+
+_WRAPPER_KEYS = {"name", "schema", "strict", "description"}
+
+
+def _parse_json(kind: str, text: str):
+    """``json.loads`` with every way it fails as a ValueError that names the grammar."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{kind} is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # a 5,000-digit integer; nesting too deep
+        raise ValueError(f"{kind} cannot be read: {str(exc) or 'nested too deep'}") from None
+
+
+def _check_refs(node, depth: int = 0) -> None:
+    """Only references inside the schema (``#...``) are resolved: a ``$ref`` to a URL or a
+    file would make the server fetch it (validation.py never does; this says so early)."""
+    if depth > 200:
+        raise ValueError("json_schema is nested more than 200 levels deep")
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("$ref", "$dynamicRef") and isinstance(value, str) \
+                    and not value.startswith("#"):
+                raise ValueError(f"json_schema {key} {value[:100]!r} points outside the "
+                                 "schema; only local references ('#/$defs/...') are "
+                                 "resolved: inline the referenced schema")
+            _check_refs(value, depth + 1)
+    elif isinstance(node, list):
+        for value in node:
+            _check_refs(value, depth + 1)
 
 
 def _check_choices(choices) -> None:

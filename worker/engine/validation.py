@@ -39,7 +39,7 @@ def _validator(schema_text: str):
         if v is not None:
             _validators.move_to_end(schema_text)
             return v
-    v = jsonschema_rs.validator_for(json.loads(schema_text))
+    v = jsonschema_rs.validator_for(json.loads(schema_text), retriever=_no_retrieval)
     with _lock:
         _validators[schema_text] = v
         while len(_validators) > _CACHE_SIZE:
@@ -47,12 +47,18 @@ def _validator(schema_text: str):
     return v
 
 
+def _no_retrieval(uri: str):
+    """jsonschema-rs fetches ``http://`` and ``file://`` references by default: a client's
+    schema must never make the server reach the network or read a file."""
+    raise ValueError(f"the reference {uri} is outside the schema and is not resolved")
+
+
 def validate_json(schema: dict | bool | str | None, text: str) -> str | None:
     """Checks ``text`` against ``schema`` (a dict, a JSON string, or None for "any JSON
     object"). Returns None when valid, else a message saying what is wrong and where."""
     try:
         value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: a 5,000-digit integer
         return f"not valid JSON: {exc}"
     if schema is None:
         return None if isinstance(value, dict) else "not a JSON object"
