@@ -32,6 +32,11 @@ def new_id(kind: str) -> str:
 
 
 def finish_reason(reason: str | None, has_calls: bool) -> str:
+    """OpenAI's finish_reason for an engine finish. An aborted request (its session ended,
+    an idle sweep, a client's DELETE) is cut short: it says ``abort`` (vLLM's word), never
+    ``stop``, so a truncated answer never looks complete."""
+    if reason == "abort":
+        return "abort"
     if has_calls:
         return "tool_calls"
     return "length" if reason == "length" else "stop"

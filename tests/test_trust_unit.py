@@ -124,3 +124,12 @@ def test_a_body_with_a_huge_integer_is_a_400():
     with pytest.raises(APIError) as err:
         asyncio.run(server._body(fake, FakeRequest()))
     assert err.value.status == 400 and "not valid JSON" in str(err.value)
+
+
+def test_an_aborted_answer_never_says_stop():
+    from deploy import responses
+
+    assert responses.finish_reason("abort", False) == "abort"
+    assert responses.finish_reason("abort", True) == "abort"  # a cut tool call either
+    assert responses.finish_reason("stop", False) == "stop"
+    assert responses.finish_reason("length", False) == "length"
