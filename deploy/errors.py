@@ -15,6 +15,14 @@ import logging
 from cluster.client import (INFRASTRUCTURE_ERRORS, ErrorKind, GrammarError,
                             GrammarUnavailable, NoWorkers, Overloaded, RayTaskError)
 
+try:  # the chat templates' engine (a dependency of the tokenizers' chat templates)
+    from jinja2 import TemplateError, TemplateSyntaxError
+except ImportError:  # pragma: no cover - no chat templates, nothing of theirs to map
+    class TemplateError(Exception):  # type: ignore[no-redef]
+        pass
+
+    TemplateSyntaxError = TemplateError  # type: ignore[misc,assignment]
+
 logger = logging.getLogger(__name__)
 
 # failures of the machinery under a request (an actor died, a call timed out, the network):
@@ -94,14 +102,21 @@ def for_exception(exc: BaseException, request_id: str | None = None) -> APIError
     if isinstance(cause, NoWorkers):
         return for_kind(ErrorKind.NO_WORKERS, f"no worker is alive: {cause}")
     if isinstance(cause, GrammarError):
-        return for_kind(cause.kind, _last_line(cause))
+        return for_kind(cause.kind, last_line(cause))
     if isinstance(cause, GrammarUnavailable):
-        return for_kind(ErrorKind.GRAMMAR_UNAVAILABLE, _last_line(cause))
+        return for_kind(ErrorKind.GRAMMAR_UNAVAILABLE, last_line(cause))
+    if isinstance(cause, TemplateError) and not isinstance(cause, TemplateSyntaxError):
+        # the model's chat template refused these messages (raise_exception: "roles must
+        # alternate", a missing key): the client's to change. A template that does not
+        # parse is the server's own, and stays a bug below.
+        return for_kind(ErrorKind.BAD_REQUEST, "the model's chat template refused the "
+                        f"messages: {last_line(cause) or type(cause).__name__}",
+                        param="messages")
     if isinstance(cause, ValueError):  # the worker's checks of a request
-        return for_kind(ErrorKind.BAD_REQUEST, _last_line(cause) or "invalid request")
+        return for_kind(ErrorKind.BAD_REQUEST, last_line(cause) or "invalid request")
     if isinstance(exc, RayTaskError) or not isinstance(cause, _INFRASTRUCTURE):
         # our code raised something it should not have: a bug, not the client's fault
-        return for_kind(ErrorKind.INTERNAL, f"{type(cause).__name__}: {_last_line(cause)}",
+        return for_kind(ErrorKind.INTERNAL, f"{type(cause).__name__}: {last_line(cause)}",
                         request_id=request_id)
     # the runtime could not be reached or failed underneath (actor died, timed out)
     logger.warning("request %s: runtime failure %r", request_id, exc)
@@ -110,6 +125,7 @@ def for_exception(exc: BaseException, request_id: str | None = None) -> APIError
                     code="unavailable")
 
 
-def _last_line(exc: BaseException) -> str:
+def last_line(exc: BaseException) -> str:
+    """The last line of an exception's text (a remote traceback's own message)."""
     text = str(exc).strip()
     return text.splitlines()[-1] if text else ""

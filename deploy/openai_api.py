@@ -12,6 +12,7 @@ names it.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,6 +25,10 @@ from deploy.errors import APIError, bad_request, for_kind
 from deploy.settings import Limits
 
 Validation = Literal["flag", "retry", "off"]
+
+# what a session id may hold (its length is ``Limits.max_session_id_chars``): ids ride every
+# worker's load report and /metrics, so they are short plain ASCII, never arbitrary text
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]+")
 
 
 # requests -------------------------------------------------------------------------------
@@ -107,6 +112,18 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
         raise bad_request("invalid request: " + "; ".join(problems), param=first) from None
 
 
+def check_session_id(session_id: str, limits: Limits) -> str:
+    """A client's session id, or a 400 naming ``session_id`` that says what it may hold."""
+    limit = limits.max_session_id_chars
+    if not session_id or len(session_id) > limit:
+        raise bad_request(f"session_id must be 1 to {limit} characters, got "
+                          f"{len(session_id)}", "session_id")
+    if not SESSION_ID.fullmatch(session_id):
+        raise bad_request("session_id may hold only ASCII letters, digits and '.', '_', "
+                          "':', '@', '-'", "session_id")
+    return session_id
+
+
 # plans ----------------------------------------------------------------------------------
 
 @dataclass
@@ -149,7 +166,7 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None 
     params = _params(req, limits, req.max_completion_tokens or req.max_tokens, served,
                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     messages = _messages(req.messages)
-    _check_prompt_chars(sum(len(m["content"]) for m in messages), limits)
+    _check_prompt_chars(_chars(messages), limits)
     grammar = _grammar(req)
     functions, mode = None, None
     if req.tools:
@@ -167,6 +184,9 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None 
                                   "fields in one request; send one of them", "tools")
             grammar = tool_spec
             messages = tools.with_tool_prompt(messages, functions, mode, req.tool_choice)
+            # the tool listing (descriptions, parameter schemas) is prompt text too
+            _check_prompt_chars(_chars(messages), limits, "tools",
+                                " with the tool definitions")
     elif req.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     plan = Plan("chat", [], grammar, stream=req.stream, include_usage=_include_usage(req),
@@ -194,10 +214,11 @@ def plan_completion(req: CompletionRequest, limits: Limits,
         prompts = [prompts]
     if not prompts or any(not p for p in prompts):
         raise bad_request("prompt is empty", "prompt")
-    if len(prompts) * req.n > limits.max_n * 8:
+    if len(prompts) * req.n > limits.max_choices:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} is over the limit of "
-                          f"{limits.max_n * 8} choices per request", "prompt")
-    _check_prompt_chars(sum(len(p) for p in prompts), limits)
+                          f"{limits.max_choices} choices per request (max_choices); send "
+                          "fewer", "n" if req.n > 1 else "prompt")
+    _check_prompt_chars(sum(len(p) for p in prompts), limits, "prompt")
     plan = Plan("completion", [], _grammar(req), stream=req.stream,
                 include_usage=_include_usage(req), logprobs=req.logprobs is not None,
                 session_id=req.session_id, model=req.model,
@@ -248,11 +269,16 @@ def _include_usage(req: _Request) -> bool:
     return bool((req.stream_options or {}).get("include_usage"))
 
 
-def _check_prompt_chars(n: int, limits: Limits) -> None:
+def _chars(messages: list[dict]) -> int:
+    return sum(len(m["content"]) for m in messages)
+
+
+def _check_prompt_chars(n: int, limits: Limits, param: str = "messages",
+                        what: str = "") -> None:
     if n > limits.max_prompt_chars:
-        raise APIError(413, f"the prompt is {n} characters, over the limit of "
-                            f"{limits.max_prompt_chars}; shorten it", param="messages",
-                       code="prompt_too_large")
+        raise APIError(413, f"the prompt{what} is {n} characters, over the limit of "
+                            f"{limits.max_prompt_chars} (max_prompt_chars); shorten it",
+                       param=param, code="prompt_too_large")
 
 
 def _params(req: _Request, limits: Limits, max_tokens: int | None, served: Served | None,
@@ -261,6 +287,8 @@ def _params(req: _Request, limits: Limits, max_tokens: int | None, served: Serve
     context = served.context
     if not 1 <= req.n <= limits.max_n:
         raise bad_request(f"n must be in [1, {limits.max_n}], got {req.n}", "n")
+    if req.session_id is not None:
+        check_session_id(req.session_id, limits)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported; constrain the output with a "
                           "grammar instead", "logit_bias")

@@ -17,6 +17,7 @@ validation is what enforces them).
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Any
@@ -57,12 +58,23 @@ def guided_report(out: RequestOutput) -> dict:
 # and no alternatives.
 _FORCED = (0.0, [])
 
+# What a non-finite logprob (NaN from broken logits, -inf for a token the mask or sampler
+# ruled out) is reported as: OpenAI's own floor for "very unlikely". JSON has no NaN or
+# Infinity (the response encoder refuses them: it was a 500), and a number, unlike null,
+# keeps clients that read logprobs as floats working.
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
 
 def chat_logprobs(logprobs: list, tokens: list) -> dict:
     content = []
     for (lp, top), (text, alts) in zip((x or _FORCED for x in logprobs), tokens):
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": t, "logprob": a_lp,
+        content.append({"token": text, "logprob": _lp(lp), "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": t, "logprob": _lp(a_lp),
                                           "bytes": list(t.encode())}
                                          for t, (_, a_lp) in zip(alts, top)]})
     return {"content": content, "refusal": None}
@@ -72,8 +84,8 @@ def completion_logprobs(logprobs: list, tokens: list, offset: int = 0) -> dict:
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for (lp, top), (text, alts) in zip((x or _FORCED for x in logprobs), tokens):
         out["tokens"].append(text)
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({t: a_lp for t, (_, a_lp) in zip(alts, top)})
+        out["token_logprobs"].append(_lp(lp))
+        out["top_logprobs"].append({t: _lp(a_lp) for t, (_, a_lp) in zip(alts, top)})
         out["text_offset"].append(offset)
         offset += len(text)
     return out

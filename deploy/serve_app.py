@@ -37,7 +37,8 @@ from cluster.client import ErrorKind, RequestOutput, RuntimeClient
 from deploy import dialects
 from deploy import openai_api as api
 from deploy import responses
-from deploy.errors import APIError, bad_request, for_exception, for_kind, too_large
+from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_line,
+                           too_large)
 from deploy.metrics import Metrics
 from deploy.openai_api import Plan
 from deploy.settings import AppSettings
@@ -149,7 +150,8 @@ class OpenAIServer:
     @fastapi_app.delete("/v1/sessions/{session_id}")
     async def end_session(self, session_id: str, request: Request):
         self._auth(request)
-        await self.runtime.end_session(session_id)
+        api.check_session_id(session_id, self.limits)
+        await self._scheduler_call(self.runtime.end_session(session_id), "end the session")
         return {"id": session_id, "object": "session", "deleted": True}
 
     @fastapi_app.get("/metrics")
@@ -157,8 +159,9 @@ class OpenAIServer:
         if not self.settings.public_metrics:
             self._auth(request)
         try:
-            status = await self.runtime.scheduler.stats.remote()
-        except Exception:
+            status = await asyncio.wait_for(self.runtime.scheduler.stats.remote(),
+                                            self.settings.scheduler_timeout_s)
+        except Exception:  # the runtime's part of the page is left out, never a hang
             status = None
         return PlainTextResponse(self._metrics.render(status, self.runtime.stats()),
                                  media_type="text/plain; version=0.0.4")
@@ -231,9 +234,24 @@ class OpenAIServer:
             raise bad_request(f"the request body is nested deeper than {depth} levels")
         return body
 
+    async def _scheduler_call(self, call, what: str):
+        """Awaits a call on the scheduler for at most ``scheduler_timeout_s``; a scheduler
+        that is down, restarting or slow is a 503 (retry), never a 500 or a hang."""
+        timeout = self.settings.scheduler_timeout_s
+        try:
+            return await asyncio.wait_for(call, timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("could not %s: the scheduler failed (%r)", what, exc)
+            raise APIError(503, f"could not {what}: the runtime's scheduler did not answer "
+                                f"within {timeout:g} s ({type(exc).__name__}); retry",
+                           type_="server_error", code="unavailable") from None
+
     async def _served_models(self) -> list[str]:
         if not self._models:
-            stats = await self.runtime.scheduler.stats.remote()
+            stats = await self._scheduler_call(self.runtime.scheduler.stats.remote(),
+                                               "list the served models")
             workers = stats["workers"].values()
             self._models = sorted({w.get("model") for w in workers if w.get("model")})
             contexts = [w["max_model_len"] for w in workers if w.get("max_model_len")]
@@ -304,8 +322,20 @@ class OpenAIServer:
         outputs = [first for _, first in opened]
 
         async def drain(i: int) -> None:
-            async for chunk in opened[i][0]:
-                outputs[i].merge(chunk)
+            try:
+                async for chunk in opened[i][0]:
+                    outputs[i].merge(chunk)
+            except Exception as exc:  # noqa: BLE001 - after the first chunk, see below
+                # the request started and then failed underneath (its worker died and the
+                # continuation was refused or found no worker): the runtime's failure, a
+                # 503 like a stream's error event, never a 500
+                logger.warning("request %s failed mid-way: %r", requests[i].request_id, exc)
+                cause = getattr(exc, "cause", None) or exc  # a RayTaskError's own error
+                outputs[i].merge(RequestOutput(
+                    requests[i].request_id, finished=True, finish_reason="error",
+                    error_kind=ErrorKind.WORKER_DIED,
+                    error=f"the request failed after it started and could not be continued "
+                          f"({type(cause).__name__}: {last_line(cause)})"))
 
         try:
             await asyncio.gather(*(drain(i) for i in range(len(opened))))

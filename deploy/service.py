@@ -215,10 +215,7 @@ def heal(service: Service, progress: Callable[[str], None] | None = _stderr_prog
         service.runtime = _keep_live_handles(service.runtime, launch.up(service.config),
                                              missing)
         if launch.SCHEDULER_NAME in missing:
-            # the front ends hold the old scheduler's handle, which stays dead: replace
-            # them (a few seconds of 503s / refused connections)
-            serve.delete(APP_NAME)
-            _deploy(service.app_args)
+            _replace_front_ends(service)
     except Exception as exc:
         raise RuntimeLost(f"could not rebuild {', '.join(missing)}: "
                           f"{type(exc).__name__}: {exc}") from exc
@@ -226,6 +223,17 @@ def heal(service: Service, progress: Callable[[str], None] | None = _stderr_prog
     if progress:
         progress(f"rebuilt {', '.join(missing)} in {time.monotonic() - t0:.1f} s")
     return missing
+
+
+def _replace_front_ends(service: Service) -> None:
+    """The front ends hold the old scheduler's handle, which stays dead: they are
+    replaced by redeploying the app with a new ``runtime_generation``. Serve then rolls
+    the replicas over, the old ones answering (a 503 at worst) until the new ones are up;
+    deleting the app first left the route unknown meanwhile, and Serve's proxy answered
+    its plain 404."""
+    generation = int(service.app_args.get("runtime_generation", 0)) + 1
+    service.app_args = {**service.app_args, "runtime_generation": generation}
+    _deploy(service.app_args)
 
 
 def _keep_live_handles(old: dict | None, new: dict, missing: list[str]) -> dict:

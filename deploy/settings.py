@@ -25,6 +25,9 @@ class Limits(BaseModel):
     max_json_depth: int = Field(64, ge=8)  # nesting of the request body
     default_max_tokens: int = Field(256, ge=1)
     max_n: int = Field(16, ge=1)
+    # choices in one request (prompts x n): each is a runtime request that may run to the
+    # context, and the n samples of a prompt share a session, which skips the 429
+    max_choices: int = Field(16, ge=1)
     max_messages: int = Field(1024, ge=1)
     # checked before any tokenization (which still runs on the engine thread): about 6x what
     # fits the default model's 8192-token context, so a hostile prompt holds it well under 1 s
@@ -33,6 +36,8 @@ class Limits(BaseModel):
     max_stop_chars: int = Field(256, ge=1)
     max_stop_token_ids: int = Field(64, ge=0)
     max_tools: int = Field(128, ge=0)
+    # a session id lives in every worker's load report: short, and plain ASCII (SESSION_ID)
+    max_session_id_chars: int = Field(128, ge=8, le=1024)
 
 
 class AppSettings(BaseModel):
@@ -49,6 +54,13 @@ class AppSettings(BaseModel):
     # more samples it may take
     max_validation_retries: int = Field(2, ge=0, le=8)
     limits: Limits = Field(default_factory=Limits)
+    # how long the edge waits for the scheduler (the model list, a session's end) before it
+    # answers 503
+    scheduler_timeout_s: float = Field(5.0, gt=0)
+    # bumped by `rayguide serve`'s self-healing after it rebuilt the scheduler: new
+    # arguments make Serve replace the replicas in a rolling update (the old ones answer
+    # meanwhile), where deleting the app left a window of Serve's plain 404s
+    runtime_generation: int = Field(0, ge=0)
     start_runtime: bool = True
     config: str | None = None  # a ClusterConfig YAML
     model: str | None = None
