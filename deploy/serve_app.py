@@ -311,10 +311,11 @@ class OpenAIServer:
 
     async def _end_temp_session(self, plan: Plan) -> None:
         if plan.temp_session is not None:
-            try:
-                await self.runtime.end_session(plan.temp_session)
-            except Exception:
-                logger.exception("ending session %s", plan.temp_session)
+            try:  # bounded: the answer is ready and must not wait on a down scheduler
+                await asyncio.wait_for(self.runtime.end_session(plan.temp_session),
+                                       self.settings.scheduler_timeout_s)
+            except Exception:  # the idle sweep frees it later
+                logger.warning("could not end session %s", plan.temp_session, exc_info=True)
 
     async def _run(self, plan: Plan, requests) -> list[RequestOutput]:
         """Runs requests to the end; one merged output each."""

@@ -300,3 +300,14 @@ def test_healing_a_scheduler_redeploys_in_place(monkeypatch):
     assert [d["runtime_generation"] for d in deployed] == [1, 2]
     # the app takes the argument (unknown ones are refused)
     assert AppSettings.from_args(deployed[-1]).runtime_generation == 2
+
+
+def test_a_temporary_session_end_never_holds_the_answer():
+    """n > 1 runs in a session the server ends after the answer is assembled; a scheduler
+    that hangs then must not hold the answer past scheduler_timeout_s."""
+    runtime = FakeRuntime(chunks=[{"text": "a", "token_ids": [1], "finished": True,
+                                   "finish_reason": "stop"}], end_session=Call(hang=True))
+    plan = chat(n=2)
+    body = run(asyncio.wait_for(
+        SERVER._complete(server(runtime, scheduler_timeout_s=0.2), plan), 5))
+    assert len(body["choices"]) == 2 and runtime.ended == [plan.temp_session]
