@@ -244,8 +244,9 @@ class OpenAIServer:
             raise
         except Exception as exc:
             logger.warning("could not %s: the scheduler failed (%r)", what, exc)
-            raise APIError(503, f"could not {what}: the runtime's scheduler did not answer "
-                                f"within {timeout:g} s ({type(exc).__name__}); retry",
+            raise APIError(503, f"could not {what}: the runtime's scheduler is down or did "
+                                f"not answer within {timeout:g} s ({type(exc).__name__}); "
+                                "retry",
                            type_="server_error", code="unavailable") from None
 
     async def _served_models(self) -> list[str]:
