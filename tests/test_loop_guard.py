@@ -15,7 +15,7 @@ import torch
 import xgrammar as xgr
 
 from grammar_cache.spec import GrammarSpec
-from worker.engine.loop_guard import LoopGuard, LoopGuardParams, closer_ids
+from worker.engine.loop_guard import LoopGuard, LoopGuardParams, closer_ids, token_shapes
 from worker.engine.sampling import SamplingParams
 from worker.engine.sequence import GenerationRequest
 
@@ -47,7 +47,7 @@ def detect(tok, vocab_info, schema, text, params=LoopGuardParams()):
     vocab, info = vocab_info
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
     m = xgr.GrammarMatcher(compiled)
-    guard = LoopGuard(params, vocab, closer_ids(vocab))
+    guard = LoopGuard(params, vocab, closer_ids(vocab), token_shapes(vocab))
     out = []
     for t in tok(text, add_special_tokens=False)["input_ids"]:
         assert m.accept_token(t)
@@ -100,6 +100,50 @@ def test_minitems_repetition_is_cut_only_after_the_minimum(default_tokenizer, vo
     assert got == '{"n": [5, 5, 5, 5, 5]', got
 
 
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["tags"], "additionalProperties": False}
+PRICED = {"type": "object", "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "quantity": {"type": "integer"}},
+    "required": ["name", "quantity"], "additionalProperties": False}}},
+    "required": ["items"], "additionalProperties": False}
+NUMS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "integer"}}},
+        "required": ["tags"], "additionalProperties": False}
+
+
+def _items(n, first=0):
+    return ", ".join(f'{{"name": "{chr(65 + i)}", "quantity": {i + 1}}}'
+                     for i in range(first, n))
+
+
+@pytest.mark.parametrize("schema, text, kept", [
+    # counters that change: the same shape, the copies seen kept, the array closed
+    (TAGS, '{"tags": ["' + '", "'.join("bcdefghijklmnop"), '{"tags": ["' + '", "'.join(
+        "bcdefghi") + '"]'),
+    (TAGS, '{"tags": ["api", ' + ", ".join(f'"v{i}.0"' for i in range(2, 17)),
+     '{"tags": ["api", ' + ", ".join(f'"v{i}.0"' for i in range(2, 9)) + "]"),
+    (PRICED, '{"items": [' + _items(10), '{"items": [' + _items(8) + "]"),
+])
+def test_a_progression_is_ended_after_its_copies(default_tokenizer, vocab, schema, text, kept):
+    assert detect(default_tokenizer, vocab, schema, text) == kept
+
+
+@pytest.mark.parametrize("schema, text", [
+    (NUMS, '{"tags": [90, 85, 77, 92, 61, 88, 73, 95, 81, 66, 70, 99, 12, 34, 56, 78, 90'),
+    (TAGS, '{"tags": [' + ", ".join(f'"2024-01-{d:02}"' for d in range(1, 20))),  # dates
+    (TAGS, '{"tags": ["apple", "banana", "cherry", "date", "elderberry", "fig", "grape", '
+           '"honeydew", "kiwi", "lemon", "mango"'),
+    (TAGS, '{"tags": [' + ", ".join(f'"Chapter {i}"' for i in range(1, 8))),  # 7 < 8 copies
+])
+def test_data_is_not_a_progression(default_tokenizer, vocab, schema, text):
+    assert detect(default_tokenizer, vocab, schema, text) is None
+
+
+def test_progressions_can_be_turned_off(default_tokenizer, vocab):
+    text = '{"items": [' + _items(12)
+    assert detect(default_tokenizer, vocab, PRICED, text,
+                  LoopGuardParams(progression_repeats=0)) is None
+
+
 def test_params_are_checked():
     assert LoopGuardParams.from_value(False).enabled is False
     assert LoopGuardParams.from_value({"min_repeats": 4}).min_repeats == 4
@@ -107,6 +151,8 @@ def test_params_are_checked():
         LoopGuardParams.from_value({"repeats": 4})
     with pytest.raises(ValueError, match="min_repeats"):
         LoopGuardParams(min_repeats=1)
+    with pytest.raises(ValueError, match="progression_repeats"):
+        LoopGuardParams(progression_repeats=1)
 
 
 # through the engine, with a scripted model ---------------------------------------------------
@@ -196,7 +242,8 @@ def test_the_guard_can_be_turned_off_per_request(make_engine):
 
 def test_the_stream_holds_back_only_the_newest_tokens(make_engine):
     engine = make_engine()
-    scripted(engine, '{"store": "' + " ".join(f"w{i}" for i in range(60)))
+    # no loop: digits only, never the same span (w1 w2 w3 ... would be a progression)
+    scripted(engine, '{"store": "' + " ".join(str(i * 7919 % 1000) for i in range(60)))
     req = GenerationRequest([{"role": "user", "content": "go"}],
                             SamplingParams(max_new_tokens=40, temperature=0.0),
                             grammar=GrammarSpec.json_schema(STORE))

@@ -13,6 +13,15 @@ Detection works on token ids, per request, in O(max_period) per token:
               copies(p) = min_repeats (3) for short spans, 2 from long_span (8) tokens up,
               and the repeated text is at least min_chars (16) characters long
 
+A **progression** is the same loop with counters in it (``"v2.0", "v3.0", "v4.0", ...``,
+``"b", "c", "d", ...``, ``{"name": "A", "quantity": 1}, {"name": "B", "quantity": 2}, ...``):
+the same run over token *shapes*, where every all-digit token is one shape and every
+single-letter token another. A progression needs ``progression_repeats`` (8) copies, and
+the repeated text must hold a letter (so ``[90, 85, 77, ...]`` and lists of dates are
+never progressions), and it is ended where it was found (the copies seen are
+kept, the value closed at the first place it can close from the start of the newest copy):
+an enumeration the user asked for loses its tail, not its head.
+
 A JSON scanner follows the output byte by byte (strings, escapes, numbers, nesting), so
 each token boundary knows its nesting. The loop's value is the innermost string, array or
 object that stays open over the whole repetition; numbers and literals are never cut
@@ -53,16 +62,20 @@ class LoopGuardParams:
     max_period: int = 48
     hold_tokens: int = 16
     max_cuts: int = 8
+    progression_repeats: int = 8  # 0: progressions are not looked for
 
     def __post_init__(self):
         for name, low in (("min_repeats", 2), ("long_span", 1), ("min_chars", 1),
-                          ("max_period", 1), ("hold_tokens", 0), ("max_cuts", 0)):
+                          ("max_period", 1), ("hold_tokens", 0), ("max_cuts", 0),
+                          ("progression_repeats", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"invalid loop_guard.{name}={value!r}: must be an integer "
                                  f">= {low}")
         if self.max_period > 256 or self.hold_tokens > 256:
             raise ValueError("loop_guard.max_period and loop_guard.hold_tokens must be <= 256")
+        if self.progression_repeats == 1:
+            raise ValueError("loop_guard.progression_repeats must be 0 (off) or >= 2")
 
     @classmethod
     def from_value(cls, value) -> "LoopGuardParams":
@@ -88,6 +101,7 @@ class LoopCut:
     # after those of values inside it that the next token was closing
     period: int  # the repeated span, in tokens
     repeats: int  # whole copies seen when it was found
+    progression: bool = False  # the copies differ in their digits / single letters
 
 
 class LoopGuard:
@@ -95,15 +109,18 @@ class LoopGuard:
     ``vocab`` is the tokenizer's bytes per token id; ``closers`` maps "s"/"a"/"o" to the
     token id of that single closing byte."""
 
-    def __init__(self, params: LoopGuardParams, vocab: list[bytes], closers: dict[str, int]):
+    def __init__(self, params: LoopGuardParams, vocab: list[bytes], closers: dict[str, int],
+                 shapes: list[int] | None = None):
         self.params = params
         self.vocab = vocab
         self.closers = closers
+        self.shapes = shapes if params.progression_repeats else None  # token_shapes(vocab)
         self.tokens: list[int] = []
         self.states: list[_State] = []  # scanner state after each token
         self.floor = 0  # no repetition is counted from before here (the last cut)
         self.cuts = 0
         self._run = [0] * (params.max_period + 1)
+        self._shape_run = [0] * (params.max_period + 1)  # the same, over shapes
         self._retry_at = 0  # after a loop with no place to cut: look again from here
 
     @property
@@ -120,6 +137,12 @@ class LoopGuard:
         for p in range(1, len(run)):
             j = i - p
             run[p] = run[p] + 1 if j >= self.floor and toks[j] == token else 0
+        shapes = self.shapes
+        if shapes is not None:
+            srun, shape = self._shape_run, shapes[token]
+            for p in range(1, len(srun)):
+                j = i - p
+                srun[p] = srun[p] + 1 if j >= self.floor and shapes[toks[j]] == shape else 0
 
     def find(self, may_close) -> LoopCut | None:
         """A cut for a loop that ends at the newest token, or None. ``may_close(keep,
@@ -137,14 +160,37 @@ class LoopGuard:
             start = n - run[p] - p  # first token of the first copy
             if sum(len(self.vocab[t]) for t in self.tokens[start:]) < prm.min_chars:
                 continue
-            cut = self._cut(start, p, may_close)
+            cut = self._cut(start, start + p, may_close)
             if cut is None:
                 self._retry_at = n + p  # one more copy before looking again
                 return None
             return LoopCut(cut[0], cut[1], p, (run[p] + p) // p)
+        return self._progression(may_close) if self.shapes is not None else None
+
+    def _progression(self, may_close) -> LoopCut | None:
+        prm, srun, n = self.params, self._shape_run, len(self.tokens)
+        shapes = self.shapes
+        for p in range(1, len(srun)):
+            if srun[p] < (prm.progression_repeats - 1) * p:
+                continue
+            start = n - srun[p] - p
+            span = self.tokens[n - p:]
+            # a letter in it: runs of numbers and dates are data, not a loop
+            if not any(shapes[t] == LETTER or any(chr(b).isalpha() for b in self.vocab[t])
+                       for t in span):
+                continue
+            if sum(len(self.vocab[t]) for t in self.tokens[start:]) < prm.min_chars:
+                continue
+            cut = self._cut(start, n - p, may_close)
+            if cut is None:
+                self._retry_at = n + p
+                return None
+            return LoopCut(cut[0], cut[1], p, (srun[p] + p) // p, progression=True)
         return None
 
-    def _cut(self, start: int, period: int, may_close) -> tuple[int, tuple[int, ...]] | None:
+    def _cut(self, start: int, first: int, may_close) -> tuple[int, tuple[int, ...]] | None:
+        """The earliest place from ``first`` on to end the value open over the whole
+        repetition (which began at ``start``)."""
         before = self.states[start - 1] if start > 0 else _START
         region = [before] + self.states[start:]
         depth = min(_depth(s) for s in region)
@@ -155,7 +201,7 @@ class LoopGuard:
         outer = before[0][:depth]
         if outer[-1] not in self.closers:
             return None
-        for keep in range(start + period, len(self.tokens) + 1):
+        for keep in range(first, len(self.tokens) + 1):
             forced = self._closing(keep, depth, outer)
             if forced is not None and may_close(keep, forced):
                 return keep, forced
@@ -189,6 +235,7 @@ class LoopGuard:
         del self.states[keep:]
         self.floor = keep
         self._run = [0] * len(self._run)
+        self._shape_run = [0] * len(self._shape_run)
         self.cuts += 1
         for t in closers:
             self.push(t)
@@ -202,6 +249,20 @@ def closer_ids(vocab: list[bytes]) -> dict[str, int]:
             if raw == byte and kind not in found:
                 found[kind] = tid
     return found
+
+
+DIGITS, LETTER = -1, -2  # the shapes of an all-digit token and of a single-letter token
+
+
+def token_shapes(vocab: list[bytes]) -> list[int]:
+    """Per token id its shape for progressions: DIGITS for a token of ASCII digits only,
+    LETTER for a single ASCII letter (either after one leading space), else the id itself."""
+    shapes = []
+    for tid, raw in enumerate(vocab):
+        core = raw[1:] if raw[:1] == b" " else raw
+        shapes.append(DIGITS if core and core.isdigit() and core.isascii() else
+                      LETTER if len(core) == 1 and core.isalpha() and core.isascii() else tid)
+    return shapes
 
 
 def _scan_closing(state: _State, data: bytes, depth: int) -> bool | None:

@@ -32,7 +32,8 @@ from typing import Callable
 
 from worker.engine.closing import Completion
 from worker.engine.config import EngineConfig
-from worker.engine.loop_guard import LoopCut, LoopGuard, LoopGuardParams, closer_ids
+from worker.engine.loop_guard import (LoopCut, LoopGuard, LoopGuardParams, closer_ids,
+                                      token_shapes)
 from worker.engine.sequence import RequestOutput, Sequence
 from worker.engine.validation import approximated_keywords, validate_json
 
@@ -101,6 +102,7 @@ class OutputPolicy:
         self.stats = PolicyStats()
         self.loop_defaults = LoopGuardParams(enabled=config.loop_guard)
         self._closers: dict[str, int] | None = None  # the closers' token ids (first use)
+        self._shapes: list[int] = []  # loop_guard.token_shapes of the vocabulary (first use)
         # (grammar key, budget) -> (time, certain, closing path or None, refusal or None):
         # a fresh request's grammar state depends only on its grammar, so the admission
         # search's verdict holds for every request with the same grammar and budget
@@ -119,8 +121,9 @@ class OutputPolicy:
         params = seq.loop_guard or self.loop_defaults
         if self._closers is None:
             self._closers = closer_ids(self.guided.closer.vocab)
+            self._shapes = token_shapes(self.guided.closer.vocab)
         if params.enabled and seq.grammar.kind in _LOOP_KINDS and len(self._closers) == 3:
-            st.loop = LoopGuard(params, self.guided.closer.vocab, self._closers)
+            st.loop = LoopGuard(params, self.guided.closer.vocab, self._closers, self._shapes)
             # with stop strings the text is checked as it is made: nothing is held back
             st.hold = 0 if seq.params.stop else params.hold_tokens
         st.released = seq.num_output  # a continuation's output was streamed already
