@@ -82,13 +82,21 @@ def test_model_sampling_defaults_fill_what_the_request_leaves_unset():
 
 
 def test_generation_defaults_from_the_model_dir(tmp_path):
-    from worker.models.loader import DEFAULT_MODEL_SAMPLING, generation_defaults
+    from worker.models.gguf_convert import DEFAULT_MODEL_SAMPLING, write_sampling_defaults
+    from worker.models.loader import generation_defaults
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.6, "top_p": 0.95, "eos_token_id": 2}))
     assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95}
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     assert generation_defaults(tmp_path) == {}
-    assert generation_defaults(tmp_path, is_default_model=True) == DEFAULT_MODEL_SAMPLING
+    # the default model's conversion writes its card's values; a config that sets its own
+    # sampling is left alone
+    assert write_sampling_defaults(tmp_path, DEFAULT_MODEL_SAMPLING)
+    assert generation_defaults(tmp_path) == DEFAULT_MODEL_SAMPLING
+    assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == 2
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    assert not write_sampling_defaults(tmp_path, DEFAULT_MODEL_SAMPLING)
+    assert generation_defaults(tmp_path) == {"temperature": 0.7}
 
 
 def test_default_budget_stays_within_the_context():

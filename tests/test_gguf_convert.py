@@ -165,6 +165,9 @@ def test_tokenizer_chat_template_and_special_tokens(converted, gguf_model):
     assert tok("<|im_start|>user\n").input_ids[0] == tok.bos_token_id
     gen = json.loads((converted / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 2
+    # the model card's recommended sampling, the server's defaults for this model
+    assert {k: gen[k] for k in gguf_convert.DEFAULT_MODEL_SAMPLING} == \
+        gguf_convert.DEFAULT_MODEL_SAMPLING
 
 
 @pytest.mark.integration

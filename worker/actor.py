@@ -62,7 +62,7 @@ class WorkerActor:
         self.model_name = served_model_name(config.model)
         engine = self.engine.engine
         self.generation_defaults = (loader.generation_defaults(
-            engine.model_dir, is_default_model=config.model is None) if engine.model_dir else {})
+            engine.model_dir) if engine.model_dir else {})
         self.started = time.time()
         # grammar families (GrammarSpec.family) this worker compiled or fetched, most recent
         # last: reported in load() for the scheduler's grammar-affinity routing

