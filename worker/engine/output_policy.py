@@ -35,6 +35,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.loop_guard import (LoopCut, LoopGuard, LoopGuardParams, closer_ids,
                                       token_shapes)
 from worker.engine.sequence import RequestOutput, Sequence
+from worker.engine.shortest_bound import TokenCapacity, schema_counts
 from worker.engine.validation import approximated_keywords, validate_json
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,9 @@ class OutputState:
     # budget-aware closing: (output length when computed, shortest completion length)
     closing_estimate: tuple[int, int] | None = None
     closing_failed: bool = False  # no completion fits the budget: not searched again
-    # a search that gave up (node cap) is tried again after 1, 2, 4 tokens, then never:
-    # its cost (up to a second on 2 cores) must not be paid on every token
+    # a search that gave up (node cap or time) is tried again 4, then 16 tokens later,
+    # then never (the admission's counts as one): its cost (closing_search_ms, once or
+    # twice) must not be paid on every token of a batch
     closing_giveups: int = 0
     closing_retry_at: int = 0
     closing_start: list[int] | None = None  # shortest output found at admission
@@ -69,6 +71,17 @@ class OutputState:
         self.closing_estimate = self.closing_path = None
         self.closing_failed = False
         self.closing_giveups = self.closing_retry_at = 0
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """An admission budget check's outcome: a closing path that fits (``path``), a refusal
+    (``need``: how many tokens the shortest output needs, in words), or neither;
+    ``undecided``: the searches found no completion in time."""
+
+    path: list[int] | None = None
+    need: str | None = None
+    undecided: bool = False
 
 
 @dataclass
@@ -103,10 +116,13 @@ class OutputPolicy:
         self.loop_defaults = LoopGuardParams(enabled=config.loop_guard)
         self._closers: dict[str, int] | None = None  # the closers' token ids (first use)
         self._shapes: list[int] = []  # loop_guard.token_shapes of the vocabulary (first use)
-        # (grammar key, budget) -> (time, certain, closing path or None, refusal or None):
-        # a fresh request's grammar state depends only on its grammar, so the admission
-        # search's verdict holds for every request with the same grammar and budget
+        # (grammar key, budget) -> (time, certain, _Verdict): a fresh request's grammar
+        # state depends only on its grammar, so the admission search's verdict holds for
+        # every request with the same grammar and budget
         self._budget_memo: OrderedDict[tuple[str, int], tuple] = OrderedDict()
+        # grammar key -> a lower bound on its shortest output in tokens (shortest_bound.py)
+        self._bounds: OrderedDict[str, int] = OrderedDict()
+        self._capacity: TokenCapacity | None = None  # of the vocabulary (first use)
 
     # admission ----------------------------------------------------------------------------
 
@@ -256,75 +272,111 @@ class OutputPolicy:
 
     def _budget_too_small(self, seq: Sequence, matcher) -> str | None:
         """A message when the grammar's shortest output needs more tokens than the
-        request's budget (checked only for budgets within the closing window).
+        request's budget.
 
-        A fresh request's verdict is remembered per (grammar, budget): a verdict the
-        searches proved is kept; one from searches cut short by their time limit (a busy
-        engine, a grammar with no short completion) is reused for ``_MEMO_UNSURE_S`` and
-        then searched again, so such grammars cost one search per few seconds, not one per
-        request."""
+        A fresh JSON-schema request is first held against a lower bound from the schema's
+        structure (shortest_bound.py: microseconds, once per grammar): a budget under it
+        is refused at any size, with no search. Within the closing window the searches
+        decide the rest. A fresh request's verdict is remembered per (grammar, budget): a
+        verdict the bound or the searches proved is kept; one from searches cut short by
+        their time limit (a busy engine, a grammar with no short completion) is reused
+        for ``_MEMO_UNSURE_S`` and then searched again, so such grammars cost one search
+        per few seconds, not one per request."""
         budget = self.remaining(seq)
-        if not self.config.closing_window or budget > self.config.closing_window:
+        cfg = self.config
+        if not cfg.closing_window:
+            return None
+        fresh = not seq.output_ids  # a continuation's state depends on what it resumes
+        if budget > cfg.closing_window:
+            if fresh and self._shortest_bound(seq) > budget:
+                self.stats.budget_checks += 1
+                return self._budget_verdict(seq, budget, self._bound_refusal(seq))
             return None
         self.stats.budget_checks += 1
         key = None
-        if not seq.output_ids:  # a continuation's state depends on what it resumes
+        if fresh:
             key = (seq.grammar.key(self.guided.fingerprint), budget)
             hit = self._budget_memo.get(key)
             if hit is not None and (hit[1] or time.monotonic() - hit[0] < _MEMO_UNSURE_S):
                 self._budget_memo.move_to_end(key)
                 self.stats.budget_checks_memo += 1
-                path, need = hit[2], hit[3]
-                return self._budget_verdict(seq, budget, path, need)
-        closer = self.guided.closer
-        timeouts = closer.stats["timeouts"]
-        path, need = self._budget_search(matcher, budget, closer.pending_bytes(seq.output_ids))
-        if key is not None:
+                return self._budget_verdict(seq, budget, hit[2])
+        if fresh and self._shortest_bound(seq) > budget:
+            verdict, certain = self._bound_refusal(seq), True
+        else:
+            closer = self.guided.closer
+            timeouts = closer.stats["timeouts"]
+            verdict = self._budget_search(matcher, budget,
+                                          closer.pending_bytes(seq.output_ids))
             certain = closer.stats["timeouts"] == timeouts
-            self._budget_memo[key] = (time.monotonic(), certain, path, need)
+        if key is not None:
+            self._budget_memo[key] = (time.monotonic(), certain, verdict)
             while len(self._budget_memo) > _BUDGET_MEMO_SIZE:
                 self._budget_memo.popitem(last=False)
-        return self._budget_verdict(seq, budget, path, need)
+        return self._budget_verdict(seq, budget, verdict)
 
-    def _budget_search(self, matcher, budget: int, pending: int
-                       ) -> tuple[list[int] | None, str | None]:
-        """(a closing path that fits the budget, or None; the tokens the shortest output
-        needs when the budget is refused, else None)."""
+    def _shortest_bound(self, seq: Sequence) -> int:
+        """A lower bound on the tokens of the grammar's shortest output (0: none known),
+        computed once per grammar."""
+        if seq.grammar.kind != "json_schema":
+            return 0
+        key = seq.grammar.key(self.guided.fingerprint)
+        bound = self._bounds.get(key)
+        if bound is not None:
+            self._bounds.move_to_end(key)
+            return bound
+        if self._capacity is None:
+            self._capacity = TokenCapacity(self.guided.closer.vocab)
+        bound = self._bounds[key] = self._capacity.min_tokens(
+            schema_counts(seq.grammar.source))
+        while len(self._bounds) > _BUDGET_MEMO_SIZE:
+            self._bounds.popitem(last=False)
+        return bound
+
+    def _bound_refusal(self, seq: Sequence) -> _Verdict:
+        return _Verdict(need=f"at least {self._shortest_bound(seq)}")
+
+    def _budget_search(self, matcher, budget: int, pending: int) -> _Verdict:
+        """The searches' verdict: a closing path that fits the budget, a refusal, or
+        neither (``undecided`` when they found no completion in time)."""
         closer = self.guided.closer
         found = closer.fitting(matcher, budget, pending=pending)
         if found.tokens is not None and len(found.tokens) <= budget:
-            return found.tokens, None
+            return _Verdict(path=found.tokens)
         if found.tokens is None:
             more = closer.shortest(matcher, max(4 * budget, 256), pending=pending)
             if more.tokens is not None and len(more.tokens) <= budget:
-                return None, None  # the first search was cut short; this one fits
+                return _Verdict()  # the first search was cut short; this one fits
             if more.tokens is None and not more.exhausted:
-                return None, None  # nothing found in time: we do not know: no refusal
+                return _Verdict(undecided=True)  # nothing found in time: no refusal
             found = more
         # the searches are heuristic: refuse what they prove (exhausted), or where the
         # shortest they found is well over the budget (a field of 36 fixed characters
         # opened at max_tokens=32: the output could only end invalid)
         if (found.tokens is not None and not found.exhausted
                 and len(found.tokens) <= budget + budget // 4):
-            return None, None
-        return None, (f"more than {budget}" if found.tokens is None else
-                      f"at least {len(found.tokens)}" if found.exhausted else
-                      f"about {len(found.tokens)}")
+            return _Verdict()
+        return _Verdict(need=f"more than {budget}" if found.tokens is None else
+                        f"at least {len(found.tokens)}" if found.exhausted else
+                        f"about {len(found.tokens)}")
 
     @staticmethod
-    def _budget_verdict(seq: Sequence, budget: int, path: list[int] | None,
-                        need: str | None) -> str | None:
-        if path is not None:
-            seq.ending.closing_estimate = (seq.num_output, len(path))
-            seq.ending.closing_start = list(path)
-            seq.ending.closing_path = (seq.num_output, list(path), 0)  # for _maybe_close
+    def _budget_verdict(seq: Sequence, budget: int, verdict: _Verdict) -> str | None:
+        st = seq.ending
+        if verdict.path is not None:
+            st.closing_estimate = (seq.num_output, len(verdict.path))
+            st.closing_start = list(verdict.path)
+            st.closing_path = (seq.num_output, list(verdict.path), 0)  # for _maybe_close
             return None
-        if need is None:
+        if verdict.undecided:  # the admission's search gave up: the first give-up
+            _gave_up(seq)
+        if verdict.need is None:
             return None
         which = ("max_tokens" if budget == seq.params.max_new_tokens
                  else "the context left after the prompt")
-        return (f"the {seq.grammar.kind} grammar's shortest output needs {need} tokens, but "
-                f"{which} allows {budget}; raise max_tokens (or shorten the prompt)")
+        return (f"the {seq.grammar.kind} grammar's shortest output needs {verdict.need} "
+                f"tokens, but {which} allows {budget}; raise max_tokens (or shorten the "
+                "prompt)")
 
     def _maybe_close(self, seq: Sequence) -> tuple[list[int], str] | None:
         """Budget-aware closing (see closing.py). When the tokens left are down to the
@@ -374,11 +426,9 @@ class OutputPolicy:
             if found.tokens is None or len(found.tokens) > left:
                 # no completion fits: stop searching once that is certain (the shortest
                 # only grows as the budget shrinks); a search that gave up is tried again
-                # a few tokens later, at most _GIVEUPS times
+                # later (see _gave_up)
                 if not found.exhausted:
-                    seq.ending.closing_giveups += 1
-                    seq.ending.closing_retry_at = seq.num_output + 2 ** (seq.ending.closing_giveups - 1)
-                    seq.ending.closing_failed = seq.ending.closing_giveups >= _GIVEUPS
+                    _gave_up(seq)
                     self.stats.closing_giveups += 1
                 else:
                     seq.ending.closing_failed = True
@@ -466,10 +516,22 @@ class OutputPolicy:
 
 
 _GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
-_GIVEUPS = 4  # searches that hit their node cap before a request stops searching
+_GIVEUPS = 3  # searches cut short (admission's included) before a request stops searching
+_RETRY_BASE = 4  # the k-th give-up is retried _RETRY_BASE ** k tokens later
 _TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
 _UNKNOWN = 1 << 30  # the slack of a path that no search stands behind
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
+
+
+def _gave_up(seq: Sequence) -> None:
+    """A completion search for this request was cut short (node cap or time): searched
+    again 4, then 16 tokens later, then never. A grammar the search cannot decide in
+    time rarely becomes decidable a token later, and each try stalls the whole batch for
+    up to ``closing_search_ms``."""
+    st = seq.ending
+    st.closing_giveups += 1
+    st.closing_retry_at = seq.num_output + _RETRY_BASE ** st.closing_giveups
+    st.closing_failed = st.closing_giveups >= _GIVEUPS
 
 
 def _closes(matcher, tokens: list[int]) -> bool:
