@@ -1,0 +1,131 @@
+"""The budget refusal through the engine (output_policy.py, shortest_bound.py).
+
+A JSON schema whose shortest output cannot fit the budget is refused at admission by the
+structural lower bound, with no search; the bound stays under the real tokenizer's count
+of instances xgrammar's grammar accepts; and a request whose budget the search cannot
+decide searches a bounded number of times, not on every step of its batch."""
+
+import json
+import time
+
+import pytest
+import xgrammar as xgr
+
+from grammar_cache.compile import compile_spec
+from grammar_cache.errors import ErrorKind
+from grammar_cache.spec import GrammarSpec
+from tests.test_budget_bound_unit import LONG, SHORTEST
+from worker.engine.sampling import SamplingParams
+from worker.engine.sequence import GenerationRequest
+from worker.engine.shortest_bound import TokenCapacity, schema_counts
+
+pytestmark = pytest.mark.integration
+
+STORE = {"type": "object", "properties": {"store": {"type": "string"}},
+         "required": ["store"], "additionalProperties": False}
+
+
+def request(schema, max_tokens, **params):
+    return GenerationRequest([{"role": "user", "content": "go"}],
+                             SamplingParams(max_new_tokens=max_tokens, temperature=0.0,
+                                            **params),
+                             grammar=GrammarSpec.json_schema(json.dumps(schema)))
+
+
+def run(engine, requests):
+    outs = engine.generate(requests)
+    return [outs[r.request_id] for r in requests]
+
+
+@pytest.fixture(scope="module")
+def vocab_info(default_tokenizer):
+    info = xgr.TokenizerInfo.from_huggingface(default_tokenizer, vocab_size=49152)
+    return info, TokenCapacity(list(info.decoded_vocab))
+
+
+@pytest.mark.parametrize("name, schema, instance", SHORTEST, ids=[r[0] for r in SHORTEST])
+@pytest.mark.parametrize("whitespace", ["spaced", "compact"])
+def test_the_bound_stays_under_instances_the_grammar_accepts(default_tokenizer, vocab_info,
+                                                             name, schema, instance,
+                                                             whitespace):
+    info, capacity = vocab_info
+    grammar = compile_spec(xgr.GrammarCompiler(info),
+                           GrammarSpec.json_schema(json.dumps(schema), whitespace=whitespace))
+    # a const or enum value keeps xgrammar's own layout (compact) in every mode
+    texts = [json.dumps(instance), json.dumps(instance, separators=(",", ":"))]
+    accepted = [t for t in texts if _accepts(grammar, t)]
+    assert accepted, texts
+    bound = capacity.min_tokens(schema_counts(json.dumps(schema)))
+    for text in accepted:
+        assert bound <= len(default_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _accepts(grammar, text: str) -> bool:
+    matcher = xgr.GrammarMatcher(grammar)
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+@pytest.mark.parametrize("max_tokens", [24, 48, 100])
+def test_a_schema_far_over_the_budget_is_refused_without_a_search(make_engine, max_tokens):
+    # 40 required objects: at least 135 tokens. The search used to give up on it (no
+    # verdict), admit it, search again on its steps and answer invalid JSON with a 200;
+    # outside the closing window nothing was checked at all
+    engine = make_engine()
+    searches = engine.guided.closer.stats["searches"]
+    t = time.perf_counter()
+    outs = run(engine, [request(LONG, max_tokens) for _ in range(3)])
+    elapsed = time.perf_counter() - t
+    for out in outs:
+        assert out.error_kind == ErrorKind.BUDGET_TOO_SMALL, (out.error, out.text)
+        assert f"needs at least 135 tokens, but max_tokens allows {max_tokens}" in out.error
+        assert out.completion_tokens == 0
+    assert engine.guided.closer.stats["searches"] == searches  # decided by the bound
+    assert engine.policy.stats.budget_checks == 3
+    assert elapsed < 5.0  # the compile dominates; a search that gives up costs 0.1 s each
+
+
+def test_a_schema_whose_bound_fits_is_still_admitted(make_engine):
+    engine = make_engine()
+    one = {**LONG, "properties": {"people": {**LONG["properties"]["people"], "minItems": 1}}}
+    [out] = run(engine, [request(one, 48)])
+    assert out.error is None and out.finish_reason in ("stop", "length")
+    assert out.validation == "valid", out.text
+
+
+def scripted(engine, text):
+    """The model follows ``text`` while the output is a prefix of its tokens (then EOS)."""
+    script = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    eos = sorted(engine.eos_ids)[0]
+    run_model = engine.runner.run
+
+    def run_scripted(scheduled):
+        logits, rows = run_model(scheduled)
+        logits = logits.clone()
+        for i, seq in enumerate(s.seq for s in scheduled if s.samples):
+            out = seq.output_ids
+            logits[i] = 0.0
+            follow = out == script[:len(out)] and len(out) < len(script)
+            logits[i, script[len(out)] if follow else eos] = 100.0
+        return logits, rows
+
+    engine.runner.run = run_scripted
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_an_undecided_budget_does_not_search_on_every_step(make_engine, rows):
+    # every search is cut short at once (no time): the budget is never decided. Admission
+    # gives up once (its verdict is remembered for the other rows), then each row tries
+    # again 4 and 20 tokens in, and stops: 2 searches in 40 steps, where it was 4 (after
+    # 1, 2, 4 and 8 tokens) and the admission's give-up was forgotten
+    engine = make_engine(loop_guard=False)  # the scripted text repeats itself
+    engine.guided.closer.time_limit_s = 0.0
+    scripted(engine, '{"store": "' + "the market by the river, " * 30)
+    searches = engine.guided.closer.stats["searches"]
+    outs = run(engine, [request(STORE, 40) for _ in range(rows)])
+    assert all(o.finish_reason == "length" and o.completion_tokens == 40 for o in outs), \
+        [(o.finish_reason, o.completion_tokens, o.error) for o in outs]
+    stats = engine.policy.stats
+    assert stats.closing_searches == 2 * rows
+    assert stats.closing_giveups == 2 * rows
+    # the admission's search: the dive, then a longer one (fitting, then shortest), once
+    assert engine.guided.closer.stats["searches"] - searches == 2 + 2 * rows
