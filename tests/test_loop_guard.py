@@ -122,6 +122,8 @@ def _items(n, first=0):
     (TAGS, '{"tags": ["api", ' + ", ".join(f'"v{i}.0"' for i in range(2, 17)),
      '{"tags": ["api", ' + ", ".join(f'"v{i}.0"' for i in range(2, 9)) + "]"),
     (PRICED, '{"items": [' + _items(10), '{"items": [' + _items(8) + "]"),
+    (STORE, '{"store": "' + ", ".join(str(i) for i in range(49, 70)),  # counting in a string
+     '{"store": "' + ", ".join(str(i) for i in range(49, 56)) + ', "'),
 ])
 def test_a_progression_is_ended_after_its_copies(default_tokenizer, vocab, schema, text, kept):
     assert detect(default_tokenizer, vocab, schema, text) == kept
@@ -242,8 +244,11 @@ def test_the_guard_can_be_turned_off_per_request(make_engine):
 
 def test_the_stream_holds_back_only_the_newest_tokens(make_engine):
     engine = make_engine()
-    # no loop: digits only, never the same span (w1 w2 w3 ... would be a progression)
-    scripted(engine, '{"store": "' + " ".join(str(i * 7919 % 1000) for i in range(60)))
+    # no loop (w1 w2 w3 ... or 12 34 56 ... would be a progression): distinct words
+    words = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+             "november oscar papa quebec romeo sierra tango uniform victor whiskey xray "
+             "yankee zulu apple banana cherry grape lemon mango melon orange peach pear plum")
+    scripted(engine, '{"store": "' + words)
     req = GenerationRequest([{"role": "user", "content": "go"}],
                             SamplingParams(max_new_tokens=40, temperature=0.0),
                             grammar=GrammarSpec.json_schema(STORE))
@@ -265,3 +270,54 @@ def test_a_legitimate_repetition_through_the_engine_is_kept(make_engine):
     chunks, final = generate(engine, FIVE)
     assert "".join(c.text for c in chunks) == text
     assert final.loop_cuts == 0 and final.finish_reason == "stop"
+
+
+# the client libraries on a cut answer ---------------------------------------------------------
+
+def test_client_libraries_parse_a_cut_answer(make_engine):
+    """openai parse(), instructor (JSON_SCHEMA) and langchain (json_schema) each send their
+    own request; our planner plans it, the engine (scripted into a loop) answers, our
+    response builder writes the body, and each library returns its object."""
+    import httpx
+    import instructor
+    import openai
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    from deploy import openai_api as api
+    from deploy.responses import response_body
+    from deploy.settings import Limits
+
+    class Store(BaseModel):
+        store: str
+
+    engine = make_engine()
+    scripted(engine, LOOPS[0][1])
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        plan = api.plan_chat(api.parse_request(api.ChatCompletionRequest, sent), Limits())
+        assert plan.grammar is not None  # the library asked for its schema
+        final = engine.generate(plan.requests)[plan.requests[0].request_id]
+        body = response_body(plan, [final], sent["model"])
+        bodies.append(body)
+        return httpx.Response(200, json=body)
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    client = openai.OpenAI(base_url="http://rayguide/v1", api_key="none", max_retries=0,
+                           http_client=http)
+    ask = [{"role": "user", "content": "What do I buy?"}]
+    got = [client.chat.completions.parse(model="m", messages=ask,
+                                         response_format=Store).choices[0].message.parsed,
+           instructor.from_openai(client, mode=instructor.Mode.JSON_SCHEMA).chat.completions
+           .create(model="m", messages=ask, response_model=Store, max_retries=0),
+           ChatOpenAI(model="m", base_url="http://rayguide/v1", api_key="none", max_retries=0,
+                      http_client=http).with_structured_output(Store, method="json_schema")
+           .invoke("What do I buy?")]
+    assert len(bodies) == 3
+    for body, obj in zip(bodies, got):
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["guided"]["loop_cut"]
+        assert isinstance(obj, Store) and obj.store.startswith("Pancake, bacon, eggs")
+        assert obj.store.count("bacon") <= 2  # ended where the loop began

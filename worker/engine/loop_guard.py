@@ -17,8 +17,8 @@ A **progression** is the same loop with counters in it (``"v2.0", "v3.0", "v4.0"
 ``"b", "c", "d", ...``, ``{"name": "A", "quantity": 1}, {"name": "B", "quantity": 2}, ...``):
 the same run over token *shapes*, where every all-digit token is one shape and every
 single-letter token another. A progression needs ``progression_repeats`` (8) copies, and
-the repeated text must hold a letter (so ``[90, 85, 77, ...]`` and lists of dates are
-never progressions), and it is ended where it was found (the copies seen are
+outside a string the repeated text must hold a letter (so ``[90, 85, 77, ...]`` and lists
+of dates are never progressions; a string counting ``"49, 50, 51, ..."`` is one), and it is ended where it was found (the copies seen are
 kept, the value closed at the first place it can close from the start of the newest copy):
 an enumeration the user asked for loses its tail, not its head.
 
@@ -175,9 +175,11 @@ class LoopGuard:
                 continue
             start = n - srun[p] - p
             span = self.tokens[n - p:]
-            # a letter in it: runs of numbers and dates are data, not a loop
-            if not any(shapes[t] == LETTER or any(chr(b).isalpha() for b in self.vocab[t])
-                       for t in span):
+            # a letter in it, or inside a string: runs of numbers and dates are data,
+            # not a loop (a string counting "49, 50, 51, ..." is one)
+            if not (self._in_string(start) or any(
+                    shapes[t] == LETTER or any(chr(b).isalpha() for b in self.vocab[t])
+                    for t in span)):
                 continue
             if sum(len(self.vocab[t]) for t in self.tokens[start:]) < prm.min_chars:
                 continue
@@ -187,6 +189,12 @@ class LoopGuard:
                 return None
             return LoopCut(cut[0], cut[1], p, (srun[p] + p) // p, progression=True)
         return None
+
+    def _in_string(self, start: int) -> bool:
+        """Whether the value open over the whole repetition from ``start`` is a string."""
+        before = self.states[start - 1] if start > 0 else _START
+        depth = min(_depth(s) for s in [before] + self.states[start:])
+        return depth > 0 and before[0][depth - 1] == "s"
 
     def _cut(self, start: int, first: int, may_close) -> tuple[int, tuple[int, ...]] | None:
         """The earliest place from ``first`` on to end the value open over the whole
