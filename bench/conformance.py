@@ -11,7 +11,8 @@ Reports the share valid (parses and passes full-schema validation) overall, amon
 and among "length"; the share closed early; the runaway share (ended at the budget without
 closing); mean output tokens; validation time per request. ``--json`` keys:
 valid_share_all, valid_share_stop, valid_share_length, runaway_share, closed_early_share,
-mean_output_tokens, validation_us_p50, wall_s, requests, refused (budget below the
+mean_output_tokens, validation_us_p50, wall_s, requests, refused, loop_share (outputs
+whose text still holds a repeated span: ``report.repeated_span``) (budget below the
 grammar's shortest output: a 400 naming it, left out of the shares).
 
 ``run(engine, cases)`` is importable, and ``cases()`` can be sent through any other path
@@ -126,6 +127,8 @@ def summarize(rows: list[dict], wall: float, val_us: list[float]) -> dict:
     tokens, text, refused). A request refused before generating because its budget is
     below the grammar's shortest output (a 400 naming the minimum) is the right answer,
     not an invalid one: it is counted apart and left out of the valid shares."""
+    from bench.report import repeated_span
+
     refused = [r for r in rows if r["refused"]]
     rows = [r for r in rows if not r["refused"]]
     stop = [r for r in rows if r["reason"] == "stop"]
@@ -141,6 +144,8 @@ def summarize(rows: list[dict], wall: float, val_us: list[float]) -> dict:
         valid_share_length=share(length),
         runaway_share=round(sum(1 for r in length if not r["closed"]) / len(rows), 4),
         closed_early_share=share(rows, "closed"),
+        loop_share=round(sum(1 for r in rows if repeated_span(r["text"])) / len(rows), 4)
+        if rows else None,
         errors=sum(1 for r in rows if r["reason"] == "error"),  # counted invalid too
         mean_output_tokens=round(statistics.mean(r["tokens"] for r in rows), 1),
         validation_us_p50=round(statistics.median(val_us), 1),

@@ -71,6 +71,20 @@ def percentile(values, p: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[max(1, int(p)) - 1]
 
 
+_REPEAT = re.compile(r"(.{4,64}?)\1{2,}", re.S)
+
+
+def repeated_span(text: str) -> str | None:
+    """The first span of 4-64 characters holding a letter that ``text`` repeats at least
+    three times in a row (``"eggs", "eggs", "eggs", ``, ``Ko...Ko...Ko...``), else None:
+    what the benches count as an output that still loops. Digits and punctuation alone do
+    not count (``[1, 1, 1]`` may be what was asked)."""
+    for m in _REPEAT.finditer(text):
+        if any(c.isalpha() for c in m.group(1)):
+            return m.group(1)
+    return None
+
+
 def emit_json(figures: dict) -> None:
     print(json.dumps(figures, sort_keys=True))
 

@@ -25,7 +25,9 @@ BENCHES = {
                              "draw_ms_per_step", "quant_b1_tok_s", "quant_top1_agreement"},
     "conformance.py": {"valid_share_all", "valid_share_stop", "valid_share_length",
                        "runaway_share", "closed_early_share", "mean_output_tokens",
-                       "validation_us_p50", "wall_s", "requests", "refused"},
+                       "validation_us_p50", "wall_s", "requests", "refused", "loop_share"},
+    "clients.py": {"parsed_share_openai", "parsed_share_instructor", "parsed_share_langchain",
+                   "loop_share", "loop_cut_share", "length_share", "mean_output_tokens"},
     "grammar_cache.py": {"cold_ms_small", "actor_hit_ms_small", "local_hit_us_small",
                          "client_local_fallbacks", "grammar_wait_share",
                          "grammar_wait_share_local", "compiles_per_distinct_grammar",
@@ -36,6 +38,8 @@ BENCHES = {
                    "failed_requests_worker_kill", "longest_pause_worker_kill_s",
                    "recovery_worker_kill_s", "valid_share_worker_kill", "route_ms_p50_2w",
                    "ray_hop_ms_per_token_2w"},
+    "realworld.py": {"requests", "answered", "refused", "length_share", "invalid",
+                     "invalid_at_length", "loop_share", "loop_cut_share", "mean_output_tokens"},
     "load.py": {"requests", "failed", "valid_share", "leaks"},
 }
 # modules of bench/ that are not benches themselves

@@ -1,0 +1,171 @@
+"""Real-world schemas through `rayguide serve` (issue 27): each schema sent as the prompt
+and as the response format, greedy, a 512-token budget, at the server's defaults (loop
+guard on). What must hold: every answer that runs to its budget is valid JSON that
+validates, or the request was refused before generating.
+
+    python -m bench.realworld --schemas DIR [--per-split N] [--quick | --smoke] [--json]
+
+``DIR`` is a folder of schema files, one sub-folder per split: JSONSchemaBench's ``data/``
+(``git clone https://github.com/guidance-ai/jsonschemabench``; not vendored here: no
+licence file in it). ``--per-split`` schemas are drawn from each split with a fixed seed
+(``--quick``: 2, default 5). Without ``--schemas`` (and in ``--smoke``) the conformance
+bench's own schemas are used, so the bench always runs. ``--json`` keys: requests,
+answered, refused (a 4xx before generating: budget, context, a schema the server
+refuses), length_share, invalid (answers that do not validate, whatever ended them),
+invalid_at_length (those that ran to the budget), loop_share, loop_cut_share,
+mean_output_tokens, wall_s, invalid_examples.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository's packages, not bench/'s
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import report  # noqa: E402
+
+
+def sample(root: Path | None, per_split: int, seed: int = 0) -> list[tuple[str, dict]]:
+    """(name, schema) pairs: ``per_split`` from each sub-folder of ``root`` (schemas that
+    do not parse as JSON objects are skipped), or the conformance bench's schemas."""
+    if root is None:
+        from bench.conformance import SCHEMAS
+        return list(SCHEMAS.items())
+    rng, picked = random.Random(seed), []
+    for split in sorted(p for p in root.iterdir() if p.is_dir()):
+        files = sorted(split.glob("*.json"))
+        rng.shuffle(files)
+        taken = 0
+        for f in files:
+            if taken == per_split:
+                break
+            try:
+                schema = json.loads(f.read_text())
+            except (ValueError, UnicodeDecodeError):
+                continue
+            if isinstance(schema, dict) and "schema" in schema and "tests" in schema:
+                schema = schema["schema"]  # a file holding its schema and test instances
+            if isinstance(schema, dict):
+                picked.append((f"{split.name}/{f.stem}", schema))
+                taken += 1
+    return picked
+
+
+def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int) -> dict:
+    import openai
+
+    from worker.engine.validation import validate_json
+
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=1800)
+
+    def one(item):
+        name, schema = item
+        text = json.dumps(schema)
+        row = dict(name=name, refused=None, reason=None, valid=False, text="", tokens=0,
+                   loop_cut=False)
+        try:
+            r = client.chat.completions.create(
+                model=model, max_tokens=max_tokens, temperature=0,
+                messages=[{"role": "user", "content": f"Write a JSON instance of this "
+                                                      f"schema:\n{text}"}],
+                response_format={"type": "json_schema", "json_schema": {
+                    "name": "answer", "schema": schema}})
+        except openai.APIStatusError as exc:
+            if 400 <= exc.status_code < 500:
+                row["refused"] = f"{exc.status_code}: {str(exc)[:120]}"
+            else:
+                row["reason"], row["text"] = f"http {exc.status_code}", str(exc)[:200]
+            return row
+        c = r.choices[0]
+        row.update(reason=c.finish_reason, text=c.message.content or "",
+                   tokens=r.usage.completion_tokens,
+                   loop_cut=bool(((c.model_extra or {}).get("guided") or {}).get("loop_cut")))
+        row["valid"] = validate_json(schema, row["text"]) is None
+        return row
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        rows = list(pool.map(one, items))
+    wall = time.perf_counter() - t0
+    answered = [r for r in rows if r["refused"] is None]
+    n = max(1, len(answered))
+    length = [r for r in answered if r["reason"] == "length"]
+    invalid = [r for r in answered if not r["valid"]]
+    return dict(
+        requests=len(rows), answered=len(answered),
+        refused=len(rows) - len(answered),
+        refused_examples=[r["refused"] for r in rows if r["refused"]][:4],
+        length_share=round(len(length) / n, 4),
+        invalid=len(invalid), invalid_at_length=sum(not r["valid"] for r in length),
+        loop_share=round(sum(bool(report.repeated_span(r["text"])) for r in answered) / n, 4),
+        loop_cut_share=round(sum(r["loop_cut"] for r in answered) / n, 4),
+        mean_output_tokens=round(statistics.mean(r["tokens"] for r in answered), 1)
+        if answered else 0.0,
+        wall_s=round(wall, 1),
+        invalid_examples=[f'{r["name"]} ({r["reason"]}): {r["text"][-120:]}'
+                          for r in invalid][:6],
+        loop_examples=[f'{r["name"]}: {report.repeated_span(r["text"])!r}' for r in answered
+                       if report.repeated_span(r["text"])][:6],
+    )
+
+
+def main(argv=None) -> None:
+    ap = report.parser(__doc__.splitlines()[0])
+    ap.add_argument("--schemas", type=Path, default=None,
+                    help="a folder with one sub-folder of schema files per split "
+                         "(JSONSchemaBench's data/)")
+    ap.add_argument("--per-split", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args(argv)
+    per_split = args.per_split or (2 if args.quick else 5)
+    items = sample(None if args.smoke else args.schemas, per_split)
+    if args.smoke:
+        items = items[:2]
+
+    import socket
+
+    import httpx
+
+    from cluster.config import ClusterConfig
+    from deploy import service
+
+    model = None
+    if args.smoke:
+        import tempfile
+
+        from worker.models.tiny_model import build_tiny_model
+        model = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    svc = service.start(ClusterConfig(model=model, num_workers=1,
+                                      worker={"num_threads": args.threads}), port=port)
+    try:
+        name = httpx.get(svc.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+        figures = run(svc.url + "/v1", name, items,
+                      max_tokens=8 if args.smoke else args.max_tokens,
+                      concurrency=args.concurrency)
+    finally:
+        service.stop(svc)
+    figures["schemas"] = str(args.schemas) if args.schemas and not args.smoke else "built-in"
+    body = report.table(
+        ["schemas", "requests", "refused", "length share", "invalid", "invalid at budget",
+         "loop share", "loop cut share", "mean output tokens", "wall s"],
+        [[figures["schemas"], figures["requests"], figures["refused"],
+          figures["length_share"], figures["invalid"], figures["invalid_at_length"],
+          figures["loop_share"], figures["loop_cut_share"], figures["mean_output_tokens"],
+          figures["wall_s"]]])
+    report.finish("realworld", body, figures, args)
+
+
+if __name__ == "__main__":
+    main()
