@@ -321,3 +321,50 @@ def test_client_libraries_parse_a_cut_answer(make_engine):
         assert choice["finish_reason"] == "stop" and choice["guided"]["loop_cut"]
         assert isinstance(obj, Store) and obj.store.startswith("Pancake, bacon, eggs")
         assert obj.store.count("bacon") <= 2  # ended where the loop began
+
+
+LONG_CLOSE = {"type": "object", "properties": {
+    "titles": {"type": "array", "items": {
+        "type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"],
+        "additionalProperties": False}},
+    **{f"required_property_number_{i}": {"type": "string"} for i in range(6)}},
+    "required": ["titles"] + [f"required_property_number_{i}" for i in range(6)],
+    "additionalProperties": False}
+
+
+def test_a_completion_longer_than_the_closing_window_still_closes(make_engine):
+    # six required keys still to come: their shortest completion is longer than the
+    # closing window (48), so closing must begin before it (the dive's estimate, taken at
+    # twice the window); it gave up and returned unterminated JSON before
+    engine = make_engine()
+    scripted(engine, '{"titles": [' + '{"title": "Titles"}, ' * 60)
+    chunks, final = generate(engine, LONG_CLOSE, max_tokens=200,
+                             loop_guard=LoopGuardParams(enabled=False))
+    text = "".join(c.text for c in chunks)
+    jsonschema.validate(json.loads(text), LONG_CLOSE)
+    assert final.finish_reason == "length" and final.closed_early
+    assert engine.stats().closing_probes == 1
+
+
+DESCRIPTIONS = {"type": "object", "properties": {"descriptions": {"type": "array", "items": {
+    "type": "object", "properties": {
+        "description": {"type": "string"},
+        "description_type": {"enum": ["Abstract", "Methods", "Other"]}},
+    "required": ["description", "description_type"], "additionalProperties": False}}},
+    "required": ["descriptions"], "additionalProperties": False}
+
+
+def test_a_long_item_loop_is_cut_although_its_boundaries_come_once_a_period(make_engine):
+    # a 32-token item, longer than the 16 held-back tokens: the array may close only
+    # after an item's last token, once per period, so a place to cut must be caught at
+    # the token it appears (looking again a whole period later kept finding it behind
+    # what was streamed, in phase, on a JSONSchemaBench answer that looped to its budget)
+    engine = make_engine()
+    item = ('{"description": "The title(s) of the uploaded resource, or a name by which the '
+            'resource is known.", "description_type": "Methods"}, ')
+    scripted(engine, '{"descriptions": [' + item * 12)
+    chunks, final = generate(engine, DESCRIPTIONS, max_tokens=400)
+    answer = json.loads("".join(c.text for c in chunks))
+    jsonschema.validate(answer, DESCRIPTIONS)
+    assert final.finish_reason == "stop" and final.loop_cuts == 1
+    assert len(answer["descriptions"]) <= 2

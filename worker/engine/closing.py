@@ -147,6 +147,20 @@ class CompletionSearch:
             found = self._search(matcher, limit, "by_depth")
         return found
 
+    def estimate(self, matcher: "xgr.GrammarMatcher", limit: int, *,
+                 pending: bytes = b"") -> list[int] | None:
+        """The greedy dive alone (milliseconds): a completion, maybe longer than the
+        shortest, or None. What tells the engine, before the closing window, that this
+        output needs more room than the window to close."""
+        if matcher.is_completed():
+            return []
+        self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
+            0x80, 0xBF)
+        self._deadline = time.perf_counter() + self.time_limit_s
+        self._reps_memo = {}
+        dived = self._dive(matcher, limit)
+        return None if dived is None else self._compact(matcher, dived)
+
     def fitting(self, matcher: "xgr.GrammarMatcher", budget: int, *,
                 pending: bytes = b"") -> Completion:
         """A completion for a budget of ``budget`` tokens: the dive's, and where that does

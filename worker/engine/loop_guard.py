@@ -122,6 +122,8 @@ class LoopGuard:
         self._run = [0] * (params.max_period + 1)
         self._shape_run = [0] * (params.max_period + 1)  # the same, over shapes
         self._retry_at = 0  # after a loop with no place to cut: look again from here
+        self._scan_from = 0  # boundaries before here were refused already (the last one
+        # may wait for the token after it)
 
     @property
     def active(self) -> bool:
@@ -162,7 +164,10 @@ class LoopGuard:
                 continue
             cut = self._cut(start, start + p, may_close)
             if cut is None:
-                self._retry_at = n + p  # one more copy before looking again
+                # no place yet (or the places were streamed already): look at the next
+                # token's boundary only (a whole copy later would stay in phase with the
+                # boundaries it keeps missing)
+                self._retry_at, self._scan_from = n + 1, n
                 return None
             return LoopCut(cut[0], cut[1], p, (run[p] + p) // p)
         return self._progression(may_close) if self.shapes is not None else None
@@ -185,7 +190,7 @@ class LoopGuard:
                 continue
             cut = self._cut(start, n - p, may_close)
             if cut is None:
-                self._retry_at = n + p
+                self._retry_at, self._scan_from = n + 1, n
                 return None
             return LoopCut(cut[0], cut[1], p, (srun[p] + p) // p, progression=True)
         return None
@@ -209,7 +214,7 @@ class LoopGuard:
         outer = before[0][:depth]
         if outer[-1] not in self.closers:
             return None
-        for keep in range(first, len(self.tokens) + 1):
+        for keep in range(max(first, self._scan_from), len(self.tokens) + 1):
             forced = self._closing(keep, depth, outer)
             if forced is not None and may_close(keep, forced):
                 return keep, forced
@@ -244,6 +249,7 @@ class LoopGuard:
         self.floor = keep
         self._run = [0] * len(self._run)
         self._shape_run = [0] * len(self._shape_run)
+        self._scan_from = 0
         self.cuts += 1
         for t in closers:
             self.push(t)

@@ -57,6 +57,7 @@ class OutputState:
     closing_giveups: int = 0
     closing_retry_at: int = 0
     closing_start: list[int] | None = None  # shortest output found at admission
+    closing_probed: bool = False  # the dive's estimate taken before the window
     forced_path: list[int] | None = None  # the output, when that is all that fits
     # the last closing path: (at output length, path, by how many tokens it may be
     # longer than the shortest there; see OutputPolicy._carried_path)
@@ -71,6 +72,7 @@ class OutputState:
         self.closing_estimate = self.closing_path = None
         self.closing_failed = False
         self.closing_giveups = self.closing_retry_at = 0
+        self.closing_probed = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class PolicyStats:
     invalid: int = 0  # ... found invalid
     runaway: int = 0  # guided outputs that ended at the budget unclosed
     closing_giveups: int = 0  # completion searches cut short (node cap or time)
+    closing_probes: int = 0  # dives before the window (a completion longer than it?)
     closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
     closing_searches: int = 0  # completion searches run near the end of a budget
     closing_reused: int = 0  # ... skipped: the last step's path still closes (replayed)
@@ -387,7 +390,17 @@ class OutputPolicy:
             return self._force(seq, path)
         cfg = self.config
         left = self.remaining(seq)
-        if not cfg.closing_window or left > cfg.closing_window or seq.ending.closing_failed:
+        st = seq.ending
+        if not cfg.closing_window or st.closing_failed:
+            return None
+        window = cfg.closing_window
+        if st.closing_estimate is None and not st.closing_probed and left <= 2 * window:
+            self._probe_closing(seq)
+        if st.closing_estimate is not None:
+            # a completion longer than the window (many required properties still to
+            # come): closing starts early enough for it
+            window = max(window, st.closing_estimate[1] + _GUARD_ZONE + cfg.closing_margin)
+        if left > window:
             return None
         if seq.num_output < seq.ending.closing_retry_at:
             return None
@@ -442,6 +455,23 @@ class OutputPolicy:
         if not found.tokens and self.guided.only_stop_allowed(matcher):
             return [], "stop"  # complete, and the grammar allows nothing more
         return self._force(seq, found.tokens)
+
+    def _probe_closing(self, seq: Sequence) -> None:
+        """Once per request, at twice the closing window from its budget's end: the dive's
+        completion length (milliseconds), kept as the closing estimate when it is longer
+        than the window, so that closing begins in time for it (a completion of 50 tokens
+        found at 48 left cannot be emitted any more)."""
+        st = seq.ending
+        st.closing_probed = True
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        if matcher is None:
+            return
+        closer = self.guided.closer
+        self.stats.closing_probes += 1
+        path = closer.estimate(matcher, 4 * self.remaining(seq) + 16,
+                               pending=closer.pending_bytes(seq.output_ids))
+        if path is not None and len(path) + _GUARD_ZONE > self.config.closing_window:
+            st.closing_estimate = (seq.num_output, len(path))
 
     @staticmethod
     def _carried_path(seq: Sequence, matcher) -> tuple[list[int] | None, int]:
