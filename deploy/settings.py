@@ -23,7 +23,7 @@ class Limits(BaseModel):
 
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # counted while the body is read
     max_json_depth: int = Field(64, ge=8)  # nesting of the request body
-    default_max_tokens: int = Field(256, ge=1)
+    default_max_tokens: int = Field(512, ge=1)  # as deploy/serve_config.yaml; <= the context
     max_n: int = Field(16, ge=1)
     # choices in one request (prompts x n): each is a runtime request that may run to the
     # context, and the n samples of a prompt share a session, which skips the 429
