@@ -1,0 +1,399 @@
+"""Grammar engines: xgrammar and llguidance behind one small interface, and the ``auto``
+rule that picks one per grammar.
+
+Not wired into the engine yet (the runtime serves through xgrammar only, via
+guided_process.py); this is the interface the engine, the closing search and the cache
+will use. The protocol, per engine:
+
+    compiled = engine.compile(spec)          # GrammarSpec -> CompiledGrammar, or EngineRefused
+    m = engine.matcher(compiled)             # a fresh matcher (cheap: shares the compiled grammar)
+    m.fill_bitmask(bitmask, row)             # bitmask: [B, ceil(V / 32)] int32 on CPU; row `row`
+                                             # gets bit t set iff token t may come next
+    m.accept_token(t) -> bool                # False leaves the matcher as it was
+    m.rollback(n); m.fork()                  # undo the last n accepted tokens; an independent copy
+    m.is_completed()                         # the text so far is a whole match (a stop token may come)
+    m.is_terminated()                        # a stop token was accepted
+    m.forced_continuation() -> str           # text every continuation starts with (jump-forward)
+
+Both engines write the same bitmask layout (xgrammar's: bit ``t % 32`` of word ``t // 32``),
+so worker/engine/bitmask.py applies either. Their masks differ slightly: llguidance
+leaves out special tokens, and where the grammar forces text (``{"`` of ``{"a": ``) the
+tokens that cover only part of it (``{``), which it still accepts if fed. Stop tokens are the model's EOS ids on both: a
+stop token is accepted only where the grammar may end, and ends the match.
+
+The two differ in what they enforce for a JSON schema: xgrammar approximates what it
+cannot express (``not``, ``uniqueItems``, ``allOf`` ...: it accepts instances the schema
+forbids), llguidance refuses such a schema (``EngineRefused``). llguidance also has no
+``indent`` layout, no ``any_order`` and no runaway digit guards (``max_*_digits``): it
+refuses the first two and leaves numbers unbounded where the schema does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from grammar_cache.compile import compile_spec
+from grammar_cache.errors import ErrorKind, GrammarError
+from grammar_cache.spec import GrammarSpec
+
+XGRAMMAR, LLGUIDANCE, AUTO = "xgrammar", "llguidance", "auto"
+ENGINES = (XGRAMMAR, LLGUIDANCE)
+# the kinds ``auto`` may send to llguidance: the JSON ones, where refusing is its verdict on
+# exactness; other kinds stay on xgrammar, whose dialects (EBNF, structural tags) they use
+LLGUIDANCE_AUTO_KINDS = ("json_schema", "json_object")
+
+
+class EngineRefused(GrammarError):
+    """An engine would not compile a grammar: invalid, over a limit, or (llguidance) not
+    enforceable exactly. ``engine`` names the engine; the message names what it refused.
+    A GrammarError (so a ValueError) with the client-fault ``kind`` of the cache's
+    vocabulary."""
+
+    def __init__(self, engine: str, message: str, kind: ErrorKind = ErrorKind.INVALID_GRAMMAR):
+        super().__init__(message, kind)
+        self.engine = engine
+
+    def __reduce__(self):
+        return (type(self), (self.engine, str(self), self.kind))
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """What an engine built for a spec. ``artifact``: an ``xgr.CompiledGrammar`` or, for
+    llguidance, the matcher at the start (each request gets a copy of it)."""
+
+    engine: str
+    spec: GrammarSpec
+    artifact: object
+    compile_s: float
+
+
+class GrammarMatcher(ABC):
+    """One request's position in a grammar (see the module doc for the protocol)."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None: ...
+
+    @abstractmethod
+    def accept_token(self, token: int) -> bool: ...
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None: ...
+
+    @abstractmethod
+    def fork(self) -> "GrammarMatcher": ...
+
+    @abstractmethod
+    def is_completed(self) -> bool: ...
+
+    @abstractmethod
+    def is_terminated(self) -> bool: ...
+
+    @abstractmethod
+    def forced_continuation(self) -> str: ...
+
+
+class GrammarEngine(ABC):
+    name: str
+    vocab_size: int
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Builds ``spec``; raises EngineRefused naming what the engine refused."""
+
+    @abstractmethod
+    def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher: ...
+
+
+# --- xgrammar -------------------------------------------------------------------------------
+
+class XGrammarEngine(GrammarEngine):
+    """xgrammar through the served compile path (grammar_cache/compile.py: our JSON
+    layouts, the control-character fix, the digit guards)."""
+
+    name = XGRAMMAR
+
+    def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, compile_threads: int = 1):
+        self.tokenizer_info = tokenizer_info
+        self.vocab_size = tokenizer_info.vocab_size
+        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=compile_threads,
+                                            cache_enabled=False)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            artifact = compile_spec(self.compiler, spec)
+        except GrammarError as exc:
+            raise EngineRefused(XGRAMMAR, str(exc), exc.kind) from None
+        return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - start)
+
+    def matcher(self, compiled: CompiledGrammar) -> "XGrammarMatcher":
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled.artifact))
+
+
+class XGrammarMatcher(GrammarMatcher):
+    def __init__(self, inner: "xgr.GrammarMatcher"):
+        self.inner = inner
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        self.inner.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token: int) -> bool:
+        return self.inner.accept_token(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
+    def fork(self) -> "XGrammarMatcher":
+        return XGrammarMatcher(self.inner.fork())
+
+    def is_completed(self) -> bool:
+        return self.inner.is_completed()
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def forced_continuation(self) -> str:
+        return self.inner.find_jump_forward_string()
+
+
+# --- llguidance -----------------------------------------------------------------------------
+
+_LL_KINDS = ("json_schema", "json_object", "regex", "choice")
+
+
+class LLGuidanceEngine(GrammarEngine):
+    """llguidance. JSON layouts map to its compile options ("spaced": ", " and ": " with no
+    other blanks; "compact"; "bounded" / "any": flexible blanks, at most ``max_whitespace``
+    for "bounded"); ``strict`` closes objects and tuples the schema leaves open, as
+    xgrammar's strict mode does (``strict_schema``). It compiles in well under a
+    millisecond for most schemas, and refuses keywords it cannot enforce."""
+
+    name = LLGUIDANCE
+
+    def __init__(self, tokenizer: "llguidance.LLTokenizer"):
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
+        self.stop_token_ids = frozenset(tokenizer.eos_tokens)
+
+    @classmethod
+    def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        """For a fast Hugging Face tokenizer, with the model's vocab size (padded rows
+        are never allowed) and its EOS ids as stop tokens. About half a second."""
+        import llguidance.hf
+
+        return cls(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                eos_token=list(stop_token_ids)))
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        import llguidance
+
+        start = time.perf_counter()
+        grammar = _llguidance_grammar(spec)
+        start_state = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if start_state.is_error():
+            raise EngineRefused(LLGUIDANCE, f"llguidance refused the {spec.kind} grammar: "
+                                f"{_first_line(start_state.get_error())}")
+        return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start)
+
+    def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
+        return LLGuidanceMatcher(compiled.artifact.deep_copy(), self.stop_token_ids)
+
+
+def _llguidance_grammar(spec: GrammarSpec) -> str:
+    import llguidance
+
+    if spec.kind not in _LL_KINDS:
+        raise EngineRefused(LLGUIDANCE, f"llguidance does not take {spec.kind} grammars "
+                            f"here (they are written in xgrammar's dialect); use xgrammar")
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "choice":
+        return llguidance.grammar_from("choice", spec.source)
+    if spec.whitespace == "indent":
+        raise EngineRefused(LLGUIDANCE, "llguidance has no indented JSON layout; use "
+                            "whitespace 'spaced', 'compact', 'bounded' or 'any'")
+    if spec.any_order:
+        raise EngineRefused(LLGUIDANCE, "llguidance keeps a schema's property order; "
+                            "any_order needs xgrammar")
+    schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+    if spec.strict:
+        schema = strict_schema(schema)
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), overrides=_json_options(spec))
+    except ValueError as exc:
+        raise EngineRefused(LLGUIDANCE, f"llguidance refused the {spec.kind} grammar: "
+                            f"{_first_line(str(exc))}") from None
+
+
+def _json_options(spec: GrammarSpec) -> dict:
+    if spec.whitespace == "spaced":
+        return dict(whitespace_flexible=False, item_separator=", ", key_separator=": ")
+    if spec.whitespace == "compact":
+        return dict(whitespace_flexible=False, item_separator=",", key_separator=":")
+    if spec.whitespace == "bounded":
+        return dict(whitespace_flexible=True,
+                    whitespace_pattern=rf"[\x20\x0A\x0D\x09]{{0,{spec.max_whitespace}}}")
+    return dict(whitespace_flexible=True)
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or ["no reason given"])[0]
+
+
+# keywords whose presence beside "properties" / "prefixItems" makes closing the node wrong
+# (the extra properties / items may be declared there) or a no-op
+_OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf",
+                "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies")
+_OPEN_ARRAY = ("items", "additionalItems", "unevaluatedItems", "allOf", "anyOf", "oneOf",
+               "$ref", "if")
+# subschemas by how they apply: to other values (a property's, an item's) or to this one
+_OTHER_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_OTHER_VALUES = ("items", "prefixItems", "additionalProperties", "additionalItems",
+                 "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SAME_LISTS = ("allOf", "anyOf", "oneOf")
+_SAME_VALUES = ("then", "else")
+
+
+def strict_schema(node, merged: bool = False):
+    """``node`` with xgrammar's strict mode written into it, for an engine that follows
+    the schema to the letter: an object schema with ``properties`` and no word on other
+    properties gets ``"additionalProperties": false``, a tuple (``prefixItems``, or a
+    draft-4 ``items`` list) with no word on further items gets none allowed.
+
+    A node stays open where another schema applies to the same value and may declare
+    more (``merged``: the branches of an ``allOf``, of an ``anyOf`` / ``oneOf`` beside
+    ``properties``, ``then`` / ``else``, ``dependentSchemas``), and where a sibling keyword
+    may (``allOf``, ``$ref``, ``patternProperties`` ...). ``not`` and ``if`` are left as
+    written: closing them would widen what the schema allows."""
+    if isinstance(node, list):
+        return [strict_schema(n, merged) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = dict(node)
+    for key in _OTHER_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in node[key].items()}
+    for key in _OTHER_VALUES:
+        if isinstance(node.get(key), (dict, list)):
+            out[key] = strict_schema(node[key])
+    for key in _SAME_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [strict_schema(sub, merged=key == "allOf" or "properties" in node)
+                        for sub in node[key]]
+    for key in _SAME_VALUES:
+        if isinstance(node.get(key), dict):
+            out[key] = strict_schema(node[key], merged=True)
+    if isinstance(node.get("dependentSchemas"), dict):
+        out["dependentSchemas"] = {name: strict_schema(sub, merged=True)
+                                   for name, sub in node["dependentSchemas"].items()}
+    if merged:
+        return out
+    if isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_OBJECT):
+        out["additionalProperties"] = False
+    if isinstance(node.get("prefixItems"), list) and not any(k in node for k in _OPEN_ARRAY):
+        out["items"] = False
+    elif isinstance(node.get("items"), list) and not any(
+            k in node for k in ("additionalItems", "unevaluatedItems", "allOf", "$ref")):
+        out["additionalItems"] = False
+    return out
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    """llguidance's LLMatcher with xgrammar's semantics: a refused token leaves the
+    matcher as it was (llguidance would enter its error state for good), and a stop token
+    is accepted where the grammar may end and counts as one token for ``rollback`` (the
+    matcher itself never sees it)."""
+
+    def __init__(self, inner: "llguidance.LLMatcher", stop_token_ids: frozenset[int]):
+        self.inner = inner
+        self.stop_token_ids = stop_token_ids
+        self.terminated = False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
+        # llguidance.torch's helpers are torch.compile'd at import (seconds, and a
+        # compiler we lack); the numpy one writes the same words into the shared memory
+        import llguidance.numpy
+
+        if self.terminated:  # as xgrammar: no next token after the stop token
+            raise RuntimeError("the matcher has terminated: there is no next-token mask")
+        llguidance.numpy.fill_next_token_bitmask(self.inner, bitmask.numpy(), row)
+
+    def accept_token(self, token: int) -> bool:
+        if self.terminated:
+            return False
+        if token in self.stop_token_ids:
+            self.terminated = self.inner.is_accepting()
+            return self.terminated
+        return self.inner.try_consume_tokens([token]) == 1
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self.terminated:
+            self.terminated = False
+            num_tokens -= 1
+        if num_tokens and not self.inner.rollback(num_tokens):
+            raise ValueError(f"llguidance could not roll back {num_tokens} tokens: "
+                             f"{self.inner.get_error()}")
+
+    def fork(self) -> "LLGuidanceMatcher":
+        twin = LLGuidanceMatcher(self.inner.deep_copy(), self.stop_token_ids)
+        twin.terminated = self.terminated
+        return twin
+
+    def is_completed(self) -> bool:
+        return self.terminated or self.inner.is_accepting()
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def forced_continuation(self) -> str:
+        if self.terminated:
+            return ""
+        raw = self.inner.compute_ff_bytes()
+        for cut in range(len(raw), max(-1, len(raw) - 4), -1):  # drop a split character
+            try:
+                return raw[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        return ""
+
+
+# --- choosing -------------------------------------------------------------------------------
+
+def auto_engine(spec: GrammarSpec, llguidance_refusal: EngineRefused | None) -> str:
+    """The ``auto`` rule: llguidance for a JSON grammar (json_schema, json_object) it
+    compiles, since it compiles only what it enforces exactly, and in well under a
+    millisecond; xgrammar for one it refuses (xgrammar approximates it) and for every
+    other kind. ``llguidance_refusal``: what llguidance said of ``spec`` (None: it compiled)."""
+    if spec.kind in LLGUIDANCE_AUTO_KINDS and llguidance_refusal is None:
+        return LLGUIDANCE
+    return XGRAMMAR
+
+
+def compile_auto(engines: dict[str, GrammarEngine], spec: GrammarSpec) -> CompiledGrammar:
+    """Compiles ``spec`` on the engine ``auto_engine`` picks; raises xgrammar's
+    EngineRefused where neither takes it."""
+    refusal = None
+    if spec.kind in LLGUIDANCE_AUTO_KINDS:
+        try:
+            return engines[LLGUIDANCE].compile(spec)
+        except EngineRefused as exc:
+            refusal = exc
+    return engines[auto_engine(spec, refusal)].compile(spec)
+
+
+def engines_for(tokenizer, vocab_size: int, stop_token_ids: list[int], *,
+                compile_threads: int = 1) -> dict[str, GrammarEngine]:
+    """Both engines for a Hugging Face tokenizer, by name."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=list(stop_token_ids))
+    return {XGRAMMAR: XGrammarEngine(info, compile_threads=compile_threads),
+            LLGUIDANCE: LLGuidanceEngine.from_huggingface(tokenizer, vocab_size,
+                                                          stop_token_ids)}
