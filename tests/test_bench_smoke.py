@@ -41,6 +41,10 @@ BENCHES = {
     "realworld.py": {"requests", "answered", "refused", "length_share", "invalid",
                      "invalid_at_length", "loop_share", "loop_cut_share", "mean_output_tokens"},
     "load.py": {"requests", "failed", "valid_share", "leaks"},
+    "fidelity.py": {"pass_share_auto", "pass_share_xgrammar", "pass_share_llguidance",
+                    "invalid_accepted_auto", "invalid_accepted_llguidance_served",
+                    "compile_p99_ms_llguidance_served", "compile_p99_ms_auto",
+                    "compile_p99_ms_xgrammar", "schemas"},
 }
 # modules of bench/ that are not benches themselves
 HELPERS = {"__init__.py", "report.py", "llamacpp_side.py"}

@@ -184,6 +184,8 @@ def test_strict_schema_closes_only_what_stands_alone():
         "additionalProperties" not in beside["anyOf"][0]
     union = strict_schema({"anyOf": [{"properties": {"b": {}}}]})
     assert union["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in strict_schema(
+        {"properties": {"a": {}}, "required": ["a", "b"]})
     assert strict_schema({"not": {"properties": {"a": {}}}}) == {
         "not": {"properties": {"a": {}}}}
     assert strict_schema({"properties": {"a": {}}, "additionalProperties": True})[

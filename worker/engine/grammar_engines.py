@@ -296,8 +296,10 @@ def strict_schema(node, merged: bool = False):
                                    for name, sub in node["dependentSchemas"].items()}
     if merged:
         return out
-    if isinstance(node.get("properties"), dict) and not any(k in node for k in _OPEN_OBJECT):
-        out["additionalProperties"] = False
+    props = node.get("properties")
+    if isinstance(props, dict) and not any(k in node for k in _OPEN_OBJECT) and all(
+            name in props for name in node.get("required", ()) if isinstance(name, str)):
+        out["additionalProperties"] = False  # (a required key it does not list keeps it open)
     if isinstance(node.get("prefixItems"), list) and not any(k in node for k in _OPEN_ARRAY):
         out["items"] = False
     elif isinstance(node.get("items"), list) and not any(
