@@ -6,6 +6,7 @@ product with constraints, an event with a uuid and dates) x several prompts, plu
 endpoint with the same schemas.
 
     python -m bench.clients [--quick | --smoke] [--json] [--no-record]
+    python -m bench.clients --sweep [--quick | --smoke] [--json]   # the loop guard's settings
 
 Nothing is set that a new user would not set: no temperature, no max_tokens (the server's
 defaults: the model's recommended sampling, the default budget, the loop guard on), and no
@@ -18,6 +19,12 @@ span, see ``report.repeated_span``), loop_cut_share (answers the loop guard cut)
 length_share (answers that ended at the budget), mean_output_tokens, requests, failures (per path: the
 exceptions' types), wall_s. ``--smoke`` runs the tiny random-weight model (figures
 meaningless) on one model and one prompt.
+
+``--sweep`` is how the loop guard's defaults were chosen: the same models and prompts (the
+schema as openai's ``parse()`` sends it), in-process at the default model's recommended
+sampling (0.2 / 0.9), two seeds, a 512-token budget, once per loop-guard setting (off, the
+defaults, and one knob moved at a time): length share, loop share, cut share, mean output
+tokens. ``--json`` keys: sweep (one row per setting).
 
 The client libraries are bench and test dependencies (``pip install -e '.[clients]'``),
 never runtime ones.
@@ -254,11 +261,78 @@ def run(base_url: str, items, *, concurrency: int = 8) -> dict:
     return figures
 
 
+SWEEP = {
+    "off": {"enabled": False},
+    "defaults": {},
+    "min_repeats 2": {"min_repeats": 2},
+    "min_repeats 4": {"min_repeats": 4},
+    "min_chars 32": {"min_chars": 32},
+    "progressions off": {"progression_repeats": 0},
+    "progressions 5": {"progression_repeats": 5},
+    "progressions 12": {"progression_repeats": 12},
+}
+
+
+def sweep(engine, items, settings: dict, *, seeds: int = 2, budget: int = 512) -> list[dict]:
+    """One row of figures per loop-guard setting, in-process (see the module doc)."""
+    from openai.lib._pydantic import to_strict_json_schema
+
+    from grammar_cache.spec import GrammarSpec
+    from worker.engine.loop_guard import LoopGuardParams
+    from worker.engine.sampling import SamplingParams
+    from worker.engine.sequence import GenerationRequest
+
+    rows = []
+    for name, fields in settings.items():
+        reqs = [GenerationRequest(
+            [{"role": "system", "content": _system(model)}, {"role": "user", "content": p}],
+            SamplingParams(max_new_tokens=budget, temperature=0.2, top_p=0.9, seed=seed),
+            grammar=GrammarSpec.json_schema(to_strict_json_schema(model)),
+            loop_guard=LoopGuardParams(**fields))
+            for model, p in items for seed in range(seeds)]
+        outs = engine.generate(reqs)
+        got = [outs[r.request_id] for r in reqs]
+        n = len(got)
+        rows.append(dict(
+            setting=name, requests=n,
+            length_share=round(sum(o.finish_reason == "length" for o in got) / n, 4),
+            loop_share=round(sum(bool(report.repeated_span(o.text)) for o in got) / n, 4),
+            cut_share=round(sum(bool(o.loop_cuts) for o in got) / n, 4),
+            mean_output_tokens=round(statistics.mean(o.completion_tokens for o in got), 1)))
+    return rows
+
+
+def main_sweep(args) -> None:
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
+
+    cfg = dict(progress=False, num_threads=args.threads, seed=0)
+    settings = SWEEP
+    if args.smoke:
+        import tempfile
+
+        from worker.models.tiny_model import build_tiny_model
+        cfg["model"] = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
+        settings = {k: SWEEP[k] for k in ("off", "defaults")}
+    engine = LLMEngine(EngineConfig(**cfg))
+    rows = sweep(engine, cases(args.quick, args.smoke), settings,
+                 seeds=1 if args.smoke else 2, budget=16 if args.smoke else 512)
+    keys = ["setting", "requests", "length_share", "loop_share", "cut_share",
+            "mean_output_tokens"]
+    body = report.table(keys, [[r[k] for k in keys] for r in rows])
+    report.finish("clients_sweep", body, {"sweep": rows}, args)
+
+
 def main(argv=None) -> None:
     ap = report.parser(__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--sweep", action="store_true",
+                    help="in-process, per loop-guard setting (how the defaults were chosen)")
     args = ap.parse_args(argv)
+    if args.sweep:
+        main_sweep(args)
+        return
 
     import socket
 

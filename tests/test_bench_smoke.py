@@ -74,3 +74,14 @@ def test_bench_smoke(name, default_model_dir):
     assert isinstance(figures, dict), tail
     missing = BENCHES[name] - set(figures)
     assert not missing, (sorted(missing), tail)
+
+
+@pytest.mark.integration
+def test_clients_sweep_smoke(default_model_dir):
+    """bench/clients.py --sweep (how the loop guard's defaults were chosen) runs too."""
+    proc = subprocess.run([sys.executable, "-m", "bench.clients", "--sweep", "--smoke",
+                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["sweep"]
+    assert [r["setting"] for r in rows] == ["off", "defaults"]
+    assert all(r["requests"] > 0 for r in rows)
