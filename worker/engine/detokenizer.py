@@ -25,9 +25,9 @@ class IncrementalDetokenizer:
     Without stop strings, the deltas concatenate to ``tokenizer.decode(output_ids,
     skip_special_tokens=...)`` for byte-level BPE tokenizers. Empty stop strings are ignored.
 
-    ``stop_check(text)``, when set, decides whether a stop string found right after
-    ``text`` (all output before it) is honoured; a guided request sets it to "the grammar
-    accepts exactly ``text``", so a stop never cuts output its grammar cannot end with.
+    ``stop_check``, when set (a ``GrammarStopCheck``), decides whether a stop string found
+    in the output is honoured: only where the grammar accepts exactly the output before it,
+    so a stop never cuts output its grammar cannot end with.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: Sequence[str] = (),
@@ -54,7 +54,18 @@ class IncrementalDetokenizer:
         self._held = ""                     # clean text that may begin a stop string
         self._text = ""
         self._stopped: str | None = None
-        self.stop_check = None  # Callable[[str], bool] | None: see the class doc
+        self._stop_check: GrammarStopCheck | None = None
+
+    @property
+    def stop_check(self) -> GrammarStopCheck | None:
+        return self._stop_check
+
+    @stop_check.setter
+    def stop_check(self, check: GrammarStopCheck | None) -> None:
+        """Set once the grammar is known: the check is advanced over all output so far."""
+        self._stop_check = check
+        if check is not None:
+            check.commit(self._before + self._text)
 
     @property
     def text(self) -> str:
@@ -124,6 +135,8 @@ class IncrementalDetokenizer:
         else:
             keep = 0 if final else self._stop_prefix_len(buf)
             out, self._held = buf[:len(buf) - keep], buf[len(buf) - keep:]
+            if self._stop_check is not None:
+                self._stop_check.commit(out)
         self._text += out
         return out
 
@@ -131,13 +144,13 @@ class IncrementalDetokenizer:
         """The earliest honoured stop string in ``buf``: (where it starts, which)."""
         if not self._stops:
             return None
-        if self.stop_check is None:
+        if self._stop_check is None:
             hits = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
             return min(hits, key=lambda h: h[0]) if hits else None
         hits = sorted((i, s) for s in self._stops
                       for i in _occurrences(buf, s))
         for i, s in hits:
-            if self.stop_check(self._before + self._text + buf[:i]):
+            if self._stop_check.accepts(buf[:i]):
                 return i, s
         return None
 
@@ -150,6 +163,40 @@ class IncrementalDetokenizer:
                     longest = k
                     break
         return longest
+
+
+class GrammarStopCheck:
+    """Whether a grammar accepts exactly the output up to a stop string, in time linear in
+    the output: one matcher is advanced over the text as it is emitted (``commit``), and a
+    candidate asks only about the few characters after it (``accepts``), accepted and
+    rolled back. (A fresh matcher over the whole output at each stop occurrence made a
+    guided output with many occurrences quadratic, on the engine thread.)
+
+    ``matcher``: a grammar matcher with ``accept_string(str) -> bool`` (one rollback step,
+    the state unchanged when refused), ``is_completed()`` and ``rollback(n)``, e.g.
+    ``xgrammar.GrammarMatcher(compiled)``.
+    """
+
+    def __init__(self, matcher):
+        self._matcher = matcher
+        self._refused = False  # the committed text left the grammar: nothing is accepted
+
+    def commit(self, text: str) -> None:
+        """``text`` follows the output committed so far and will not be taken back."""
+        if text and not self._refused and not self._matcher.accept_string(text):
+            self._refused = True
+
+    def accepts(self, tail: str) -> bool:
+        """Whether the grammar accepts exactly the committed text + ``tail`` and may end."""
+        if self._refused:
+            return False
+        if not tail:
+            return self._matcher.is_completed()
+        if not self._matcher.accept_string(tail):
+            return False
+        done = self._matcher.is_completed()
+        self._matcher.rollback(1)
+        return done
 
 
 def _occurrences(text: str, sub: str):

@@ -34,7 +34,7 @@ from grammar_cache.errors import ErrorKind, GrammarError
 from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import GrammarStopCheck, IncrementalDetokenizer
 from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
@@ -478,10 +478,7 @@ class LLMEngine:
         )
 
 
-def _grammar_accepts(compiled):
-    """text -> whether the grammar accepts exactly ``text`` (and may end there)."""
-    def check(text: str) -> bool:
-        m = xgr.GrammarMatcher(compiled)
-        return m.accept_string(text) and m.is_completed()
-    return check
+def _grammar_accepts(compiled) -> GrammarStopCheck:
+    """Whether the grammar accepts exactly the output before a stop string (and may end)."""
+    return GrammarStopCheck(xgr.GrammarMatcher(compiled))
 
