@@ -42,6 +42,16 @@ class SchedulerConfig:
     # a guided request goes to a worker holding its grammar when that worker's queued
     # tokens are within this margin of the least-loaded worker's
     affinity_margin_tokens: int = 2048
+    # live sessions (each holds KV on its worker and rides every load report): a new
+    # session past either cap is refused with a 429 naming session_id
+    max_sessions_per_worker: int = 1024
+    max_sessions: int = 16384
+
+    def __post_init__(self):
+        for name in ("max_queued_tokens", "max_sessions_per_worker", "max_sessions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"scheduler.{name} must be a positive integer, got {value!r}")
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
@@ -50,7 +60,9 @@ class SchedulerActor:
         self.config = SchedulerConfig(**(config or {}))
         self.table = RoutingTable(self.config.max_queued_tokens,
                                   self.config.session_idle_timeout_s,
-                                  self.config.affinity_margin_tokens)
+                                  self.config.affinity_margin_tokens,
+                                  self.config.max_sessions_per_worker,
+                                  self.config.max_sessions)
         self._pending_ends: list[str] = []
         self._undelivered: dict[str, list[str]] = {}  # worker -> ends it has not confirmed
         self._tasks: list[asyncio.Task] = []

@@ -5,7 +5,12 @@ route(session): sticky for a session that has a live worker (its KV cache is the
 otherwise the least-loaded live worker by queued + running tokens, counting what was
 routed to it since its last load report so a burst spreads before the next report. When
 every live worker is over its queue limit the answer is Overloaded (HTTP 429 later), never
-an unbounded queue; with no live worker it is NoWorkers (503).
+an unbounded queue; a session's request is refused the same way when its own worker is over
+the limit (sticky routing must not let one session queue unbounded work); with no live
+worker it is NoWorkers (503).
+
+Live sessions are capped per worker and in total (each holds KV on its worker and rides
+every load report): a new session over a cap is TooManySessions (an Overloaded: 429).
 
 Grammar affinity: a new guided request names its grammar's family (the tokenizer-independent
 part of its key). After session stickiness, a worker that holds that grammar (it reports its
@@ -17,11 +22,16 @@ request does not wait for a grammar another worker already has compiled.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 
 class Overloaded(RuntimeError):
     """Every worker's queue is over its limit; retry later."""
+
+
+class TooManySessions(Overloaded):
+    """A new session would pass the live-session cap (per worker or in total)."""
 
 
 class NoWorkers(RuntimeError):
@@ -53,13 +63,17 @@ class WorkerEntry:
 
 class RoutingTable:
     def __init__(self, max_queued_tokens: int = 65536, session_idle_timeout_s: float = 600.0,
-                 affinity_margin_tokens: int = 2048):
+                 affinity_margin_tokens: int = 2048, max_sessions_per_worker: int = 1024,
+                 max_sessions: int = 16384):
         self.max_queued_tokens = max_queued_tokens
+        self.max_sessions_per_worker = max_sessions_per_worker
+        self.max_sessions = max_sessions
         self.affinity_margin_tokens = affinity_margin_tokens
         self.affinity_routes = 0  # new requests sent to a worker for its grammar
         self.session_idle_timeout_s = session_idle_timeout_s
         self.workers: dict[str, WorkerEntry] = {}
         self.sessions: dict[str, tuple[str, float]] = {}  # session -> (worker, last used)
+        self.sessions_on: Counter[str] = Counter()  # worker -> sessions pinned to it
 
     def add_worker(self, worker_id: str, handle, node_id: str = "") -> None:
         """Registers (or re-registers, after a restart) a worker."""
@@ -72,7 +86,7 @@ class RoutingTable:
         self.workers.pop(worker_id, None)
         orphans = [s for s, (w, _) in self.sessions.items() if w == worker_id]
         for s in orphans:
-            del self.sessions[s]
+            self._unpin(s)
         return orphans
 
     def suspect(self, worker_id: str) -> None:
@@ -104,15 +118,32 @@ class RoutingTable:
             worker_id, _ = self.sessions[session_id]
             entry = self.workers.get(worker_id)
             if entry is not None and not entry.suspect and worker_id not in avoid:
+                if self._over_limit(entry, expected_tokens):
+                    raise Overloaded(f"the worker holding session_id {session_id[:80]!r} has over "
+                                     f"{self.max_queued_tokens} tokens queued; retry later")
                 self.sessions[session_id] = (worker_id, now)
                 entry.routed_since_report += expected_tokens
                 return entry
         if not self.workers:
             raise NoWorkers("no worker is alive; the runtime is starting or every worker died")
+        if session_id is not None and session_id not in self.sessions \
+                and len(self.sessions) >= self.max_sessions:
+            raise TooManySessions(
+                f"session_id {session_id[:80]!r} would be a new session, and {len(self.sessions)} "
+                f"are live (the limit is {self.max_sessions}); end one (DELETE "
+                "/v1/sessions/{id}), send without session_id, or retry later")
         # suspects only when no worker answers: a slow worker beats a 503
         pool = [w for w in self.workers.values() if w.worker_id not in avoid] or list(
             self.workers.values())
         live = [w for w in pool if not w.suspect] or pool
+        if session_id is not None:  # a new (or moving) session: a worker with room for it
+            live = [w for w in live if self.sessions_on[w.worker_id]
+                    < self.max_sessions_per_worker]
+            if not live:
+                raise TooManySessions(
+                    f"session_id {session_id[:80]!r} would be a new session on a worker, and every "
+                    f"worker holds {self.max_sessions_per_worker} live sessions; end one "
+                    "(DELETE /v1/sessions/{id}), send without session_id, or retry later")
         best = min(live, key=lambda w: (w.queued_tokens, w.worker_id))
         if grammar_family is not None and not best.holds(grammar_family):
             holders = [w for w in live if w.holds(grammar_family)
@@ -120,20 +151,38 @@ class RoutingTable:
             if holders:
                 best = min(holders, key=lambda w: (w.queued_tokens, w.worker_id))
                 self.affinity_routes += 1
-        # an idle worker takes any request: a large max_tokens is a budget, not a queue,
-        # and refusing it on an idle cluster would make a retrying client spin forever
-        if best.queued_tokens and best.queued_tokens + expected_tokens > self.max_queued_tokens:
+        if self._over_limit(best, expected_tokens):
             raise Overloaded(f"every worker has over {self.max_queued_tokens} tokens queued; "
                              "retry later")
         best.routed_since_report += expected_tokens
         if grammar_family is not None:
             best.families_since_report.add(grammar_family)
         if session_id is not None:
-            self.sessions[session_id] = (best.worker_id, now)
+            self._unpin(session_id)  # a session moving off a dead or slow worker
+            self._pin(session_id, best.worker_id, now)
         return best
 
+    def _over_limit(self, entry: WorkerEntry, expected_tokens: int) -> bool:
+        # an idle worker takes any request: a large max_tokens is a budget, not a queue,
+        # and refusing it on an idle cluster would make a retrying client spin forever
+        return bool(entry.queued_tokens) and \
+            entry.queued_tokens + expected_tokens > self.max_queued_tokens
+
+    def _pin(self, session_id: str, worker_id: str, now: float) -> None:
+        self.sessions[session_id] = (worker_id, now)
+        self.sessions_on[worker_id] += 1
+
+    def _unpin(self, session_id: str) -> bool:
+        pinned = self.sessions.pop(session_id, None)
+        if pinned is None:
+            return False
+        self.sessions_on[pinned[0]] -= 1
+        if self.sessions_on[pinned[0]] <= 0:
+            del self.sessions_on[pinned[0]]
+        return True
+
     def end_session(self, session_id: str) -> bool:
-        return self.sessions.pop(session_id, None) is not None
+        return self._unpin(session_id)
 
     def idle_sessions(self) -> list[str]:
         """Sessions unused for longer than the idle timeout (to be ended)."""
@@ -144,4 +193,5 @@ class RoutingTable:
         """After a scheduler restart: pins the sessions a worker reports holding."""
         now = time.monotonic()
         for s in session_ids:
-            self.sessions.setdefault(s, (worker_id, now))
+            if s not in self.sessions:  # over a cap too: they already exist on the worker
+                self._pin(s, worker_id, now)
