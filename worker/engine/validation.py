@@ -62,12 +62,14 @@ def validate_json(schema: dict | bool | str | None, text: str) -> str | None:
         return f"not valid JSON: {exc}"
     if schema is None:
         return None if isinstance(value, dict) else "not a JSON object"
-    schema_text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
+    # a schema jsonschema-rs cannot build or run (wrong-typed keywords, a regex it refuses):
+    # say so, never guess and never fail the request's step
     try:
+        schema_text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
         validator = _validator(schema_text)
-    except Exception as exc:  # a schema jsonschema-rs cannot build: say so, do not guess
+        err = next(iter(validator.iter_errors(value)), None)
+    except Exception as exc:
         return f"the schema could not be used for validation: {exc}"
-    err = next(iter(validator.iter_errors(value)), None)
     if err is None:
         return None
     path = "/".join(str(p) for p in getattr(err, "instance_path", ()) or ())
@@ -117,8 +119,9 @@ def _walk(node, found: set[str], depth: int) -> None:
         if not (pattern.startswith("^") and pattern.endswith("$")):
             found.add("pattern without ^...$ anchors")
     multiple = node.get("multipleOf")
-    if multiple is not None and not (isinstance(multiple, int) or float(multiple).is_integer()):
-        found.add("multipleOf")
+    if multiple is not None and not (isinstance(multiple, int) or (
+            isinstance(multiple, float) and multiple.is_integer())):
+        found.add("multipleOf")  # fractional, or not a number at all (validation says so)
     for key, value in node.items():
         if key in ("enum", "const", "default", "examples"):
             continue
