@@ -223,7 +223,8 @@ class OpenAIServer:
                 raise too_large(f"request body is over the limit of {limit} bytes")
         depth = self.limits.max_json_depth
         try:
-            body = json.loads(bytes(raw))
+            # strict UTF-8 (json.loads of bytes lets CESU-8 surrogate bytes through)
+            body = json.loads(bytes(raw).decode("utf-8"))
         except ValueError as exc:  # not JSON, not UTF-8, or an integer of 4,300+ digits
             raise bad_request(f"the request body is not valid JSON: {exc}") from None
         except RecursionError:  # nested past Python's stack: far over the limit
@@ -232,6 +233,12 @@ class OpenAIServer:
             too_deep = dialects.nested_deeper(body, depth)
         if too_deep:
             raise bad_request(f"the request body is nested deeper than {depth} levels")
+        try:  # an escaped lone surrogate ("\ud800") parses, but no tokenizer takes it
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("the request body holds a lone UTF-16 surrogate (\\ud800-"
+                              "\\udfff without its pair) in a string; send valid Unicode"
+                              ) from None
         return body
 
     async def _scheduler_call(self, call, what: str):

@@ -126,6 +126,38 @@ def test_a_body_with_a_huge_integer_is_a_400():
     assert err.value.status == 400 and "not valid JSON" in str(err.value)
 
 
+@pytest.mark.parametrize("raw, says", [
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "lone UTF-16 surrogate"),
+    (b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80b"}]}', "not valid JSON"),
+])
+def test_a_lone_surrogate_in_the_body_is_a_400(raw, says):
+    # it reached the tokenizer, which raised a TypeError: a 500 (found by the fuzzer)
+    import asyncio
+    from types import SimpleNamespace
+
+    import deploy.serve_app as serve_app
+
+    server = getattr(serve_app.OpenAIServer, "func_or_class", serve_app.OpenAIServer)
+
+    class FakeRequest:
+        headers = {}
+
+        async def stream(self):
+            yield raw
+
+    with pytest.raises(APIError) as err:
+        asyncio.run(server._body(SimpleNamespace(limits=Limits()), FakeRequest()))
+    assert err.value.status == 400 and says in str(err.value)
+    ok = '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'.encode()
+    FakeRequest.stream = lambda self: _once(ok)  # a surrogate pair is one character
+    body = asyncio.run(server._body(SimpleNamespace(limits=Limits()), FakeRequest()))
+    assert body["messages"][0]["content"] == "\U0001F600"
+
+
+async def _once(data):
+    yield data
+
+
 def test_an_aborted_answer_never_says_stop():
     from deploy import responses
 
