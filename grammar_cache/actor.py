@@ -54,7 +54,7 @@ from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool, CompileResult
 from grammar_cache.config import GrammarCacheConfig
-from grammar_cache.errors import ErrorKind
+from grammar_cache.errors import ErrorKind, GrammarError
 from grammar_cache.spec import GrammarSpec
 
 __all__ = ["ACTOR_NAME", "NAMESPACE", "GrammarCache", "GrammarCacheActor", "GrammarCacheConfig",
@@ -101,6 +101,80 @@ class _ByteLRU:
         return len(self._items)
 
 
+class QueueFull(Exception):
+    """The compile queue is full and the asking client already has its share of it (or a
+    client with a smaller share took this compile's place)."""
+
+
+class CompileQueue:
+    """The actor's compile slots (one per compile process), shared fairly between clients.
+
+    A compile that finds no free slot waits in its client's line; a freed slot goes to the
+    head of the next line in turn (round robin), so a client with fifty compiles waiting
+    holds another client's one back by one compile at most. At most ``limit`` compiles
+    wait: past it, a client with fewer waiting than the client with the most takes the
+    place of that client's newest compile (which fails with QueueFull), and any other is
+    refused with QueueFull. Without client identities (``client`` None for all) it is one
+    bounded first-come line. Runs on the actor's event loop; not thread-safe."""
+
+    def __init__(self, slots: int, limit: int):
+        self.free = slots
+        self.limit = limit
+        self.lines: OrderedDict[object, deque[asyncio.Future]] = OrderedDict()
+        self.waiting = 0
+
+    def enter(self, client=None, force: bool = False) -> asyncio.Future:
+        """A place in ``client``'s line: a future that resolves when a slot is its own (at
+        once when one is free), or fails with QueueFull when it was displaced. Raises
+        QueueFull when the queue is full and the client has its share; ``force``: never
+        refused (a compile someone was promised: a lease given back)."""
+        ticket = asyncio.get_running_loop().create_future()
+        if self.free and not self.waiting:
+            self.free -= 1
+            ticket.set_result(None)
+            return ticket
+        if self.waiting >= self.limit and not force:
+            heaviest = max(self.lines, key=lambda c: len(self.lines[c]))
+            if len(self.lines.get(client, ())) + 1 >= len(self.lines[heaviest]):
+                raise QueueFull()
+            victim = self._remove(heaviest, self.lines[heaviest][-1])
+            if not victim.done():
+                victim.set_exception(QueueFull())
+        self.lines.setdefault(client, deque()).append(ticket)
+        self.waiting += 1
+        return ticket
+
+    def leave(self, client, ticket: asyncio.Future) -> None:
+        """The compile that holds ``ticket`` is over (done or cancelled): its slot, or its
+        place in the line, goes to the next."""
+        if ticket in self.lines.get(client, ()):  # still waiting (or cancelled waiting)
+            self._remove(client, ticket).cancel()
+        elif ticket.done() and not ticket.cancelled() and ticket.exception() is None:
+            self._next()  # it held a slot
+
+    def _remove(self, client, ticket: asyncio.Future) -> asyncio.Future:
+        line = self.lines[client]
+        line.remove(ticket)
+        if not line:
+            del self.lines[client]
+        self.waiting -= 1
+        return ticket
+
+    def _next(self) -> None:
+        while self.lines:
+            client, line = next(iter(self.lines.items()))
+            ticket = line.popleft()
+            self.waiting -= 1
+            if line:
+                self.lines.move_to_end(client)  # its next compile waits for the others' turn
+            else:
+                del self.lines[client]
+            if not ticket.done():  # (a cancelled one is on its way out: skip it)
+                ticket.set_result(None)
+                return
+        self.free += 1
+
+
 class GrammarCache:
     """The actor's logic, usable without Ray (the actor class below wraps it)."""
 
@@ -115,12 +189,16 @@ class GrammarCache:
         # has threads of its own.
         self._compile_threads = ThreadPoolExecutor(config.compile_processes,
                                                    thread_name_prefix="grammar-compile")
-        self._compile_slots: asyncio.Semaphore | None = None  # made on the actor's loop
+        self.queue = CompileQueue(config.compile_processes, config.max_queued_compiles)
         self._disk_threads = ThreadPoolExecutor(2, thread_name_prefix="grammar-disk")
         self.tokenizers: dict[str, str] = {}
         self.lru = _ByteLRU(config.max_bytes)
         self.errors: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
         self.inflight: dict[str, asyncio.Future] = {}
+        # key -> the task compiling it for askers of get(), and how many of them still wait
+        # (none left: the compile is cancelled)
+        self._compiles: dict[str, asyncio.Task] = {}
+        self._waiters: dict[str, int] = {}
         # key -> (spec, fingerprint, lapse timer) of grammars a worker is compiling
         self.leases: dict[str, tuple[GrammarSpec, str, asyncio.TimerHandle]] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -129,7 +207,8 @@ class GrammarCache:
         self.counts = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "timeouts": 0,
                        "joined": 0, "local_verdicts": 0, "unavailable": 0, "disk_hits": 0,
                        "hot": 0, "leases": 0, "lease_publishes": 0, "lease_releases": 0,
-                       "lease_lapses": 0, "late_publishes": 0}
+                       "lease_lapses": 0, "late_publishes": 0, "too_large": 0,
+                       "overloaded": 0, "displaced": 0, "cancelled": 0}
         self.disk = disk_tier.from_config(config)
         # keys ever asked for (bounded: how the cluster's compiles per distinct grammar is
         # computed) and requests per key reported by workers
@@ -213,48 +292,112 @@ class GrammarCache:
     def has_tokenizer(self, fingerprint: str) -> bool:
         return fingerprint in self.tokenizers
 
-    async def get(self, spec: GrammarSpec, fingerprint: str, lease: bool = False) -> bytes | None:
+    async def get(self, spec: GrammarSpec, fingerprint: str, lease: bool = False,
+                  client: str | None = None) -> bytes | None:
         """Envelope bytes for the spec; None means: this cache does not know the tokenizer
         (it restarted), register it and ask again. ``lease``: the asker offers to compile a
         grammar nobody has compiled yet; it then gets a lease envelope (see the module
-        docstring) instead of waiting for a compile here."""
+        docstring) instead of waiting for a compile here. ``client``: who the request is
+        for (compile slots are shared fairly between clients: see CompileQueue).
+
+        Refused at once, without a compile: a grammar with a repetition over
+        ``max_repetition`` (grammar_too_large), and a new grammar while the compile queue
+        is full (overloaded; never cached). A compile every asker has left (their calls were
+        cancelled) is cancelled: dropped from the queue, or its compile process killed."""
         if fingerprint not in self.tokenizers:
             return None
         key = spec.key(fingerprint)  # cached on the spec by whoever built it
+        data = self.lru.get(key) or self._cached_error(key)
+        if data is not None:
+            self._count("hits")
+            self._seen(key, spec)
+            return data
+        try:  # microseconds; not remembered, so refused grammars take no memory here
+            spec.check_repetitions(self.config.max_repetition)
+        except GrammarError as exc:
+            self._count("too_large")
+            return envelope.pack_error(str(exc), fingerprint, key, exc.kind)
+        self._seen(key, spec)
+        if key in self.inflight:
+            self._count("joined")
+            return await self._wait(key)
+        self._count("misses")
+        self.inflight[key] = asyncio.get_running_loop().create_future()
+        try:
+            data = await self._from_disk(fingerprint, key)
+        except BaseException as exc:
+            self._fail(key, exc)
+            raise
+        if data is None and lease and fingerprint in self.tokenizers:
+            self._grant(spec, fingerprint, key)  # in flight until the holder publishes
+            return envelope.pack_lease(fingerprint, key)
+        if data is not None:
+            self._settle(key, data)
+            return data
+        try:
+            ticket = self.queue.enter(client)
+        except QueueFull:
+            data = self._overloaded(spec, fingerprint, key)
+            self._settle(key, data)  # for whoever joined meanwhile; never cached
+            return data
+        task = asyncio.get_running_loop().create_task(
+            self._compile_for_askers(spec, fingerprint, key, client, ticket))
+        self._compiles[key] = task
+        return await self._wait(key)
+
+    def _seen(self, key: str, spec: GrammarSpec) -> None:
         self.specs.setdefault(key, spec)
         self.distinct[key] = None
         self.distinct.move_to_end(key)
         while len(self.distinct) > 100_000:
             self.distinct.popitem(last=False)
-        data = self.lru.get(key) or self._cached_error(key)
-        if data is not None:
-            self._count("hits")
-            return data
-        if key in self.inflight:
-            self._count("joined")
-            return await asyncio.shield(self.inflight[key])
-        self._count("misses")
-        fut = asyncio.get_running_loop().create_future()
-        self.inflight[key] = fut
-        leased = False
+
+    async def _wait(self, key: str) -> bytes:
+        """The in-flight result for ``key``; an asker whose call is cancelled leaves, and
+        the last to leave cancels the compile (a lease's compile is the holder's: kept)."""
+        fut = self.inflight[key]
+        self._waiters[key] = self._waiters.get(key, 0) + 1
         try:
-            data = await self._from_disk(fingerprint, key)
-            if data is None and lease and fingerprint in self.tokenizers:
-                self._grant(spec, fingerprint, key)
-                leased = True  # the future stays in flight until the holder publishes
-                return envelope.pack_lease(fingerprint, key)
-            if data is None:
-                data = await self._compile(spec, fingerprint, key)
-            fut.set_result(data)
-            return data
-        except BaseException as exc:
-            if not leased:
-                fut.set_exception(exc)
-                fut.exception()  # retrieved: no "never retrieved" warning without joiners
-            raise
+            return await asyncio.shield(fut)
         finally:
-            if not leased:
-                del self.inflight[key]
+            left = self._waiters.pop(key) - 1
+            if left:
+                self._waiters[key] = left
+            elif not fut.done() and key in self._compiles:
+                self._compiles[key].cancel()
+
+    async def _compile_for_askers(self, spec: GrammarSpec, fingerprint: str, key: str,
+                                  client, ticket: asyncio.Future) -> None:
+        try:
+            data = await self._compile(spec, fingerprint, key, client, ticket)
+        except QueueFull:  # a client with a smaller share took its place
+            self.counts["displaced"] += 1
+            data = self._overloaded(spec, fingerprint, key)
+        except asyncio.CancelledError:
+            self.counts["cancelled"] += 1
+            logger.info("compile of %s cancelled: nobody waits for it", spec.describe())
+            self._fail(key, asyncio.CancelledError())
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the askers
+            self._fail(key, exc)
+            return
+        finally:
+            self._compiles.pop(key, None)
+        self._settle(key, data)
+
+    def _overloaded(self, spec: GrammarSpec, fingerprint: str, key: str) -> bytes:
+        self._count("overloaded")
+        return envelope.pack_error(
+            f"the grammar cache has {self.queue.waiting} compiles waiting (the limit is "
+            f"{self.config.max_queued_compiles}: grammar_cache.max_queued_compiles); this new "
+            f"{spec.kind} grammar was not queued: retry in a few seconds",
+            fingerprint, key, ErrorKind.OVERLOADED)
+
+    def _fail(self, key: str, exc: BaseException) -> None:
+        fut = self.inflight.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: no "never retrieved" warning without joiners
 
     # leases ---------------------------------------------------------------------------
 
@@ -319,13 +462,11 @@ class GrammarCache:
         spec, fingerprint, _ = lease
 
         async def run():
-            try:
-                data = await self._compile(spec, fingerprint, key)
+            try:  # its holder and the others were promised this compile: never refused
+                data = await self._compile(spec, fingerprint, key, None,
+                                           self.queue.enter(None, force=True))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiters
-                fut = self.inflight.pop(key, None)
-                if fut is not None and not fut.done():
-                    fut.set_exception(exc)
-                    fut.exception()
+                self._fail(key, exc)
                 return
             self._settle(key, data)
         task = asyncio.get_running_loop().create_task(run())
@@ -370,20 +511,30 @@ class GrammarCache:
         self._m_bytes.set(self.lru.bytes)
         return data
 
-    async def _compile(self, spec: GrammarSpec, fingerprint: str, key: str) -> bytes:
+    async def _compile(self, spec: GrammarSpec, fingerprint: str, key: str, client,
+                       ticket: asyncio.Future) -> bytes:
+        """Compiles once ``ticket`` (a place in the CompileQueue) gives it a slot. Cancelled
+        while it waits: it leaves the line; while it compiles: the compile process is
+        killed (CompilePool.compile's ``cancel``)."""
         loop = asyncio.get_running_loop()
-        if self._compile_slots is None:
-            self._compile_slots = asyncio.Semaphore(self.config.compile_processes)
+        cancel = threading.Event()
         self.compiling += 1
         try:
-            async with self._compile_slots:  # first come, first compiled
-                t = time.perf_counter()
-                result: CompileResult = await loop.run_in_executor(
-                    self._compile_threads, self.pool.compile, spec, fingerprint,
-                    self.tokenizers[fingerprint], key)
-                elapsed = time.perf_counter() - t
+            await ticket
+            t = time.perf_counter()
+            work = loop.run_in_executor(
+                self._compile_threads, lambda: self.pool.compile(
+                    spec, fingerprint, self.tokenizers[fingerprint], key, cancel=cancel))
+            try:
+                result: CompileResult = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                cancel.set()
+                await asyncio.wait([work])  # the child is killed within a poll (50 ms)
+                raise
+            elapsed = time.perf_counter() - t
         finally:
             self.compiling -= 1
+            self.queue.leave(client, ticket)
         self.counts["compiles"] += 1
         self.compile_times.append(elapsed)
         self._m_compile.observe(elapsed, tags={"kind": spec.kind})
@@ -466,8 +617,9 @@ class GrammarCacheActor:
     def register_tokenizer(self, fingerprint: str, tokenizer_json: str) -> None:
         self.cache.register_tokenizer(fingerprint, tokenizer_json)
 
-    async def get(self, spec: GrammarSpec, fingerprint: str, lease: bool = False) -> bytes | None:
-        return await self.cache.get(spec, fingerprint, lease)
+    async def get(self, spec: GrammarSpec, fingerprint: str, lease: bool = False,
+                  client: str | None = None) -> bytes | None:
+        return await self.cache.get(spec, fingerprint, lease, client)
 
     # async: run on the actor's event loop, where the cache's futures and timers live
     async def publish(self, fingerprint: str, key: str, data: bytes) -> bool:

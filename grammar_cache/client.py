@@ -39,6 +39,12 @@ Paths, each bounded by the limits of the one ``GrammarCacheConfig``:
   match this process: compile in this client's own child process (started warm at
   construction, same limits), log once per outage, skip the actor for ``retry_after_s``.
 
+Refused before any of these: a grammar with a repetition over ``max_repetition``
+(GrammarError, grammar_too_large; no call to the actor). A full compile queue in the actor
+is GrammarUnavailable with kind OVERLOADED, never a local compile (that would spend this
+worker's cores on what the actor refused). A call to the actor that times out is cancelled
+there, so the actor drops the compile if nobody else waits for it.
+
 Everything is counted in ``stats()``; a fallback is never silent.
 """
 
@@ -60,7 +66,7 @@ from grammar_cache.actor import ACTOR_NAME, LEASE_SERIALIZE_S, NAMESPACE
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool
 from grammar_cache.config import GrammarCacheConfig
-from grammar_cache.errors import GrammarUnavailable
+from grammar_cache.errors import ErrorKind, GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
@@ -131,14 +137,17 @@ class GrammarCacheClient:
 
     # the one entry point ------------------------------------------------------------
 
-    def fetch(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
+    def fetch(self, spec: GrammarSpec, client: str | None = None) -> "xgr.CompiledGrammar":
         """The compiled grammar for ``spec``. Raises GrammarError (the client's to fix, with
-        its ``kind``) or GrammarUnavailable (transient: retry; never cache it)."""
+        its ``kind``) or GrammarUnavailable (transient: retry; never cache it; its ``kind``
+        is OVERLOADED when the actor's compile queue was full). ``client``: who the request
+        is for (an API key's hash, an address), so the actor shares its compile processes
+        fairly between clients; None: one shared line."""
         t = time.monotonic()
         with self._lock:
             self._fetching += 1
         try:
-            return self._fetch(spec)
+            return self._fetch(spec, client)
         except GrammarUnavailable:
             self._count("unavailable")
             raise
@@ -163,7 +172,8 @@ class GrammarCacheClient:
         out["actor_skipped"] = time.monotonic() < self._down_until
         return out
 
-    def _fetch(self, spec: GrammarSpec):
+    def _fetch(self, spec: GrammarSpec, client: str | None = None):
+        spec.check_repetitions(self.config.max_repetition)
         key = spec.key(self.fingerprint)
         if self.disk is not None:
             data = self.disk.get(self.fingerprint, key)
@@ -178,7 +188,7 @@ class GrammarCacheClient:
                     return self._compile_verdict(spec)
                 except (envelope.EnvelopeMismatch, GrammarUnavailable):
                     pass  # not ours after all (or an error): ask the actor
-        data = self._from_actor(spec, lease=self._may_compile_here(spec))
+        data = self._from_actor(spec, lease=self._may_compile_here(spec), client=client)
         if data is not None:
             try:
                 compiled = self._unpack(data, key)
@@ -202,6 +212,9 @@ class GrammarCacheClient:
         left 120-320 MB behind in the loading thread's arena, 30 MB with the trim)."""
         try:
             return envelope.unpack(data, self.info, self.fingerprint, key)
+        except GrammarUnavailable as exc:  # the envelope's kind (overloaded) rides along
+            kind = ErrorKind.parse(envelope.read_header(data).get("error_kind"))
+            raise GrammarUnavailable(str(exc), kind if kind.transient else exc.kind) from None
         finally:
             if len(data) >= TRIM_AFTER_BYTES:
                 _trim_heap()
@@ -228,7 +241,8 @@ class GrammarCacheClient:
 
     # the actor ----------------------------------------------------------------------
 
-    def _from_actor(self, spec: GrammarSpec, lease: bool = False) -> bytes | None:
+    def _from_actor(self, spec: GrammarSpec, lease: bool = False,
+                    client: str | None = None) -> bytes | None:
         """Envelope bytes from the actor, or None (after logging) to compile locally. Never
         returns an empty reply. ``lease``: offer to compile it here (see the module
         docstring); the reply may then be a lease envelope."""
@@ -240,8 +254,12 @@ class GrammarCacheClient:
                 if not self._registered:
                     self._register(actor)
                 # a wait on another worker's lease may last its compile and serialization
-                data = ray.get(actor.get.remote(spec, self.fingerprint, lease),
-                               timeout=self.rpc_timeout_s + LEASE_SERIALIZE_S)
+                ref = actor.get.remote(spec, self.fingerprint, lease, client)
+                try:
+                    data = ray.get(ref, timeout=self.rpc_timeout_s + LEASE_SERIALIZE_S)
+                except ray.exceptions.GetTimeoutError:
+                    ray.cancel(ref)  # the actor drops the compile if nobody else waits
+                    raise
                 if data:
                     self._reachable()
                     return data

@@ -22,7 +22,15 @@ large envelope only to read them. Outcomes:
   ``WALL_FACTOR`` times the limit is stopped too, as GRAMMAR_UNAVAILABLE (transient,
   never cached: the machine, not the grammar);
 - the child died without an answer (killed from outside, the kernel's OOM killer, a crash):
-  GRAMMAR_UNAVAILABLE, transient, never cached: the next ask compiles again in a fresh child.
+  GRAMMAR_UNAVAILABLE, transient, never cached: the next ask compiles again in a fresh child;
+- a repetition over ``max_repetition`` (``GrammarSpec.check_repetitions``): refused without
+  a child, GRAMMAR_TOO_LARGE;
+- cancelled by the caller (``cancel``, a threading.Event: nobody waits for it any more):
+  the child is killed and replaced, GRAMMAR_UNAVAILABLE.
+
+Children are started from one long-lived thread and ask the kernel to kill them when that
+thread's process dies (``compile_worker``: PR_SET_PDEATHSIG): the signal follows the thread
+that started a child, so one started from a short-lived thread would die with that thread.
 
 Other compiles go on in the other processes meanwhile.
 """
@@ -37,6 +45,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,12 +54,15 @@ import msgpack
 from grammar_cache import envelope
 from grammar_cache.compile_worker import _LEN, COMPILED, READY, timeout_message
 from grammar_cache.config import GrammarCacheConfig
-from grammar_cache.errors import ErrorKind
+from grammar_cache.errors import ErrorKind, GrammarError
 from grammar_cache.spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 
 SETUP_TIMEOUT_S = 120.0
+# every child is started from this one thread: it lives as long as the process, and a
+# child's parent-death signal fires when the thread that started it ends
+_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile-spawn")
 WALL_FACTOR = 3.0  # a compile's wall-time backstop, in multiples of its CPU-time limit
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # starting a child and loading a tokenizer into it
 
@@ -84,20 +96,25 @@ class _Worker:
     fingerprints: set = field(default_factory=set)
     ready: bool = False
     timed_out: bool = False  # the last wait_frame ran out of time (not: the process died)
+    cancelled: bool = False  # the last wait_frame ended because its caller cancelled
     starved: bool = False  # the last wait_compile ran out of wall time, not of CPU time
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def wait_frame(self, timeout: float) -> bytes | None:
-        """The next reply, or None if none came in time or the process died. The pipe is
-        unbuffered on this side: a buffered reader could swallow the next frame into its
-        buffer, where select() cannot see it, and the wait for it would run out."""
+    def wait_frame(self, timeout: float, cancel: threading.Event | None = None) -> bytes | None:
+        """The next reply, or None if none came in time, the process died or ``cancel`` was
+        set. The pipe is unbuffered on this side: a buffered reader could swallow the next
+        frame into its buffer, where select() cannot see it, and the wait for it would run
+        out."""
         out = self.process.stdout
         deadline = time.monotonic() + timeout
-        self.timed_out = False
+        self.timed_out = self.cancelled = False
         while not select.select([out], [], [], 0.05)[0]:
             if not self.alive():
+                return None
+            if cancel is not None and cancel.is_set():
+                self.cancelled = True
                 return None
             if time.monotonic() > deadline:
                 self.timed_out = True  # alive and silent: what a time limit means
@@ -116,7 +133,7 @@ class _Worker:
         except (OSError, IndexError, ValueError):
             return None
 
-    def wait_compile(self, cpu_limit: float) -> bytes | None:
+    def wait_compile(self, cpu_limit: float, cancel: threading.Event | None = None) -> bytes | None:
         """Like wait_frame, with ``cpu_limit`` seconds of the child's CPU time as the limit
         and ``WALL_FACTOR`` times it as the wall-time backstop. After a None that ran out of
         time, ``starved`` says whether the child had less than its CPU time."""
@@ -125,7 +142,7 @@ class _Worker:
         hard = time.monotonic() + WALL_FACTOR * cpu_limit
         wait = cpu_limit
         while True:
-            frame = self.wait_frame(wait)
+            frame = self.wait_frame(wait, cancel)
             if frame is not None or not self.timed_out:
                 return frame
             now_cpu = self.cpu_seconds()
@@ -168,6 +185,7 @@ class CompilePool:
         self.timeouts = 0
         self.starved = 0  # compiles stopped at the wall-time backstop (a busy machine)
         self.crashes = 0
+        self.cancelled = 0  # compiles stopped because nobody waited for them any more
         self.started = self.processes if start is None else max(1, min(start, self.processes))
         for _ in range(self.started):
             self._idle.put(self._spawn())
@@ -210,21 +228,33 @@ class CompilePool:
         threading.Thread(target=warm, name="grammar-compile-grow", daemon=True).start()
 
     def _spawn(self) -> _Worker:
+        try:
+            return _Worker(_SPAWNER.submit(self._popen).result())
+        except RuntimeError:  # the interpreter is exiting (no new threads): from here
+            return _Worker(self._popen())
+
+    def _popen(self) -> subprocess.Popen:
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "grammar_cache.compile_worker",
-             "--memory-mb", str(self.config.compile_memory_mb)],
+             "--memory-mb", str(self.config.compile_memory_mb),
+             "--parent-pid", str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
-        return _Worker(proc)
 
     def compile(self, spec: GrammarSpec, fingerprint: str, tokenizer_json: str,
-                key: str | None = None, timeout_s: float | None = None) -> CompileResult:
+                key: str | None = None, timeout_s: float | None = None,
+                cancel: threading.Event | None = None) -> CompileResult:
         """Blocks until ``spec`` is compiled or has failed (see the module docstring for the
-        outcomes). Thread-safe; at most ``processes`` compiles run at once."""
+        outcomes). Thread-safe; at most ``processes`` compiles run at once. ``cancel``: set
+        it to stop the compile (its child is killed within 50 ms)."""
         key = spec.key(fingerprint) if key is None else key
         timeout = self.config.compile_timeout_s if timeout_s is None else timeout_s
+        try:
+            spec.check_repetitions(self.config.max_repetition)
+        except GrammarError as exc:
+            return self._error(str(exc), exc.kind, fingerprint, key)
         if self._idle.empty():
             self._grow()
         worker = self._idle.get()
@@ -243,10 +273,10 @@ class CompilePool:
                 self.busy[busy_pid] = key
             t = time.monotonic()
             worker.send(["compile", fingerprint, spec.to_dict(), key])
-            head = worker.wait_compile(timeout)
+            head = worker.wait_compile(timeout, cancel)
             compiled = head == COMPILED
             if compiled:  # the limit was kept; serializing it may take a while
-                head = worker.wait_frame(SETUP_TIMEOUT_S)
+                head = worker.wait_frame(SETUP_TIMEOUT_S, cancel)
             # the envelope follows its header at once
             data = worker.wait_frame(SETUP_TIMEOUT_S) if head is not None else None
             if data is not None:
@@ -259,8 +289,14 @@ class CompilePool:
             # "alive" is no test here: only a wait that ran out of time is a timeout
             timed_out = worker.timed_out and not compiled
             starved = timed_out and worker.starved
+            cancelled = worker.cancelled
             pid, code = worker.process.pid, worker.process.poll()
             worker = self._replace(worker)
+            if cancelled:
+                self.cancelled += 1
+                return self._error(f"the compile of this {spec.kind} grammar was cancelled "
+                                   "(nobody waits for it any more); retry",
+                                   ErrorKind.GRAMMAR_UNAVAILABLE, fingerprint, key)
             if starved:
                 self.starved += 1
                 logger.warning("compiling %s got under %g s of CPU time in %.1f s (the "

@@ -8,13 +8,18 @@ frames: a small msgpack header ({"error", "error_kind", "compile_s", "load_s",
 "load_measured"}, what the cache decides on, so nobody unpacks a large envelope just to read
 it; ``load_s`` is measured or estimated from the size, see ``LoadCost``), then the envelope
 bytes (grammar_cache/envelope.py). Started by CompilePool, which kills it when a
-compile runs past its time limit (setup time is not counted).
+compile runs past its time limit (setup time is not counted). It dies with the process that
+started it (``--parent-pid``; Linux's parent-death signal), even in the middle of a compile,
+when it reads no pipe.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import resource
+import signal
 import struct
 import sys
 import time
@@ -72,10 +77,27 @@ class LoadCost:
         return seconds, True
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Asks the kernel for SIGKILL when the parent dies (Linux; elsewhere nothing), and
+    exits now if it already has (it died before the request: this process was adopted)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--memory-mb", type=int, default=8192)
+    ap.add_argument("--parent-pid", type=int, default=None)
     args = ap.parse_args()
+    die_with_parent(args.parent_pid)  # first: the imports below take seconds
     limit = args.memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 

@@ -76,6 +76,13 @@ class GrammarError(ValueError):
 
 class GrammarUnavailable(RuntimeError):
     """The grammar could not be had right now, through no fault of its own (the compile
-    process crashed, the cache is unreachable, the wait ran out). Never cached; retry."""
+    process crashed, the cache is unreachable, the wait ran out). Never cached; retry.
+    ``kind``: a transient ErrorKind, GRAMMAR_UNAVAILABLE unless told (OVERLOADED: the
+    compile queue was full, a 429 rather than a 503)."""
 
-    kind = ErrorKind.GRAMMAR_UNAVAILABLE
+    def __init__(self, message: str = "", kind: ErrorKind = ErrorKind.GRAMMAR_UNAVAILABLE):
+        super().__init__(message)
+        self.kind = ErrorKind(kind)
+
+    def __reduce__(self):  # keeps ``kind`` across pickling (Ray, processes)
+        return (type(self), (str(self), self.kind))

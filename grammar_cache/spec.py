@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -173,6 +174,25 @@ class GrammarSpec:
     def from_dict(cls, d: dict[str, Any]) -> "GrammarSpec":
         return cls(**d)
 
+    def check_repetitions(self, limit: int) -> None:
+        """Raises GrammarError (GRAMMAR_TOO_LARGE) naming the first bounded repetition over
+        ``limit``: a ``{n}`` / ``{n,m}`` of a regex, of a schema's ``pattern`` (or
+        ``patternProperties`` key), of an EBNF grammar (Lark: also ``~ n..m``), or a schema's
+        minLength / minItems / minProperties / minContains. Linear in the source, no compile:
+        what the cache checks before it queues a compile (``GrammarCacheConfig.max_repetition``).
+        Upper bounds of a schema (maxLength, maxItems) are left alone: xgrammar compiles them
+        as counters whatever their size, and real schemas use 32767 or 65535 often."""
+        if self.kind == "regex":
+            _check_counts(self.kind, self.source, limit, _REGEX_TOKENS, "of the regex")
+        elif self.kind in ("ebnf", "lark"):
+            _check_counts(self.kind, self.source, limit, _GRAMMAR_TOKENS, "of the grammar")
+        elif self.kind in ("json_schema", "structural_tag"):
+            try:
+                _check_schema(self.kind, json.loads(self.source), limit, "")
+            except RecursionError:
+                raise GrammarError(f"{self.kind} is nested too deep; flatten it",
+                                   ErrorKind.GRAMMAR_TOO_LARGE) from None
+
     def describe(self) -> str:
         src = self.source if len(self.source) <= 60 else self.source[:57] + "..."
         return f"{self.kind}({src})"
@@ -214,6 +234,74 @@ def _check_refs(node, depth: int = 0) -> None:
     elif isinstance(node, list):
         for value in node:
             _check_refs(value, depth + 1)
+
+
+# a bounded repetition {n}, {n,}, {,m} or {n,m}, or what must be skipped to find them:
+# an escape, a character class (a ']' right after '[' or '[^' is part of it) and, in a
+# grammar, a string literal, a comment and Lark's ``~ n`` / ``~ n..m``
+_COUNT = r"\{\s*(?P<low>[0-9]*)\s*(?:,\s*(?P<high>[0-9]*)\s*)?\}"
+_CLASS = r"\[\^?\]?(?:\\.|[^\]\\])*\]"
+_REGEX_TOKENS = re.compile(rf"\\.|{_CLASS}|{_COUNT}", re.S)
+_GRAMMAR_TOKENS = re.compile(
+    rf'"(?:\\.|[^"\\])*"|{_CLASS}|#[^\n]*|~\s*(?P<tlow>[0-9]+)(?:\s*\.\.\s*(?P<thigh>[0-9]+))?'
+    rf"|{_COUNT}", re.S)
+_MIN_KEYWORDS = ("minLength", "minItems", "minProperties", "minContains")
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas
+
+
+def _count(digits: str) -> int:
+    # a count too long for int() (over 4,300 digits) is over any limit all the same
+    return int(digits) if len(digits) <= 18 else 10**18
+
+
+def _check_counts(kind: str, text: str, limit: int, tokens: re.Pattern, where: str) -> None:
+    if not re.search("[0-9]{%d}" % len(str(limit)), text):
+        return  # no number as long as the limit: nothing over it (the usual case, fast)
+    for m in tokens.finditer(text):
+        groups = m.groupdict()
+        counts = [groups.get(g) for g in ("low", "high", "tlow", "thigh")]
+        largest = max((_count(c) for c in counts if c), default=0)
+        if largest > limit:
+            raise GrammarError(
+                f"{kind} grammar: the repetition {_shorten(m.group(0).strip())!r} at "
+                f"position {m.start()} {where} repeats "
+                f"{largest if largest < 10**18 else 'over 10**18'} times at most, over the "
+                f"limit of {limit} (grammar_cache.max_repetition); use a "
+                "smaller count, or an unbounded repetition ('*', '+')",
+                ErrorKind.GRAMMAR_TOO_LARGE)
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_schema(kind: str, node, limit: int, where: str) -> None:
+    """The patterns, grammars and minimum counts of a schema (or structural tag) and of
+    every schema inside it."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_schema(kind, item, limit, f"{where}/{i}")
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        path = f"{where}/{str(key).replace('~', '~0').replace('/', '~1')}"
+        if key in _DATA_KEYWORDS:
+            continue
+        if key == "pattern" and isinstance(value, str):
+            _check_counts(kind, value, limit, _REGEX_TOKENS, f"of the pattern at {path}")
+        elif key == "patternProperties" and isinstance(value, dict):
+            for regex in value:
+                _check_counts(kind, regex, limit, _REGEX_TOKENS,
+                              f"of the patternProperties key {regex[:60]!r} at {path}")
+        elif key == "grammar" and isinstance(value, str):  # a structural tag's EBNF
+            _check_counts(kind, value, limit, _GRAMMAR_TOKENS, f"of the grammar at {path}")
+        elif (key in _MIN_KEYWORDS and isinstance(value, int) and not isinstance(value, bool)
+              and value > limit):
+            raise GrammarError(
+                f"{kind} grammar: {key} {value} at {path} is over the limit of {limit} "
+                "(grammar_cache.max_repetition); lower it", ErrorKind.GRAMMAR_TOO_LARGE)
+        _check_schema(kind, value, limit, path)
 
 
 def _check_choices(choices) -> None:
