@@ -103,8 +103,8 @@ def for_exception(exc: BaseException, request_id: str | None = None) -> APIError
         return for_kind(ErrorKind.NO_WORKERS, f"no worker is alive: {cause}")
     if isinstance(cause, GrammarError):
         return for_kind(cause.kind, last_line(cause))
-    if isinstance(cause, GrammarUnavailable):
-        return for_kind(ErrorKind.GRAMMAR_UNAVAILABLE, last_line(cause))
+    if isinstance(cause, GrammarUnavailable):  # OVERLOADED (429) or GRAMMAR_UNAVAILABLE
+        return for_kind(cause.kind, last_line(cause))
     if isinstance(cause, TemplateError) and not isinstance(cause, TemplateSyntaxError):
         # the model's chat template refused these messages (raise_exception: "roles must
         # alternate", a missing key): the client's to change. A template that does not

@@ -299,8 +299,9 @@ class LLMEngine:
             if fut.done():
                 exc = fut.exception()
                 if exc is not None:  # a bad grammar, or the compile service failed
-                    kind = exc.kind if isinstance(exc, GrammarError) else \
-                        ErrorKind.GRAMMAR_UNAVAILABLE
+                    # GrammarError's kind, or GrammarUnavailable's (OVERLOADED: the
+                    # compile queue is full, a 429), else GRAMMAR_UNAVAILABLE
+                    kind = getattr(exc, "kind", None) or ErrorKind.GRAMMAR_UNAVAILABLE
                     outputs.append(self._finish(seq, "error", error=str(exc) or repr(exc),
                                                 error_kind=kind))
                     continue
