@@ -55,16 +55,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import fcntl
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.client import (GenerationRequest, GrammarSpec, NoWorkers, Overloaded,
+from cluster.client import (INFRASTRUCTURE_ERRORS, ErrorKind, GenerationRequest,
+                            GrammarSpec, GrammarUnavailable, NoWorkers, Overloaded,
                             RequestOutput, SamplingParams)
 from deploy import dialects
 
@@ -193,17 +197,28 @@ def load_schema(value: str) -> GrammarSpec:
 
 # ---- results -----------------------------------------------------------------------------
 
-def error_row(item: Item, error: str, out: RequestOutput | None = None) -> dict:
+def error_row(item: Item, error: str, out: RequestOutput | None = None, *,
+              kind: ErrorKind | None = None) -> dict:
+    """A failed line's row. A ``kind`` that is transient (the runtime failed underneath:
+    a worker died, the grammar cache was down) marks the row ``transient``: a resume runs
+    that line again rather than skipping it."""
     out = out or RequestOutput("")
-    return {"id": item.id, "line": item.line, "text": out.text, "finish_reason": "error",
-            "usage": {"prompt_tokens": out.prompt_tokens,
-                      "completion_tokens": out.completion_tokens},
-            "error": error}
+    row = {"id": item.id, "line": item.line, "text": out.text, "finish_reason": "error",
+           "usage": {"prompt_tokens": out.prompt_tokens,
+                     "completion_tokens": out.completion_tokens},
+           "error": error}
+    if kind is not None:
+        row["error_kind"] = kind.value
+        if kind.transient:
+            row["transient"] = True
+    return row
 
 
 def result_row(item: Item, out: RequestOutput) -> dict:
     if out.finish_reason == "error":
-        return error_row(item, out.error or "the request failed", out)
+        kind = ErrorKind.parse(getattr(out.error_kind, "value", out.error_kind)) \
+            if out.error_kind is not None else None
+        return error_row(item, out.error or "the request failed", out, kind=kind)
     row = {"id": item.id, "line": item.line, "text": out.text,
            "finish_reason": out.finish_reason,
            "usage": {"prompt_tokens": out.prompt_tokens,
@@ -215,8 +230,8 @@ def result_row(item: Item, out: RequestOutput) -> dict:
     if item.is_json:
         try:
             row["json"] = json.loads(row["text"])
-        except ValueError:
-            pass  # cut short by max_tokens: the text is there, the value is not
+        except (ValueError, RecursionError):
+            pass  # cut short by max_tokens (or beyond what Python reads): the text is there
     return row
 
 
@@ -229,36 +244,70 @@ def exception_message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _is_transient(exc: BaseException) -> bool:
+# failures of the machinery under a request, not of the line: a retry can succeed
+_INFRASTRUCTURE = (*INFRASTRUCTURE_ERRORS, TimeoutError, ConnectionError, OSError)
+
+
+def transient_kind(exc: BaseException) -> ErrorKind | None:
+    """The transient ErrorKind of an exception the runtime raised (the scheduler
+    overloaded or without workers, the grammar cache unavailable, a worker or actor
+    gone, a call timed out); None for the line's own fault or a bug."""
     cause = getattr(exc, "cause", None)
-    return isinstance(exc, (Overloaded, NoWorkers)) or isinstance(cause, (Overloaded, NoWorkers))
+    for e in (exc, cause) if isinstance(cause, BaseException) else (exc,):
+        if isinstance(e, Overloaded):
+            return ErrorKind.OVERLOADED
+        if isinstance(e, NoWorkers):
+            return ErrorKind.NO_WORKERS
+        if isinstance(e, GrammarUnavailable):
+            return e.kind if e.kind.transient else ErrorKind.GRAMMAR_UNAVAILABLE
+    if isinstance(exc, _INFRASTRUCTURE) and not isinstance(exc, ValueError):
+        return ErrorKind.WORKER_DIED  # an actor gone or unreachable, a call timed out
+    return None
 
 
-async def run_item(client, item: Item, *, attempts: int = 8) -> dict:
-    """The output row of one item; never raises (except on cancellation)."""
+# a transient failure is tried this many times in all, the waits doubling from the first
+# to the most (0.5 + 1 + 2 + 4 + 8 + 10 + 10 s: a worker restart, the cache actor back)
+RETRY_ATTEMPTS, RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S = 8, 0.5, 10.0
+
+
+async def run_item(client, item: Item) -> dict:
+    """The output row of one item; never raises (except on cancellation).
+
+    A transient failure (an exception from :func:`transient_kind`, or an output whose
+    ``error_kind`` is transient: a worker died, the grammar was unavailable) is retried
+    with backoff, RETRY_ATTEMPTS times in all; if it still fails, its row is written with
+    ``transient: true`` and a resume runs the line again."""
     if item.error is not None:
-        return error_row(item, item.error)
-    delay = 0.5
+        return error_row(item, item.error, kind=ErrorKind.BAD_REQUEST)
+    attempts, delay, max_delay_s = RETRY_ATTEMPTS, RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S
     for attempt in range(attempts):
+        request = item.request if attempt == 0 else dataclasses.replace(
+            item.request, request_id=f"{item.request.request_id}-r{attempt}")
         try:
-            return result_row(item, await client.complete(item.request))
+            row = result_row(item, await client.complete(request))
+            if not row.get("transient"):
+                return row
+            failed = row
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes this line's error
-            if _is_transient(exc) and attempt + 1 < attempts:
-                await asyncio.sleep(delay)  # every worker busy, or restarting: wait
-                delay = min(delay * 2, 10.0)
-                continue
-            return error_row(item, exception_message(exc))
-    raise AssertionError("unreachable")
+            kind = transient_kind(exc)
+            failed = error_row(item, exception_message(exc), kind=kind)
+            if kind is None:
+                return failed
+        if attempt + 1 < attempts:
+            await asyncio.sleep(delay)  # every worker busy, restarting, or the cache down
+            delay = min(delay * 2, max_delay_s)
+    return failed
 
 
 # ---- resume --------------------------------------------------------------------------------
 
 def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
     """Prepares the output file for appending and returns (ids to skip, error rows
-    dropped). Cuts a half-written last line; with retry_errors, rewrites the file without
-    its error rows (atomically) so the retried lines appear once."""
+    dropped). Cuts a half-written last line; rewrites the file (atomically) without the
+    rows to run again, so those lines appear once: rows marked ``transient`` (the runtime
+    failed underneath them) always, every error row with retry_errors."""
     if not os.path.exists(path):
         return set(), 0
     with open(path, "rb") as f:
@@ -269,28 +318,33 @@ def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
         with open(path, "r+b") as f:
             f.truncate(end)
         data = data[:end]
+
+    def redo(row: dict | None) -> bool:
+        return row is not None and bool(row.get("error")) and (
+            retry_errors or row.get("transient") is True)
+
     done, failed, rows = set(), set(), []
     for raw in data.splitlines(keepends=True):
         try:
             row = json.loads(raw)
             key = id_key(row["id"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             rows.append((raw, None))
             continue
-        (failed if row.get("error") else done).add(key)
+        if not row.get("error"):
+            done.add(key)
+        elif not redo(row):
+            failed.add(key)
         rows.append((raw, row))
-    failed -= done
-    if not retry_errors:
-        return done | failed, 0
-    dropped = [raw for raw, row in rows if row is not None and row.get("error")]
+    dropped = [raw for raw, row in rows if redo(row)]
     if dropped:
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "wb") as f:
-            f.writelines(raw for raw, row in rows if row is None or not row.get("error"))
+            f.writelines(raw for raw, row in rows if not redo(row))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    return done, len(dropped)
+    return done | failed, len(dropped)
 
 
 @dataclass
@@ -308,7 +362,9 @@ def plan(input_path: str, skip: set[str]) -> WorkPlan:
             continue
         try:
             key = id_key(line_id(json.loads(text), line))
-        except (TypeError, json.JSONDecodeError):
+        except (TypeError, ValueError, RecursionError):
+            # not UTF-8, not JSON, an integer of 4,300+ digits, nesting past the recursion
+            # limit: the line's id is its number, and parse_line makes it its error
             key = id_key(line)
         if key in skip:
             p.skipped += 1
@@ -378,6 +434,8 @@ async def process(item_iter, client, out_file, *, concurrency: int = 32, progres
                 out_file.flush()
                 counts["done"] += 1
                 counts["errors"] += "error" in r
+                if r.get("transient") is True:
+                    counts["transient"] = counts.get("transient", 0) + 1
                 if progress is not None:
                     progress.update(1)
                 state["next"] += 1
@@ -416,8 +474,75 @@ def _connect(address: str | None) -> None:
         launch.connect(None)  # none: a Ray instance in this process
 
 
-def acquire_runtime(args) -> tuple[dict, list[str]]:
-    """(handles, names of the actors this job started)."""
+# A runtime a batch job starts is not detached: Ray ends its actors with the job. A second
+# job that found it would lose it when the first ends, and its own `launch.up` would take
+# over the first job's actors by name. So a job that starts a runtime first creates this
+# named actor (creating a name that exists fails: a cluster-wide claim, released by Ray when
+# the job dies); a job that finds the claim waits for that job's runtime to go away.
+RUNTIME_CLAIM = "rayguide_batch_job_runtime"
+
+
+def _claim_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class BatchJobRuntimeClaim:
+        def __init__(self, owner: str):
+            self.owner = owner
+
+        def who(self) -> str:
+            return self.owner
+
+    return BatchJobRuntimeClaim
+
+
+def runtime_claim_owner() -> str | None:
+    """Who holds the claim (another batch job's own runtime is on the cluster), or None."""
+    import ray
+
+    from cluster.client import NAMESPACE
+
+    try:
+        return ray.get(ray.get_actor(RUNTIME_CLAIM, namespace=NAMESPACE).who.remote(),
+                       timeout=30)
+    except ValueError:
+        return None  # no claim
+    except Exception:  # noqa: BLE001 - it died between the lookup and the call
+        return None
+
+
+def claim_runtime(owner: str) -> bool:
+    """Takes the claim for a runtime this job starts; False when another job holds it."""
+    import ray
+
+    from cluster.client import NAMESPACE
+
+    try:
+        claim = _claim_class().options(name=RUNTIME_CLAIM, namespace=NAMESPACE).remote(owner)
+    except ValueError:  # the name is taken
+        return False
+    try:
+        if ray.get(claim.who.remote(), timeout=60) != owner:
+            return False
+    except Exception:  # noqa: BLE001 - killed as it started (`rayguide down`): try again
+        return False
+    _held_claim.append(claim)  # a named actor lives while a handle to it does
+    return True
+
+
+_held_claim: list = []
+
+
+def job_label() -> str:
+    """This job as the claim names it to a job that waits: Ray's job id, pid and host."""
+    import ray
+
+    return f"{ray.get_runtime_context().get_job_id()} (pid {os.getpid()} on " \
+           f"{socket.gethostname()})"
+
+
+def acquire_runtime(args, *, poll_s: float = 5.0) -> tuple[dict, list[str]]:
+    """(handles, names of the actors this job started, its runtime claim last)."""
     import ray
 
     from cluster import launch
@@ -425,50 +550,122 @@ def acquire_runtime(args) -> tuple[dict, list[str]]:
     from cluster.client import NAMESPACE
 
     _connect(args.address)
-    try:
-        handles = launch.handles()
-        if not handles["workers"]:
-            raise ValueError("the rayguide runtime on this cluster has no workers")
-        ignored = [f for f in ("model", "workers", "config") if getattr(args, f) is not None]
-        if ignored:
-            print(f"batch_job: using the running runtime; ignoring "
-                  f"{', '.join('--' + f for f in ignored)}", file=sys.stderr)
-        return handles, []
-    except ValueError as exc:
-        if "no rayguide runtime" not in str(exc):
-            raise
+    me = job_label()
+    told = False
+    while True:
+        owner = runtime_claim_owner()
+        if owner is not None:  # another job's runtime: it ends with that job
+            if not told:
+                print(f"batch_job: the runtime on this cluster belongs to batch job {owner} "
+                      "and ends with it; waiting for it to end (run `rayguide up` for a "
+                      "runtime several jobs share)", file=sys.stderr)
+                told = True
+            time.sleep(poll_s)
+            continue
+        try:
+            handles = launch.handles()
+            if not handles["workers"]:
+                raise ValueError("the rayguide runtime on this cluster has no workers")
+        except ValueError as exc:
+            if runtime_claim_owner() is not None:
+                continue  # another job is starting its runtime
+            if "no rayguide runtime" not in str(exc):
+                raise
+        else:
+            if runtime_claim_owner() is not None:
+                continue  # found as another job started it
+            ignored = [f for f in ("model", "workers", "config") if getattr(args, f) is not None]
+            if ignored:
+                print(f"batch_job: using the running runtime; ignoring "
+                      f"{', '.join('--' + f for f in ignored)}", file=sys.stderr)
+            return handles, []
+        if claim_runtime(me):
+            break
     overrides = {"model": args.model, "num_workers": args.workers}
-    config = (ClusterConfig.from_yaml(args.config, **overrides) if args.config else
-              ClusterConfig(**{k: v for k, v in overrides.items() if v is not None}))
 
     def names():
         return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["namespace"] == NAMESPACE}
 
-    before = names()
-    print(f"batch_job: no runtime running; starting one ({config.num_workers} workers, "
-          f"model {config.model or 'default'})", file=sys.stderr)
-    started = time.monotonic()
+    before = names() | {RUNTIME_CLAIM}
     try:
+        config = (ClusterConfig.from_yaml(args.config, **overrides) if args.config else
+                  ClusterConfig(**{k: v for k, v in overrides.items() if v is not None}))
+        print(f"batch_job: no runtime running; starting one ({config.num_workers} workers, "
+              f"model {config.model or 'default'})", file=sys.stderr)
+        started = time.monotonic()
         handles = launch.up(config)
     except BaseException:
-        release_runtime(sorted(names() - before))
+        release_runtime(sorted(names() - before) + [RUNTIME_CLAIM])
         raise
     owned = sorted(names() - before)
     print(f"batch_job: runtime up in {time.monotonic() - started:.1f} s", file=sys.stderr)
-    return handles, owned
+    return handles, owned + [RUNTIME_CLAIM]
 
 
-def release_runtime(owned: list[str]) -> None:
+def release_runtime(owned: list[str], timeout_s: float = 30.0) -> None:
+    """Kills the actors this job started, the claim last, once the others are gone (a
+    job waiting for the claim must not find this runtime half dead)."""
     import ray
 
     from cluster.client import NAMESPACE
 
-    for name in owned:
+    def kill(name: str) -> None:
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
+
+    runtime = [n for n in owned if n != RUNTIME_CLAIM]
+    for name in runtime:
+        kill(name)
+    deadline = time.monotonic() + timeout_s
+    while runtime and time.monotonic() < deadline:
+        alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == NAMESPACE}
+        if not alive & set(runtime):
+            break
+        time.sleep(0.2)
+    if RUNTIME_CLAIM in owned:
+        kill(RUNTIME_CLAIM)
+        _held_claim.clear()
+
+
+# ---- the output's lock ---------------------------------------------------------------------
+
+def lock_output(path: str) -> int:
+    """An exclusive lock (``fcntl.flock``) on ``PATH.lock`` for the run's length, so two
+    runs never append to one output; returns its file descriptor. Raises ValueError when
+    another run holds it (flock works between processes of one machine, and on NFS v4)."""
+    lock_path = f"{path}.lock"
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 256).decode("utf-8", "replace").strip()
+            os.close(fd)
+            raise ValueError(f"--output {path} is in use by another batch job "
+                             f"({holder or 'it holds ' + lock_path}); wait for it to end or "
+                             "give another --output") from None
+        try:
+            ours = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            ours = False
+        if ours:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+            return fd
+        os.close(fd)  # its holder removed it as we opened it: lock the new one
+
+
+def unlock_output(path: str, fd: int) -> None:
+    """Removes the lock file (while holding it: nobody else can) and releases it."""
+    try:
+        os.unlink(f"{path}.lock")
+    except FileNotFoundError:
+        pass
+    os.close(fd)
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -516,6 +713,7 @@ def main(argv=None) -> int:
         print(f"batch_job: warning: --output {args.output} is relative: it is written into "
               f"the job's copy of the working directory ({os.getcwd()}); give an absolute "
               "path to keep it", file=sys.stderr)
+    lock = None
     try:
         default_grammar = load_schema(args.schema) if args.schema else None
         if os.path.abspath(args.input) == os.path.abspath(args.output):
@@ -523,13 +721,23 @@ def main(argv=None) -> int:
         if not os.path.isfile(args.input):
             raise ValueError(f"--input {args.input}: no such file")
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        lock = lock_output(args.output)
         skip, dropped = scan_output(args.output, args.retry_errors)
         work = plan(args.input, skip)
     except (ValueError, OSError) as exc:
+        if lock is not None:
+            unlock_output(args.output, lock)
         print(f"batch_job: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, work, dropped, default_grammar, started)
+    finally:
+        unlock_output(args.output, lock)
+
+
+def _run(args, work: WorkPlan, dropped: int, default_grammar, started: float) -> int:
     if dropped:
-        print(f"batch_job: retrying {dropped} lines that failed before", file=sys.stderr)
+        print(f"batch_job: running again {dropped} lines that failed before", file=sys.stderr)
     counts = {"done": 0, "errors": 0}
     owned: list[str] = []
     code = 0
@@ -564,6 +772,10 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, previous)
         if owned:
             release_runtime(owned)
+    if counts.get("transient"):
+        print(f"batch_job: {counts['transient']} lines failed because the runtime failed "
+              "under them (a worker or the grammar cache down); run again to redo them",
+              file=sys.stderr)
     print(f"batch_job: done={counts['done']} skipped={work.skipped} errors={counts['errors']} "
           f"seconds={time.monotonic() - started:.1f} output={os.path.abspath(args.output)}",
           flush=True)
