@@ -22,23 +22,36 @@ Output: one JSON object per input line, in input order: ``id``, ``line``, ``text
 ``finish_reason`` (``stop``, ``length`` or ``error``), ``usage`` (``prompt_tokens``,
 ``completion_tokens``), for a JSON format (``schema``, ``json_schema``, ``json_object``)
 the parsed value as ``json`` when the text parses (a ``length`` finish can cut it short),
-and ``error`` when the line failed: malformed JSON, no prompt, a bad parameter, an
-invalid schema or regex, a worker error. A failed line never stops the job. Each result
-is written (and flushed) as soon as every earlier line is written, so an interrupted job
-leaves a finished prefix.
+and ``error`` (with ``error_kind``, an ErrorKind value, when known) when the line failed:
+malformed JSON (also an integer of over 4,300 digits, nesting past Python's recursion
+limit), no prompt, a bad parameter, an invalid schema or regex, a worker error. A failed
+line never stops the job. Each result is written (and flushed) as soon as every earlier
+line is written, so an interrupted job leaves a finished prefix.
+
+Transient failures (the runtime failing under a line: a worker died, the grammar cache
+down, no worker, every worker overloaded, a call timed out) are retried with backoff, 8
+tries over about 35 s, each under a new request id. One that outlasts them is written as
+an error row with ``transient: true``.
 
 Resume: re-running with the same ``--output`` skips every id that already has a result
-there and appends the rest (a half-written last line is cut off first). Lines whose
-result is an error are skipped too, unless ``--retry-errors``: then their error rows are
-removed from the output file and the lines run again, their new results appended after
-the others (so the file is in input order except for those).
+there and appends the rest (a half-written last line is cut off first). Rows marked
+``transient`` are removed and their lines run again. Other error rows are skipped too,
+unless ``--retry-errors``: then they are removed and their lines run again. Lines run
+again have their new results appended after the others (so the file is in input order
+except for those).
+
+Lock: a run holds an exclusive ``flock`` on ``OUTPUT.lock`` from start to end (removed
+when it ends); a second run on the same output exits 2, naming the holder.
 
 Runtime: the job uses the running runtime (``rayguide up``) of the cluster it runs on
 (``--address``, default: the cluster of the Ray job, else a running local one). If there
 is none, it starts its own for the job's length, from ``--model``, ``--workers`` and
 ``--config`` (a YAML file as for ``rayguide up``); those flags are ignored when a runtime
 is running. It kills the actors it started when it ends (they are owned by the job, so
-Ray removes them anyway if it is killed); it never touches a runtime it found.
+Ray removes them anyway if it is killed); it never touches a runtime it found. A job's own
+runtime is claimed (a named actor, ``rayguide_batch_job_runtime``): another job that finds
+the claim waits for that runtime to end and then starts its own, so jobs never share (or
+kill) each other's runtime; for several jobs at once, run ``rayguide up`` first.
 
 Paths are read and written by the job's driver, on the head node; in a Ray job a relative
 path is relative to the uploaded copy of the working directory, so give an absolute
@@ -47,8 +60,9 @@ path is relative to the uploaded copy of the working directory, so give an absol
 ``--concurrency`` (32) requests are in flight at once; progress goes to stderr (tqdm) and
 a last line to stdout: ``batch_job: done=N skipped=N errors=N seconds=S output=PATH``
 (done: lines run by this run, errors among them; skipped: already in the output).
-Exit code 0 when the job ran (whatever the per-line errors), 2 for bad flags or files,
-1 when the runtime cannot be reached or started, 130 when interrupted.
+Exit code 0 when the job ran (whatever the per-line errors; transient ones are counted
+on stderr), 2 for bad flags or files (or an output another run holds), 1 when the runtime
+cannot be reached or started, 130 when interrupted.
 """
 
 from __future__ import annotations
