@@ -306,9 +306,11 @@ async def run_item(client, item: Item) -> dict:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes this line's error
             kind = transient_kind(exc)
+            if kind is None:  # the line's fault (its own kind, when it has one) or a bug
+                own = getattr(getattr(exc, "cause", None) or exc, "kind", None)
+                return error_row(item, exception_message(exc),
+                                 kind=own if isinstance(own, ErrorKind) else None)
             failed = error_row(item, exception_message(exc), kind=kind)
-            if kind is None:
-                return failed
         if attempt + 1 < attempts:
             await asyncio.sleep(delay)  # every worker busy, restarting, or the cache down
             delay = min(delay * 2, max_delay_s)

@@ -138,6 +138,7 @@ def test_lasting_transient_failure_is_redone_by_a_resume(tmp_path):
     assert len([c for c in client.calls if c[0] == "refused"]) == 1  # the line's fault
     assert rows[1]["transient"] is True and rows[1]["error_kind"] == "worker_died"
     assert "transient" not in rows[2] and "invalid json_schema" in rows[2]["error"]
+    assert rows[2]["error_kind"] == "invalid_grammar"
     assert counts == {"done": 3, "errors": 2, "transient": 1}
     # a plain resume (no --retry-errors) runs the transient line again, once in the file
     client = Client()
