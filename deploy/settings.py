@@ -1,5 +1,5 @@
-"""The endpoint's settings: one pydantic model, and every limit a request is checked
-against, defined once here and honoured on every path (HTTP, batch job).
+"""The endpoint's settings: one pydantic model, and every limit an HTTP request is checked
+against, defined once here (the batch job reads its lines with its own checks).
 
 ``AppSettings`` are the app's arguments (``build_app(args)``, a Serve config's ``args``,
 ``serve run ... key=value`` pairs, which arrive as strings and are converted by pydantic).
