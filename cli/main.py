@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
     srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' (default: $RAYGUIDE_API_KEY)")
+                     help="require 'Authorization: Bearer KEY' (default: $RAYGUIDE_API_KEY); "
+                     "needed to serve on a non-loopback --host")
+    srv.add_argument("--allow-open", action="store_true",
+                     help="serve on a non-loopback --host with no API key (anyone who can "
+                     "reach it can use it; e.g. behind your own authenticating proxy)")
     srv.add_argument("--replicas", type=int, default=1, help="HTTP front-end replicas")
     gen = sub.add_parser("generate", help="run prompts through the engine locally (no Ray)")
     add_generate_args(gen)
@@ -105,7 +109,7 @@ def run_cluster_command(args) -> int:
             return 0
         record = launch.connect_target(args.address)
         if args.command == "down":
-            print(f"stopped {launch.down()} rayguide actors")
+            print(f"stopped {launch.down(every=True)} rayguide actors")
             if record is not None and not args.keep_ray:
                 import ray
 
@@ -147,7 +151,7 @@ def run_serve(args) -> int:
     from ray.exceptions import RayError
 
     from cluster.config import ClusterConfig
-    from deploy import service
+    from deploy import exposure, service
 
     try:
         overrides = dict(address=args.address, num_workers=args.workers, model=args.model)
@@ -160,6 +164,19 @@ def run_serve(args) -> int:
     host = args.host or config.serve.host
     port = args.port or config.serve.port
     api_key = args.api_key or os.environ.get("RAYGUIDE_API_KEY") or None
+    refusal = exposure.open_refusal(host, api_key, args.allow_open)
+    if refusal is not None:
+        print(f"rayguide: {refusal}", file=sys.stderr)
+        return 2
+    if not api_key and not exposure.is_loopback(host):
+        print(f"rayguide: WARNING: --allow-open: serving on {host}:{port} with NO API key; "
+              "anyone who can reach this address can use the endpoint", file=sys.stderr)
+    if config.address is None:
+        # the private Ray instance gets no Prometheus exporter: Ray binds it to every
+        # interface (cluster/launch.py private_instance_options); a user's setting wins
+        from cluster import launch
+
+        os.environ.setdefault(launch.METRICS_ENV, "0")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -168,7 +185,13 @@ def run_serve(args) -> int:
     try:
         svc = service.start(config, host=host, port=port, api_key=api_key,
                             num_replicas=args.replicas, progress=service._stderr_progress)
-    except (ValueError, ConnectionError, TimeoutError, RuntimeError, RayError) as exc:
+    except BaseException as exc:
+        # on a cluster (--address) the app is detached: left behind, it would answer 500s
+        # for a runtime that ends with this process
+        _clean_failed_start(config)
+        if not isinstance(exc, (ValueError, ConnectionError, TimeoutError, RuntimeError,
+                                RayError)):
+            raise
         # RayError: an actor failed to start (a bad model path, out of memory): its text
         # names the cause
         print(f"rayguide: could not start: {exc}", file=sys.stderr)
@@ -176,20 +199,46 @@ def run_serve(args) -> int:
     print(f"rayguide: serving the OpenAI API at {svc.url}/v1 (Ctrl-C stops). Try:\n\n"
           f"{svc.curl_example()}\n", flush=True)
     code = 0
-    # every 2 s: rebuild what died for good; exit non-zero when that is impossible, so a
-    # supervisor (systemd, k8s) restarts the whole thing rather than it answering 503s
-    while not stop.wait(2.0):
-        try:
-            service.heal(svc)
-        except service.RuntimeLost as exc:
-            print(f"rayguide: the runtime is lost and cannot be rebuilt here: {exc}. "
-                  "Exiting with status 3; restart `rayguide serve` (a supervisor "
-                  "such as systemd or Kubernetes does this on its own).", file=sys.stderr)
-            code = 3
-            break
-    print("rayguide: shutting down", file=sys.stderr)
-    service.stop(svc)
+    try:
+        # every 2 s: rebuild what died for good; exit non-zero when that is impossible, so
+        # a supervisor (systemd, k8s) restarts the whole thing rather than it answering 503s
+        while not stop.wait(2.0):
+            try:
+                service.heal(svc)
+            except service.RuntimeLost as exc:
+                print(f"rayguide: the runtime is lost and cannot be rebuilt here: {exc}. "
+                      "Exiting with status 3; restart `rayguide serve` (a supervisor "
+                      "such as systemd or Kubernetes does this on its own).", file=sys.stderr)
+                code = 3
+                break
+    finally:  # also when the loop itself fails: never leave the app behind
+        print("rayguide: shutting down", file=sys.stderr)
+        service.stop(svc)
     return code
+
+
+def _clean_failed_start(config) -> None:
+    """After a failed ``service.start``: deletes the Serve app it may have deployed and
+    stops the runtime actors this process created (never others'). On a private instance
+    (no ``--address``) both end with this process anyway."""
+    import ray
+    from ray import serve
+
+    from cluster import launch
+    from deploy import service
+
+    if not ray.is_initialized():
+        return
+    if config.address is not None:
+        try:
+            serve.delete(service.APP_NAME)
+        except Exception as exc:  # Serve never started, or Ray went away: nothing to delete
+            print(f"rayguide: could not delete the Serve app {service.APP_NAME!r}: {exc}",
+                  file=sys.stderr)
+    try:
+        launch.down()
+    except Exception as exc:
+        print(f"rayguide: could not stop the runtime's actors: {exc}", file=sys.stderr)
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:

@@ -48,9 +48,28 @@ def connect(address: str | None = None, *, start_head: bool = False) -> None:
         use_head_token(record)
         address = record["address"]
     if address is None:  # a new instance, even when `ray start` runs one on this machine
-        kwargs["include_dashboard"] = False
+        kwargs.update(private_instance_options())
         address = "local"
     ray.init(address=address, **kwargs)
+
+
+# Ray's switch for its metrics agent's Prometheus exporter (a RayConfig entry, also read
+# from the environment by every Ray process)
+METRICS_ENV = "RAY_enable_metrics_collection"
+
+
+def private_instance_options(environ=os.environ) -> dict:
+    """``ray.init`` options for a Ray instance started inside this process, reachable from
+    this machine only as far as Ray allows: no dashboard (and so no job API), and no
+    Prometheus exporter. Ray's metrics agent binds its exporter to every interface unless
+    the node IP is loopback, and ``ray.init`` replaces a loopback ``_node_ip_address``
+    with the routable one, so the exporter is turned off instead (rayguide's own counters
+    are on the endpoint's ``/metrics``). ``RAY_enable_metrics_collection`` set in the
+    environment wins."""
+    options: dict = {"include_dashboard": False}
+    if METRICS_ENV not in environ:
+        options["_system_config"] = {"enable_metrics_collection": False}
+    return options
 
 
 # A head started by `rayguide up` -----------------------------------------------------------
@@ -176,6 +195,11 @@ def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
         cmd.append(f"--node-ip-address={listen}")
     env = dict(os.environ, RAY_AUTH_MODE="token")
     env.pop("RAY_ADDRESS", None)
+    if _is_loopback(listen):
+        # Ray's Prometheus exporter binds every interface unless the node IP is loopback,
+        # which `ray start` never keeps: a this-machine-only head gets none (an
+        # RAY_enable_metrics_collection of the user's wins)
+        env.setdefault(METRICS_ENV, "0")
     if token_file is not None:
         env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
     # its own session: the head's processes are found (and stopped) by its session id
@@ -199,6 +223,10 @@ def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
               "started_at": time.time()}
     head_record_path().write_text(json.dumps(record, indent=1))
     return record
+
+
+def _is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 def head_processes(record: dict) -> list[int]:
@@ -265,10 +293,18 @@ def ray_executable() -> str:
     return local if os.path.exists(local) else "ray"
 
 
+# the names of the actors this process created (``up``): what ``down()`` stops by default
+_created_here: set[str] = set()
+
+
 def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> dict:
     """Starts (or finds) every component; returns their handles. Keep them: actors that are
     not detached end when the last handle to them goes away."""
     connect(config.address, start_head=detached)
+    names = [CACHE_NAME, SCHEDULER_NAME] + [f"{WORKER_PREFIX}{i}"
+                                            for i in range(config.num_workers)]
+    existing = set(_named_actors())
+    _created_here.update(n for n in names if n not in existing)
     lifetime = "detached" if detached else None
     cache = get_or_create_actor(GrammarCacheConfig(**config.grammar_cache), detached=detached,
                                 resources=config.control_resources)
@@ -335,11 +371,21 @@ def status() -> dict:
             "workers": ray.get([w.load.remote() for w in h["workers"]])}
 
 
-def down() -> int:
-    """Kills every rayguide actor; returns how many it killed (one that went away meanwhile
-    is not counted)."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE]
+def _named_actors() -> list[str]:
+    """The names of the rayguide runtime's actors on the cluster (the cache, the scheduler,
+    the workers; other actors that share the namespace are not the runtime's)."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE
+            and (a["name"] in (CACHE_NAME, SCHEDULER_NAME)
+                 or a["name"].startswith(WORKER_PREFIX))]
+
+
+def down(*, every: bool = False) -> int:
+    """Kills the runtime actors this process created with ``up`` (``every``: all of the
+    runtime's actors on the cluster, whoever started them: ``rayguide down``); returns how
+    many it killed (one that went away meanwhile is not counted). Actors of the namespace
+    that are not the runtime's are never touched."""
+    names = [n for n in _named_actors() if every or n in _created_here]
     killed = 0
     for name in names:
         try:
@@ -347,6 +393,7 @@ def down() -> int:
         except ValueError:  # it went away between the listing and the lookup
             continue
         ray.kill(actor, no_restart=True)
+        _created_here.discard(name)
         killed += 1
     return killed
 

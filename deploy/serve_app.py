@@ -34,7 +34,7 @@ from ray import serve
 
 from cluster import launch
 from cluster.client import ErrorKind, RequestOutput, RuntimeClient
-from deploy import dialects
+from deploy import dialects, exposure
 from deploy import openai_api as api
 from deploy import responses
 from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_line,
@@ -200,6 +200,9 @@ class OpenAIServer:
             raise
 
     def _auth(self, request: Request) -> None:
+        refusal = exposure.refusal_of(request, api_key_configured=bool(self.settings.api_key))
+        if refusal is not None:  # a web page or a rebound DNS name (deploy/exposure.py)
+            raise APIError(refusal.status, refusal.message, code=refusal.code)
         key = self.settings.api_key
         if not key:
             return

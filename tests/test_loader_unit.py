@@ -27,7 +27,7 @@ def test_not_a_reference(tmp_path):
         resolve_model_dir(str(tmp_path / "missing" / "dir"))
 
 
-def test_hub_id_goes_through_huggingface_hub(monkeypatch, tmp_path):
+def test_hub_model_goes_through_huggingface_hub(monkeypatch, tmp_path):
     # the real hub code path, offline (no network here): it looks in an empty cache and
     # huggingface_hub itself says the files are not there
     import huggingface_hub.constants
@@ -36,7 +36,7 @@ def test_hub_id_goes_through_huggingface_hub(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(Exception) as info:
-        resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+        resolve_model_dir("hf:HuggingFaceTB/SmolLM2-135M-Instruct")
     assert type(info.value).__module__.startswith("huggingface_hub")
 
 

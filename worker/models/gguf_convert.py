@@ -55,6 +55,51 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "rayguide"
 
 
+def cache_subdir(name: str) -> Path:
+    """``cache_root()/name``, created when missing, writable by this user only whatever
+    the umask (``mkdir -p`` would give a umask-002 user group-writable folders, which
+    ``check_private`` then refuses)."""
+    root = cache_root()
+    root.parent.mkdir(parents=True, exist_ok=True)
+    for folder in (root, root / name):
+        try:
+            folder.mkdir(mode=0o755)
+        except FileExistsError:
+            pass
+    return root / name
+
+
+def check_private(path: str | os.PathLike, root: Path | None = None) -> None:
+    """Raises PermissionError unless ``path`` and every folder from the cache root down to
+    it are owned by this user and writable by no one else. What rayguide loads from its
+    cache (C kernel libraries, converted models, compiled grammars) runs in or steers its
+    processes: anyone who could write there could replace it. A missing path passes
+    (there is nothing to load)."""
+    root = Path(root or cache_root())
+    path = Path(path)
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:  # outside the cache: only the path itself
+        chain = [path]
+    else:
+        chain = [root] + [root.joinpath(*parts[:i + 1]) for i in range(len(parts))]
+    for item in chain:
+        try:
+            st = item.stat()
+        except FileNotFoundError:
+            return
+        if st.st_uid != os.getuid():
+            problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+        elif st.st_mode & 0o022:
+            problem = f"is writable by its group or others (mode {st.st_mode & 0o777:o})"
+        else:
+            continue
+        raise PermissionError(
+            f"{item} {problem}: rayguide loads kernels, models and grammars from its cache "
+            f"({root}) only when they are this user's alone. Fix it (`chmod go-w {item}` "
+            "or `chown`), or set RAYGUIDE_CACHE_DIR to a private folder")
+
+
 def converted_dir_for(gguf_path: str | os.PathLike) -> Path:
     """Cache directory for one GGUF file: ``<stem>-<hash of path, size, mtime>``, so a
     replaced or edited file gets a fresh conversion."""
@@ -177,6 +222,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache may be read by other users
         _convert_into(src, tmp, progress)
+        for item in tmp.iterdir():  # readable by others, writable by this user only
+            item.chmod(item.stat().st_mode & ~0o022)
         if out.exists():  # an incomplete or outdated conversion
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -222,12 +269,16 @@ def ensure_converted(gguf_path: str | os.PathLike | None = None, *,
     out = converted_dir_for(src)
     if not _is_complete(out):
         _convert_locked(src, out, progress)
+    for item in [out, *out.iterdir()]:
+        check_private(item)
     if gguf_path is None:  # also a conversion made before the defaults were written
         write_sampling_defaults(out, DEFAULT_MODEL_SAMPLING)
     return out
 
 
 def _convert_locked(src: Path, out: Path, progress: bool) -> Path:
+    if out.parent == cache_root() / "models":
+        cache_subdir("models")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

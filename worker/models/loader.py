@@ -5,7 +5,11 @@ A model reference is one of:
   converted once to an HF-format directory in the cache;
 - a path to a ``.gguf`` file: converted once the same way;
 - a path to an HF-format directory (config.json + *.safetensors + tokenizer files);
-- an HF hub id (``org/name``): downloaded through huggingface_hub (needs network access).
+- ``hf:org/name@revision``: downloaded from the Hugging Face hub through huggingface_hub
+  (needs network access), pinned to ``revision`` (a commit hash, branch or tag) and read
+  from the local hub cache once there; ``hf:org/name`` fetches the newest at every start.
+  A bare ``org/name`` is refused: a download is asked for, never inferred from a path
+  that happens not to exist.
 """
 
 from __future__ import annotations
@@ -25,6 +29,17 @@ from worker.models.llama import LlamaForCausalLM
 logger = logging.getLogger(__name__)
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+HUB_PREFIX = "hf:"
+
+
+def parse_hub_reference(model: str) -> tuple[str, str | None]:
+    """``hf:org/name[@revision]`` -> ``("org/name", revision or None)``; ValueError naming
+    the expected form otherwise."""
+    repo, _, revision = model[len(HUB_PREFIX):].partition("@")
+    if repo.count("/") != 1 or not all(repo.split("/")) or (_ and not revision):
+        raise ValueError(f"model {model!r}: a hub model is written 'hf:org/name@revision' "
+                         "(the revision, a commit hash, pins what is downloaded)")
+    return repo, revision or None
 
 
 def resolve_model_dir(model: str | os.PathLike | None, *, progress: bool = True) -> Path:
@@ -33,6 +48,8 @@ def resolve_model_dir(model: str | os.PathLike | None, *, progress: bool = True)
 
     if model is None:
         return ensure_converted(None, progress=progress)
+    if str(model).startswith(HUB_PREFIX):
+        return _hub_snapshot(*parse_hub_reference(str(model)))
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -45,10 +62,31 @@ def resolve_model_dir(model: str | os.PathLike | None, *, progress: bool = True)
         return path
     if path.exists() or str(model).startswith((".", "/", "~")) or str(model).count("/") != 1:
         raise FileNotFoundError(f"model {str(model)!r} is neither a directory with config.json, "
-                                "a .gguf file, nor a hub id like 'org/name'")
-    from huggingface_hub import snapshot_download
+                                "a .gguf file, nor a hub model like 'hf:org/name@revision'")
+    raise FileNotFoundError(
+        f"model {str(model)!r} is not a local directory with config.json or a .gguf file. "
+        f"To download it from the Hugging Face hub, say so: '{HUB_PREFIX}{model}@REVISION' "
+        "(a commit hash pins what is downloaded; without '@REVISION' the newest is fetched "
+        "at every start)")
 
-    return Path(snapshot_download(repo_id=str(model), allow_patterns=_HUB_PATTERNS))
+
+def _hub_snapshot(repo: str, revision: str | None) -> Path:
+    """The hub model's files: a pinned revision already in the local hub cache is used as
+    it is (no network); anything else is downloaded (resumed, checked by huggingface_hub)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    if revision is None:
+        logger.warning("model hf:%s is not pinned: the newest revision is fetched at every "
+                       "start; pin it as hf:%s@<commit>", repo, repo)
+    else:
+        try:
+            return Path(snapshot_download(repo_id=repo, revision=revision,
+                                          allow_patterns=_HUB_PATTERNS, local_files_only=True))
+        except LocalEntryNotFoundError:
+            pass
+    return Path(snapshot_download(repo_id=repo, revision=revision,
+                                  allow_patterns=_HUB_PATTERNS))
 
 
 # what our model reads from config.json whose default depends on the model type: the fast

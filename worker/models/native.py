@@ -32,9 +32,9 @@ KERNELS = Path(__file__).parent / "kernels"
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("RAYGUIDE_CACHE_DIR")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "rayguide"
-    return root / "kernels"
+    from worker.models.gguf_convert import cache_root
+
+    return cache_root() / "kernels"
 
 
 def cpu_model() -> str:
@@ -59,9 +59,19 @@ def build(source: Path) -> Path:
     text = source.read_bytes()
     tag = hashlib.sha256(text + " ".join(FLAGS).encode() + platform.machine().encode()
                          + cpu_model().encode()).hexdigest()[:16]
+    from worker.models.gguf_convert import cache_subdir, check_private
+
     out = cache_dir() / f"{source.stem}-{tag}.so"
+    try:
+        check_private(out)
+    except PermissionError as exc:  # never load a library others could have replaced
+        private = Path(tempfile.mkdtemp(prefix="rayguide-kernels-"))
+        logger.warning("%s; building %s in %s for this process instead", exc, source.name,
+                       private)
+        out = private / out.name
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.parent == cache_dir():
+            cache_subdir("kernels")
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
         os.close(fd)
         cc = os.environ.get("CC", "cc")
