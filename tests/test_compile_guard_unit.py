@@ -369,6 +369,10 @@ HANGING_CHILD = textwrap.dedent("""
 
 
 def test_pool_cancel_kills_the_compiling_child(monkeypatch):
+    from grammar_cache import envelope
+    # the fake child reports serialization version "test", which the pool teaches the
+    # envelope module: put it back after, or later tests in this process see a mismatch
+    monkeypatch.setattr(envelope, "_serialization", envelope._serialization)
     def popen(self):
         return subprocess.Popen([sys.executable, "-c", HANGING_CHILD], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, bufsize=0, cwd=ROOT,

@@ -391,7 +391,8 @@ def test_up_records_the_actors_it_creates(fake_cluster, monkeypatch):
     fake_worker = SimpleNamespace(options=lambda **kw: SimpleNamespace(
         remote=lambda *a: kw["name"]))
     monkeypatch.setattr(launch, "WorkerActor", fake_worker)
-    launch.up(ClusterConfig(num_workers=2), wait=False)
+    start = launch.up  # connect and every actor are faked above: no Ray starts
+    start(ClusterConfig(num_workers=2), wait=False)
     assert launch._created_here == {"rayguide_scheduler", "rayguide_worker_1"}
 
 

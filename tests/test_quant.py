@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 import torch
 
-from worker.models import quant
+from worker.models import native, quant
 
 # the int8 C kernel rounds x to int16 per row, so it differs from the reference (which
 # multiplies fp32 x by the dequantized weight) by about 1e-5 of the output's scale
@@ -89,7 +89,7 @@ def test_kernel_builds_here():
     (elsewhere int8 falls back to the dequantize path, and this test says why)."""
     import platform
 
-    if platform.machine() != "x86_64" or not quant._has_avx2_fma():
+    if platform.machine() != "x86_64" or not native.has_avx2_fma():
         pytest.skip("the int8 kernel needs x86-64 with AVX2 + FMA")
     assert quant.kernel_available()
 
