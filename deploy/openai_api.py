@@ -58,6 +58,10 @@ class _Request(BaseModel):
     # rayguide: the loop guard (a JSON value that repeats itself is ended where the
     # repetition began): true / false, or an object of its settings; null: on
     loop_guard: bool | dict[str, Any] | None = None
+    # reasoning models: the thought's cap in tokens (vLLM's name; SGLang's thinking_budget
+    # is taken too); ignored by a server without reasoning markers
+    thinking_token_budget: int | None = None
+    thinking_budget: int | None = None
     # vLLM-compatible extras
     top_k: int | None = None
     min_p: float | None = None
@@ -151,6 +155,7 @@ class Plan:
     model: str | None = None
     validation: Validation = "flag"
     loop_guard: LoopGuardParams | None = None  # None: the engine's default
+    thinking_token_budget: int | None = None  # None: the server's default
     # tokens in the prompt of each choice (completions with several prompts differ)
     prompt_index: list[int] = field(default_factory=list)
 
@@ -192,7 +197,8 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None 
     plan = Plan("chat", [], grammar, stream=req.stream, include_usage=_include_usage(req),
                 logprobs=req.logprobs, tools=functions, tool_mode=mode,
                 session_id=req.session_id, model=req.model,
-                validation=req.validation or "flag", loop_guard=_loop_guard(req))
+                validation=req.validation or "flag", loop_guard=_loop_guard(req),
+                thinking_token_budget=_thinking_budget(req))
     _fill(plan, [messages], req, params)
     return plan
 
@@ -222,7 +228,8 @@ def plan_completion(req: CompletionRequest, limits: Limits,
     plan = Plan("completion", [], _grammar(req), stream=req.stream,
                 include_usage=_include_usage(req), logprobs=req.logprobs is not None,
                 session_id=req.session_id, model=req.model,
-                validation=req.validation or "flag", loop_guard=_loop_guard(req))
+                validation=req.validation or "flag", loop_guard=_loop_guard(req),
+                thinking_token_budget=_thinking_budget(req))
     _fill(plan, list(prompts), req, params)
     return plan
 
@@ -246,8 +253,22 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> N
             plan.requests.append(GenerationRequest(
                 prompt=prompt, params=p, request_id=uuid.uuid4().hex, session_id=sid,
                 grammar=plan.grammar, seq_id=i, validation=plan.validation,
-                loop_guard=plan.loop_guard))
+                loop_guard=plan.loop_guard, thinking_token_budget=plan.thinking_token_budget))
             plan.prompt_index.append(p_index)
+
+
+def _thinking_budget(req: _Request) -> int | None:
+    """The thought's cap: thinking_token_budget, or SGLang's thinking_budget (one of them,
+    or both equal), an integer >= 0."""
+    budget, other = req.thinking_token_budget, req.thinking_budget
+    if budget is not None and other is not None and budget != other:
+        raise bad_request("thinking_token_budget and thinking_budget differ; send one",
+                          "thinking_token_budget")
+    budget = other if budget is None else budget
+    name = "thinking_token_budget" if req.thinking_token_budget is not None else "thinking_budget"
+    if budget is not None and budget < 0:
+        raise bad_request(f"{name} must be >= 0, got {budget}", name)
+    return budget
 
 
 def _loop_guard(req: _Request) -> LoopGuardParams | None:

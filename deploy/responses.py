@@ -100,9 +100,13 @@ def usage(outputs: list[RequestOutput], prompt_index: list[int]) -> dict:
             prompt += out.prompt_tokens
             cached += out.cached_tokens
     completion = sum(out.completion_tokens for out in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
+    body = {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+    if any(out.reasoning_tokens is not None for out in outputs):  # a reasoning model's
+        body["completion_tokens_details"] = {
+            "reasoning_tokens": sum(out.reasoning_tokens or 0 for out in outputs)}
+    return body
 
 
 def response_body(plan: Plan, outputs: list[RequestOutput], model: str) -> dict:
@@ -114,6 +118,8 @@ def response_body(plan: Plan, outputs: list[RequestOutput], model: str) -> dict:
                               else (out.text, []))
             message: dict[str, Any] = {"role": "assistant", "content": content,
                                        "refusal": None}
+            if out.reasoning_tokens is not None:  # a reasoning model's thought
+                message["reasoning_content"] = out.reasoning
             if calls:
                 message["tool_calls"] = calls
             choice = {"index": i, "message": message,
@@ -189,6 +195,8 @@ class StreamAssembler:
                 reason = ("error" if out.finish_reason == "error"
                           else finish_reason(out.finish_reason, bool(calls)))
             delta: dict[str, Any] = {}
+            if chunk.reasoning:  # a reasoning model's thought, as it is written
+                delta["reasoning_content"] = chunk.reasoning
             if text:
                 delta["content"] = text
             if calls:

@@ -42,6 +42,13 @@ class EngineConfig:
     # the loop guard (loop_guard.py): a JSON value that repeats itself is ended where the
     # repetition began; on for every guided JSON request unless a request turns it off
     loop_guard: bool = True
+    # reasoning models (reasoning.py): the markers around a thought, {start: "<think>",
+    # end: "</think>"} (true: those), or None: no thinking phase. With markers, every
+    # request thinks freely first; its grammar applies from the token after the end marker
+    reasoning: object = None
+    # the thought's default cap in tokens when a request names no thinking_token_budget
+    # (None: only max_tokens, less the room the answer needs, bounds it)
+    thinking_token_budget: int | None = None
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
@@ -54,6 +61,15 @@ class EngineConfig:
             if self.dtype not in names:
                 raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(names)}")
             self.dtype = names[self.dtype]
+        from worker.engine.reasoning import ReasoningMarkers
+
+        self.reasoning = ReasoningMarkers.parse(self.reasoning)
+        if self.thinking_token_budget is not None and (
+                isinstance(self.thinking_token_budget, bool)
+                or not isinstance(self.thinking_token_budget, int)
+                or self.thinking_token_budget < 0):
+            raise ValueError("thinking_token_budget must be an integer >= 0, got "
+                             f"{self.thinking_token_budget!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

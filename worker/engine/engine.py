@@ -39,6 +39,7 @@ from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingMana
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.output_policy import OutputPolicy, OutputState, PolicyStats
+from worker.engine.reasoning import Thinking, thought_end
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence, SeqStatus
@@ -78,6 +79,8 @@ class EngineStats:
     budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
     loop_cuts: int = 0  # repeating values the loop guard ended
     loop_cut_outputs: int = 0  # guided outputs with at least one loop cut
+    thinking_tokens: int = 0  # output tokens of reasoning models' thoughts (markers included)
+    thoughts_forced: int = 0  # thoughts whose end marker the engine forced (budget, a stop)
 
 
 class LLMEngine:
@@ -126,6 +129,13 @@ class LLMEngine:
         # how guided outputs end: budget checks, closing, the loop guard, validation
         self.policy = OutputPolicy(config, self.guided, self._remaining) \
             if self.guided is not None else None
+        # reasoning models (reasoning.py): the end marker as tokens (what a budget forces),
+        # and per grammar the length of an answer known to fit (the room a thought leaves)
+        self.reasoning = config.reasoning
+        self._end_ids = tokenizer(self.reasoning.end, add_special_tokens=False)[
+            "input_ids"] if self.reasoning is not None else []
+        self._answer_room: dict[str, int] = {}
+        self.thinking_tokens = self.thoughts_forced = 0
 
     # requests ---------------------------------------------------------------------------
 
@@ -157,11 +167,15 @@ class LLMEngine:
             if already is None:  # a clean prefix of their decode: what a worker sends
                 already = self.tokenizer.decode(resumed, skip_special_tokens=True)
                 already = already.rstrip("\ufffd")
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=request.params.stop,
-                                       resumed_token_ids=resumed, resumed_text=already)
         if request.grammar is not None and self.guided is None:
             raise ValueError("guided decoding is disabled in this engine (EngineConfig.guided)")
-        seq = Sequence(request, prompt_ids, detok, generator)
+        if self.reasoning is not None:
+            seq = self._thinking_sequence(request, prompt_ids, resumed, generator)
+        else:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                           stop=request.params.stop,
+                                           resumed_token_ids=resumed, resumed_text=already)
+            seq = Sequence(request, prompt_ids, detok, generator)
         seq.token_ids.extend(resumed)  # output already streamed: KV recomputed, not re-emitted
         seq.resumed_text = already  # what the caller has, for validating the whole output
         self.seqs[seq.request_id] = seq
@@ -171,6 +185,36 @@ class LLMEngine:
             self.waiting_for_grammar.append(seq)
         else:
             self.scheduler.add(seq)
+        return seq
+
+    def _thinking_sequence(self, request: GenerationRequest, prompt_ids: list[int],
+                           resumed: list[int], generator) -> Sequence:
+        """A reasoning model's request: it begins thinking (a detokenizer of its own for
+        the thought, special tokens kept, no stop strings); a continuation whose resumed
+        output already holds the end marker goes on in its answer."""
+        def raw(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+        end = thought_end(raw, resumed, self.reasoning.end) if resumed else None
+        thought = resumed if end is None else resumed[:end]
+        text = raw(thought).rstrip("\ufffd") if thought else ""
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=(),
+                                       skip_special_tokens=False,
+                                       resumed_token_ids=thought, resumed_text=text)
+        seq = Sequence(request, prompt_ids, detok, generator)
+        budget = request.thinking_token_budget
+        if budget is None:
+            budget = self.config.thinking_token_budget
+        room = request.params.max_new_tokens - len(self._end_ids) - 1
+        seq.thinking = Thinking(self.reasoning, self._end_ids,
+                                room if budget is None else min(budget, room))
+        seq.thinking.tokens = len(thought)
+        seq.thinking.feed(text)  # the caller has this thought's text already
+        if end is not None:  # the answer had begun: its own detokenizer
+            seq.thinking.done = True
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids + thought, stop=seq.stop,
+                resumed_token_ids=resumed[end:], resumed_text=request.resume_text or "")
         return seq
 
     def _check_resume(self, request: GenerationRequest, prompt_ids: list[int]) -> list[int]:
@@ -316,7 +360,9 @@ class LLMEngine:
                     outputs.append(self._finish(seq, "error", error=too_small,
                                                 error_kind=ErrorKind.BUDGET_TOO_SMALL))
                     continue
-                if seq.params.stop:  # a stop string only where the grammar may end
+                if seq.thinking_now:
+                    self._leave_answer_room(seq, matcher)
+                elif seq.stop:  # a stop string only where the grammar may end
                     seq.detokenizer.stop_check = _grammar_accepts(compiled)
                 self.waiting_for_grammar.remove(seq)
                 seq.status = SeqStatus.WAITING
@@ -329,10 +375,12 @@ class LLMEngine:
         return outputs
 
     def _advance_resumed(self, seq: Sequence, matcher, outputs: list) -> bool:
-        """A continuation's matcher is advanced over the output it resumes. False (the
-        request finished) when the grammar refuses that output, or it already completes
-        the grammar."""
-        for token in seq.output_ids:
+        """A continuation's matcher is advanced over the output it resumes (the answer's:
+        never a thought's). False (the request finished) when the grammar refuses that
+        output, or it already completes the grammar."""
+        if seq.thinking_now:
+            return True
+        for token in seq.output_ids[seq.thinking.tokens if seq.thinking else 0:]:
             if not matcher.accept_token(token):
                 outputs.append(self._finish(seq, "error", error=(
                     "cannot resume: the grammar does not accept the output streamed before "
@@ -344,12 +392,34 @@ class LLMEngine:
         return True
 
     def _remaining(self, seq: Sequence) -> int:
-        """Tokens the request may still generate: its max_new_tokens, or the context."""
-        return min(seq.params.max_new_tokens - seq.num_output,
+        """Tokens the request may still generate: its max_new_tokens, or the context
+        (while it thinks: what its answer may have, the end marker it owes taken off)."""
+        left = min(seq.params.max_new_tokens - seq.num_output,
                    self.max_model_len - len(seq.token_ids))
+        # a thought takes one token at least, then its marker
+        return left - len(self._end_ids) - 1 if seq.thinking_now else left
+
+    def _leave_answer_room(self, seq: Sequence, matcher) -> None:
+        """A guided thought ends (its marker forced) while the budget still holds the
+        grammar's answer: the length of one completion from the grammar's start (a dive
+        of the closing search, once per grammar) plus the closing margin and a few tokens
+        of slack for the model's own choices."""
+        key = seq.grammar.key(self.guided.fingerprint)
+        need = self._answer_room.get(key)
+        if need is None:
+            path = self.guided.closer.estimate(matcher, 4 * self._remaining(seq) + 16)
+            need = len(path) if path is not None else self.policy.shortest_bound(seq)
+            self._answer_room[key] = need
+            if len(self._answer_room) > 4096:
+                self._answer_room.pop(next(iter(self._answer_room)))
+        room = self._remaining(seq) - need - self.config.closing_margin - _ANSWER_SLACK
+        th = seq.thinking
+        th.limit = max(th.tokens, min(th.limit, seq.num_output + max(room, 0)))
 
     def _append_token(self, seq: Sequence, token: int, logprob,
                       status: RowStatus | None = None) -> RequestOutput:
+        if seq.thinking_now:
+            return self._append_thought(seq, token, logprob)
         p = seq.params
         seq.token_ids.append(token)
         seq.held_logprobs.append(logprob)  # None: a forced token (not sampled)
@@ -379,10 +449,53 @@ class LLMEngine:
             return self._finish(seq, reason, text=text, new_tokens=new_tokens, logprobs=lps)
         return RequestOutput(seq.request_id, text, new_tokens, lps, **self._usage(seq))
 
+    def _append_thought(self, seq: Sequence, token: int, logprob) -> RequestOutput:
+        """A thinking row's token: streamed as reasoning. The end marker (sampled, or
+        forced once the thought's limit is reached) begins the answer with the next token.
+        A stop token id ends an unguided request (its output is the thought) and is
+        replaced by the end marker in a guided one (the answer is owed)."""
+        th, p = seq.thinking, seq.params
+        stops = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if stops and seq.grammar is None:
+            return self._finish(seq, "stop")
+        over = stops or th.tokens >= th.limit  # (a limit of 0: no sampled thought at all)
+        if not over:
+            seq.token_ids.append(token)
+            seq.held_logprobs.append(logprob)
+            th.tokens += 1
+        new_tokens, lps, text = self._release(seq, final=False)
+        reasoning = th.feed(text)
+        if not th.done and (over or th.tokens >= th.limit):
+            th.forced = True
+            self.thoughts_forced += 1
+            seq.token_ids.extend(th.end_ids)  # their KV is computed with the next token
+            seq.held_logprobs.extend([None] * len(th.end_ids))
+            th.tokens += len(th.end_ids)
+            more, more_lps, more_text = self._release(seq, final=False)
+            if more_lps is not None:
+                lps = (lps or [None] * len(new_tokens)) + more_lps
+            new_tokens += more
+            reasoning += th.feed(more_text)
+            th.done = True  # the marker is in: whatever the text shows
+        if th.done:
+            self.thinking_tokens += th.tokens
+            reasoning += th.feed(seq.detokenizer.flush(), final=True)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, list(seq.token_ids),
+                                                     stop=seq.stop)
+            if seq.grammar is not None:
+                if seq.stop:
+                    seq.detokenizer.stop_check = _grammar_accepts(seq.compiled)
+                self.policy.begin_answer(seq, self.guided.matchers.get(seq.matcher_key))
+        if self._remaining(seq) <= 0:
+            return self._finish(seq, "length", new_tokens=new_tokens, logprobs=lps,
+                                reasoning=reasoning)
+        return RequestOutput(seq.request_id, "", new_tokens, lps, reasoning=reasoning,
+                             **self._usage(seq))
+
     def _release(self, seq: Sequence, final: bool) -> tuple[list[int], list | None, str]:
         """The output tokens the stream may have now (a guided row's newest are held back
         for the loop guard; see OutputPolicy.release): (tokens, logprobs, their text)."""
-        n = (self.policy.release(seq, final) if seq.ending is not None
+        n = (self.policy.release(seq, final) if seq.ending is not None and not seq.thinking_now
              else len(seq.held_logprobs))
         if not n:
             return [], None, ""
@@ -396,7 +509,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, *, text: str = "", new_tokens=(),
                 logprobs=None, error: str | None = None, error_kind: ErrorKind | None = None,
-                keep_session: bool = True) -> RequestOutput:
+                keep_session: bool = True, reasoning: str = "") -> RequestOutput:
         """Ends a request: what it still held back is streamed with this last chunk (a
         stop string may still cut it), its matcher and blocks are released (or its KV
         kept for the session), and the output policy reports onto the chunk."""
@@ -408,6 +521,10 @@ class LLMEngine:
             text += more_text + seq.detokenizer.flush()
             if seq.detokenizer.stopped is not None and reason == "length":
                 reason = "stop"
+        if seq.thinking_now:  # it ended in its thought: what it had is reasoning
+            reasoning += seq.thinking.feed(text, final=True)
+            text = ""
+            self.thinking_tokens += seq.thinking.tokens
         if seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
             self.waiting_for_grammar.remove(seq)
             seq.status = SeqStatus.FINISHED
@@ -425,7 +542,9 @@ class LLMEngine:
             self.blocks.free(seq.block_table)
         out = RequestOutput(seq.request_id, text, list(new_tokens), logprobs, finished=True,
                             finish_reason=reason, error=error, error_kind=error_kind,
-                            **self._usage(seq))
+                            reasoning=reasoning, **self._usage(seq))
+        if seq.thinking is not None:
+            out.reasoning_tokens = seq.thinking.tokens
         if seq.ending is not None and reason in ("stop", "length"):
             self.policy.report(seq, reason, out)
         return out
@@ -475,8 +594,13 @@ class LLMEngine:
             grammar_cache=dict(self.guided.stats) if self.guided else {},
             session_ids=sorted(set(self.blocks.sessions) | {
                 s.session_id for s in self.seqs.values() if s.session_id is not None}),
+            thinking_tokens=self.thinking_tokens,
+            thoughts_forced=self.thoughts_forced,
             **(self.policy.stats if self.policy else PolicyStats()).as_dict(),
         )
+
+
+_ANSWER_SLACK = 8  # tokens a thought leaves above the answer's known length (reasoning.py)
 
 
 def _grammar_accepts(compiled) -> GrammarStopCheck:

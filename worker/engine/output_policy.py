@@ -65,6 +65,9 @@ class OutputState:
     loop: LoopGuard | None = None
     loop_cuts: list[LoopCut] = field(default_factory=list)
     released: int = 0  # output tokens handed to the stream (a cut never goes below)
+    # output tokens before the ones the policy follows (a continuation's resumed output,
+    # a reasoning model's thought): the loop guard counts from here
+    base: int = 0
     hold: int = 0  # the newest output tokens held back from the stream
 
     def reset_closing(self) -> None:
@@ -145,9 +148,23 @@ class OutputPolicy:
             st.loop = LoopGuard(params, self.guided.closer.vocab, self._closers, self._shapes)
             # with stop strings the text is checked as it is made: nothing is held back
             st.hold = 0 if seq.params.stop else params.hold_tokens
-        st.released = seq.num_output  # a continuation's output was streamed already
-        self._plan_close_at_start(seq, matcher)
+        st.released = st.base = seq.num_output  # a continuation's was streamed already
+        if not seq.thinking_now:  # a thought's plan waits for its answer (begin_answer)
+            self._plan_close_at_start(seq, matcher)
         return None
+
+    def begin_answer(self, seq: Sequence, matcher) -> None:
+        """A reasoning model's thought ended: the policy follows the answer from here
+        (what admission found for the grammar's start holds here: the matcher saw no
+        thought)."""
+        st = seq.ending
+        st.released = st.base = seq.num_output
+        if st.closing_estimate is not None:
+            st.closing_estimate = (seq.num_output, st.closing_estimate[1])
+        if st.closing_path is not None:
+            st.closing_path = (seq.num_output,) + st.closing_path[1:]
+        if matcher is not None:
+            self._plan_close_at_start(seq, matcher)
 
     # after sampling -------------------------------------------------------------------------
 
@@ -156,7 +173,7 @@ class OutputPolicy:
         output takes the plan's token; one near its budget's end whose sampled token would
         leave no room to close takes the closing path's. A replaced token has no logprob."""
         for i, seq in enumerate(seqs):
-            if seq.grammar is None:
+            if not seq.guided_now:
                 continue
             st = seq.ending
             forced = st.forced_path[0] if st.forced_path else self._keep_closable(
@@ -199,6 +216,7 @@ class OutputPolicy:
         ``closers``: nothing streamed is taken back, the grammar accepts them, and (cut at
         the newest token) the grammar does not force them anyway (``"aaaa"`` for
         ``a{4}``: that is no cut)."""
+        keep += seq.ending.base  # the guard counts the tokens it was shown
         if keep < seq.ending.released:
             return False
         matcher = self.guided.matchers.get(seq.matcher_key)
@@ -217,7 +235,7 @@ class OutputPolicy:
         """Rolls the output, its matcher and its KV back to ``cut.keep`` tokens, then
         appends the closers (accepted by the matcher; their KV is computed next step)."""
         st = seq.ending
-        drop = seq.num_output - cut.keep
+        drop = seq.num_output - (st.base + cut.keep)
         matcher = self.guided.matchers[seq.matcher_key]
         matcher.rollback(drop)
         for t in cut.closers:
@@ -291,7 +309,7 @@ class OutputPolicy:
             return None
         fresh = not seq.output_ids  # a continuation's state depends on what it resumes
         if budget > cfg.closing_window:
-            if fresh and self._shortest_bound(seq) > budget:
+            if fresh and self.shortest_bound(seq) > budget:
                 self.stats.budget_checks += 1
                 return self._budget_verdict(seq, budget, self._bound_refusal(seq))
             return None
@@ -304,7 +322,7 @@ class OutputPolicy:
                 self._budget_memo.move_to_end(key)
                 self.stats.budget_checks_memo += 1
                 return self._budget_verdict(seq, budget, hit[2])
-        if fresh and self._shortest_bound(seq) > budget:
+        if fresh and self.shortest_bound(seq) > budget:
             verdict, certain = self._bound_refusal(seq), True
         else:
             closer = self.guided.closer
@@ -318,7 +336,7 @@ class OutputPolicy:
                 self._budget_memo.popitem(last=False)
         return self._budget_verdict(seq, budget, verdict)
 
-    def _shortest_bound(self, seq: Sequence) -> int:
+    def shortest_bound(self, seq: Sequence) -> int:
         """A lower bound on the tokens of the grammar's shortest output (0: none known),
         computed once per grammar."""
         if seq.grammar.kind != "json_schema":
@@ -337,7 +355,7 @@ class OutputPolicy:
         return bound
 
     def _bound_refusal(self, seq: Sequence) -> _Verdict:
-        return _Verdict(need=f"at least {self._shortest_bound(seq)}")
+        return _Verdict(need=f"at least {self.shortest_bound(seq)}")
 
     def _budget_search(self, matcher, budget: int, pending: int) -> _Verdict:
         """The searches' verdict: a closing path that fits the budget, a refusal, or

@@ -47,7 +47,7 @@ class ARSamplingStrategy:
     def make_sampling_inputs(self, seqs) -> SamplingInputs:
         """One row per sequence, in order; guided rows carry their matcher key."""
         rows = [SamplingRow(s.params, s.generator, s.prompt_ids, s.output_ids) for s in seqs]
-        keys = [s.matcher_key if s.grammar is not None else None for s in seqs]
+        keys = [s.matcher_key if s.guided_now else None for s in seqs]
         return SamplingInputs(rows, keys)
 
 

@@ -48,11 +48,18 @@ class GenerationRequest:
     # the loop guard's settings for this request (worker/engine/loop_guard.py); None: the
     # engine's default (on for JSON grammars unless EngineConfig.loop_guard is off)
     loop_guard: LoopGuardParams | None = None
+    # reasoning models (worker/engine/reasoning.py): the thought's cap in tokens; None:
+    # the engine's default. Ignored by an engine without reasoning markers
+    thinking_token_budget: int | None = None
 
     def __post_init__(self):
         if self.validation not in VALIDATION_MODES:
             raise ValueError(f"validation {self.validation!r} is not one of "
                              f"{', '.join(VALIDATION_MODES)}")
+        budget = self.thinking_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):
+            raise ValueError(f"thinking_token_budget must be an integer >= 0, got {budget!r}")
 
 
 VALIDATION_MODES = ("flag", "retry", "off")
@@ -91,12 +98,18 @@ class RequestOutput:
     # values the loop guard ended where they began to repeat (then closed; see
     # worker/engine/loop_guard.py); an output that then ended on its own finishes "stop"
     loop_cuts: int = 0
+    # a reasoning model's thought (worker/engine/reasoning.py): the new part of its text
+    # (``text`` holds the answer only), and on the final chunk how many output tokens the
+    # thought took (its end marker included)
+    reasoning: str = ""
+    reasoning_tokens: int | None = None
 
     def merge(self, chunk: "RequestOutput") -> "RequestOutput":
         """Accumulates a later chunk of the same request into this one (texts, tokens and
         logprobs appended; the final fields taken from the chunk). The one merge: the
         engine's ``generate``, the runtime client and the HTTP front end all use it."""
         self.text += chunk.text
+        self.reasoning += chunk.reasoning
         self.token_ids.extend(chunk.token_ids)
         if chunk.logprobs:
             self.logprobs = (self.logprobs or []) + list(chunk.logprobs)
@@ -112,7 +125,8 @@ class RequestOutput:
 # fields a later chunk overrides when merged (the last chunk carries the final values)
 _FINAL_FIELDS = ("finished", "finish_reason", "error", "error_kind", "prompt_tokens",
                  "completion_tokens", "cached_tokens", "worker_id", "closed_early",
-                 "validation", "validation_error", "approximated", "loop_cuts")
+                 "validation", "validation_error", "approximated", "loop_cuts",
+                 "reasoning_tokens")
 
 
 class SeqStatus(enum.Enum):
@@ -154,6 +168,19 @@ class Sequence:
         self.arrival = time.monotonic()
         self.order = next(_seq_counter)
         self.finish_reason: str | None = None
+        self.thinking_token_budget = request.thinking_token_budget
+        self.thinking = None  # reasoning.Thinking while a reasoning model's thought runs
+        self.stop = request.params.stop  # the answer's stop strings (not the thought's)
+
+    @property
+    def guided_now(self) -> bool:
+        """Whether the grammar applies to this step's token: a guided request, not
+        thinking."""
+        return self.grammar is not None and (self.thinking is None or self.thinking.done)
+
+    @property
+    def thinking_now(self) -> bool:
+        return self.thinking is not None and not self.thinking.done
 
     @property
     def matcher_key(self) -> tuple[str, int]:

@@ -1,0 +1,131 @@
+"""Reasoning models: a free thought, then the answer in the grammar.
+
+A request of an engine configured with reasoning markers (``EngineConfig.reasoning``:
+``{"start": "<think>", "end": "</think>"}``) has two phases. While it thinks, no grammar
+mask applies and its matcher sees nothing (the row samples like an unguided one; a stop
+token id there ends the thought, not the request). Once the end-of-thought marker has been
+produced (as text: a marker may span several tokens, or be one added token), the answer
+phase begins with the next token: the grammar, the output policy (budget-aware closing,
+the loop guard, post-validation) and stop strings apply to the answer only.
+
+The thought's length is bounded by the request's ``thinking_token_budget`` (or the
+engine's default) and by what the answer needs: ``max_tokens`` covers both phases, so a
+guided request's thought ends (the marker forced) while the budget still holds the
+marker and the grammar's shortest answer plus a margin. A budget that cannot hold even
+that is refused at admission.
+
+The thought streams as ``reasoning`` deltas: the markers are taken out, and leading and
+trailing whitespace around the thought is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """What begins and ends a thought (as text)."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+
+    @classmethod
+    def parse(cls, value) -> "ReasoningMarkers | None":
+        """``EngineConfig.reasoning``: None (no reasoning phase), True (the default
+        markers), or a dict with ``start`` / ``end``."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("engine.reasoning must be a mapping like "
+                             "{start: '<think>', end: '</think>'}, true, or null")
+        unknown = set(value) - {"start", "end"}
+        if unknown:
+            raise ValueError(f"engine.reasoning has unknown key(s) {sorted(unknown)}; "
+                             "use start and end")
+        markers = cls(**value)
+        for name in ("start", "end"):
+            text = getattr(markers, name)
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"engine.reasoning.{name} must be a non-empty string")
+        return markers
+
+
+class Thinking:
+    """One request's thinking phase: how many tokens its thought took, how many it may
+    take (``limit``: then the end marker is forced), and the thought's text, turned into
+    reasoning deltas as it arrives (``feed``)."""
+
+    def __init__(self, markers: ReasoningMarkers, end_ids: list[int], limit: int):
+        self.markers = markers
+        self.end_ids = list(end_ids)  # the end marker as tokens (what is forced)
+        self.limit = max(0, limit)
+        self.tokens = 0  # output tokens of the thought so far, the marker's included
+        self.done = False  # the end marker was produced: the answer phase has begun
+        self.forced = False  # ... because the budget ran out (or the model stopped)
+        self._text = ""  # the thought's raw text so far
+        self._emitted = 0  # characters of the reasoning view handed out
+
+    @property
+    def active(self) -> bool:
+        return not self.done
+
+    def feed(self, text: str, final: bool = False) -> str:
+        """The thought's next text in; the reasoning delta out. Sets ``done`` when the end
+        marker appears (what follows it in the same text is dropped: the answer begins
+        with the next token)."""
+        self._text += text
+        end = self.markers.end
+        at = self._text.find(end)
+        if at >= 0:
+            self.done = True
+            view = self._view(self._text[:at], final=True)
+        else:
+            view = self._view(self._text, final=final)
+        delta = view[self._emitted:]
+        self._emitted = max(self._emitted, len(view))
+        return delta
+
+    def _view(self, text: str, final: bool) -> str:
+        """The reasoning a raw thought shows: without a leading start marker, without the
+        surrounding whitespace. Text that may still become a marker (a proper prefix of the
+        start marker at the beginning, of the end marker at the end) is held back until
+        the next text decides it, so the view only ever grows."""
+        start, end = self.markers.start, self.markers.end
+        body = text.lstrip()
+        if not final and start.startswith(body):
+            return ""  # "", "<thi": may still be the start marker
+        if body.startswith(start):
+            body = body[len(start):].lstrip()
+        if final:
+            return body.rstrip()
+        body = body[:len(body) - _prefix_tail(body, end)]
+        return body.rstrip()
+
+
+def _prefix_tail(text: str, marker: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+def thought_end(decode, token_ids: list[int], end: str) -> int | None:
+    """Where a thought ended in ``token_ids`` (a failover's resumed output): the number of
+    tokens up to and including the one that completes the end marker, or None (still
+    thinking). ``decode(ids)`` renders ids as text, special tokens kept."""
+    if end not in decode(token_ids):
+        return None
+    lo, hi = 1, len(token_ids)  # the shortest prefix whose text holds the marker
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if end in decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
