@@ -24,7 +24,9 @@ import ray
 from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError,
                             RayActorError, RayTaskError)
 
+from grammar_cache.backoff import backoff
 from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
+from grammar_cache.percentile import percentile
 from grammar_cache.spec import GrammarSpec
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
 from scheduler.routing import NoWorkers, Overloaded
@@ -90,17 +92,17 @@ class RuntimeClient:
         (max_restarts=-1) and the same handle reaches the new instance, so an unavailable
         scheduler is retried with backoff for up to ``scheduler_wait_s``."""
         deadline = time.monotonic() + self.scheduler_wait_s
-        delay = 0.05
+        delays = backoff(0.05, 1.0)
         while True:
             try:
                 return await getattr(self.scheduler, method).remote(*args)
             except _WORKER_GONE as exc:
+                delay = next(delays)
                 if time.monotonic() + delay > deadline:
                     raise
                 if isinstance(exc, ActorDiedError):
                     self._find_scheduler()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
 
     def _find_scheduler(self) -> None:
         if self._by_name:
@@ -115,14 +117,14 @@ class RuntimeClient:
             self._watcher = loop.create_task(self._watch())
 
     async def _watch(self) -> None:
-        delay = 0.05
+        delays = backoff(0.05, 1.0)
         while True:
             try:
                 await self.scheduler.watch.remote(0.0)  # answers once up and rebuilt
                 if self.scheduler_down_since is not None:
                     logger.info("scheduler back after %.2f s",
                                 time.monotonic() - self.scheduler_down_since)
-                self.scheduler_down_since, delay = None, 0.05
+                self.scheduler_down_since, delays = None, backoff(0.05, 1.0)
                 await self.scheduler.watch.remote(30.0)
             except _WORKER_GONE as exc:
                 if self.scheduler_down_since is None:
@@ -131,8 +133,7 @@ class RuntimeClient:
                                    "workers until it is back", type(exc).__name__)
                 if isinstance(exc, ActorDiedError):
                     self._find_scheduler()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(next(delays))
             except Exception:  # noqa: BLE001 - the watch only informs routing: never fatal
                 logger.debug("scheduler watch failed", exc_info=True)
                 await asyncio.sleep(1.0)
@@ -276,24 +277,22 @@ class RuntimeClient:
         milliseconds on workers that are still restarting."""
         route = await self._route(session_id, expected, family, frozenset(died_on))
         deadline = time.monotonic() + self.scheduler_wait_s
-        delay = 0.1
+        delays = backoff(0.1, 1.0)
         while route["worker_id"] in died_on and time.monotonic() < deadline:
             try:  # a worker restarted under the same name answers again
                 await asyncio.wait_for(route["handle"].load.remote(), 1.0)
                 return route
             except (*_WORKER_GONE, asyncio.TimeoutError):
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(next(delays))
             route = await self._route(session_id, expected, family, frozenset(died_on))
         return route
 
     def stats(self) -> dict:
         """This client's failover and routing counters (a front end's /metrics)."""
-        pauses = sorted(self.failover_pauses)
         return {"retries": self.retries, "failovers": self.failovers,
                 "resumed_tokens": self.resumed_tokens,
-                "failover_pause_max_s": pauses[-1] if pauses else 0.0,
-                "failover_pause_p50_s": pauses[len(pauses) // 2] if pauses else 0.0,
+                "failover_pause_max_s": max(self.failover_pauses, default=0.0),
+                "failover_pause_p50_s": percentile(self.failover_pauses, 50, 0.0),
                 "own_routes": self.own_routes, "route_timeouts": self.route_timeouts,
                 "route_timeout_s": self.route_timeout_s,
                 "scheduler_down": int(self.scheduler_down_since is not None)}

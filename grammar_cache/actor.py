@@ -55,6 +55,7 @@ from grammar_cache import envelope
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool, CompileResult
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import ErrorKind, GrammarError
+from grammar_cache.percentile import percentile
 from grammar_cache.spec import GrammarSpec
 
 __all__ = ["ACTOR_NAME", "NAMESPACE", "GrammarCache", "GrammarCacheActor", "GrammarCacheConfig",
@@ -571,11 +572,6 @@ class GrammarCache:
         self._m_requests.inc(tags={"result": result})
 
     def stats(self) -> dict:
-        times = sorted(self.compile_times)
-
-        def pct(q):
-            return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
-
         distinct = len(self.distinct)
         return {**self.counts, "entries": len(self.lru), "bytes": self.lru.bytes,
                 "distinct_grammars": distinct,
@@ -586,7 +582,8 @@ class GrammarCache:
                 "disk": self.disk.stats() if self.disk is not None else {},
                 "max_bytes": self.config.max_bytes, "evictions": self.lru.evictions,
                 "cached_errors": len(self.errors), "tokenizers": len(self.tokenizers),
-                "compile_p50_s": pct(0.5), "compile_p99_s": pct(0.99),
+                "compile_p50_s": percentile(self.compile_times, 50, 0.0),
+                "compile_p99_s": percentile(self.compile_times, 99, 0.0),
                 "compile_crashes": self.pool.crashes, "ready": self._ready.is_set(),
                 "config": self.config.model_dump()}
 

@@ -63,6 +63,7 @@ import xgrammar as xgr
 from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.actor import ACTOR_NAME, LEASE_SERIALIZE_S, NAMESPACE
+from grammar_cache.backoff import backoff
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool
 from grammar_cache.config import GrammarCacheConfig
@@ -296,7 +297,7 @@ class GrammarCacheClient:
 
     def _register(self, actor) -> None:
         """Registers the tokenizer, retrying with backoff (0.1, 0.2, 0.4 s)."""
-        delay = 0.1
+        delays = backoff(0.1)
         for attempt in range(REGISTER_ATTEMPTS):
             try:
                 ray.get(actor.register_tokenizer.remote(self.fingerprint, self._tokenizer_json),
@@ -309,8 +310,7 @@ class GrammarCacheClient:
                 if attempt == REGISTER_ATTEMPTS - 1:
                     raise
                 self._count("registration_retries")
-                time.sleep(delay)
-                delay *= 2
+                time.sleep(next(delays))
 
     def _handle(self):
         if self._actor is None:
