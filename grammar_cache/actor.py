@@ -600,13 +600,13 @@ def _log_disk_error(write) -> None:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class GrammarCacheActor:
-    """The named cluster-wide cache; see the module docstring. ``config``: a
-    GrammarCacheConfig's ``model_dump()``."""
+    """The named cluster-wide cache; see the module docstring. ``config``: the
+    GrammarCacheConfig (built once by its caller; it crosses Ray as the object)."""
 
-    def __init__(self, config: dict | None = None):
+    def __init__(self, config: GrammarCacheConfig | None = None):
         # does not wait for the compile processes: ping answers at once, ready() says when
         # compiles can start (a blocking __init__ made every call, ping included, wait)
-        self.cache = GrammarCache(GrammarCacheConfig(**(config or {})))
+        self.cache = GrammarCache(config)
 
     async def ready(self, timeout_s: float | None = None) -> bool:
         return await self.cache.ready(timeout_s)
@@ -648,7 +648,7 @@ def get_or_create_actor(config: GrammarCacheConfig | None = None, *, detached: b
     return GrammarCacheActor.options(
         name=name, namespace=namespace, get_if_exists=True,
         lifetime="detached" if detached else None, resources=resources or {},
-    ).remote((config or GrammarCacheConfig()).model_dump())
+    ).remote(config or GrammarCacheConfig())
 
 
 def wait_ready(actor, timeout_s: float = 120.0) -> None:

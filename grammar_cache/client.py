@@ -86,14 +86,12 @@ TRIM_AFTER_BYTES = 2**20  # envelopes this big are worth a malloc_trim after loa
 
 class GrammarCacheClient:
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo",
-                 config: GrammarCacheConfig | dict | None = None, *, name: str = ACTOR_NAME,
+                 config: GrammarCacheConfig | None = None, *, name: str = ACTOR_NAME,
                  namespace: str = NAMESPACE, rpc_timeout_s: float | None = None,
                  ping_timeout_s: float = 2.0, retry_after_s: float = 5.0):
-        """``config``: the cluster's grammar cache settings (or their ``model_dump()``);
-        its limits bound every compile this client makes."""
-        if not isinstance(config, GrammarCacheConfig):
-            config = GrammarCacheConfig(**(config or {}))
-        self.config = config
+        """``config``: the cluster's grammar cache settings; its limits bound every
+        compile this client makes."""
+        self.config = config = config or GrammarCacheConfig()
         self.info = tokenizer_info
         self.fingerprint = tokenizer_fingerprint(tokenizer_info)
         self._tokenizer_json = tokenizer_info.serialize_json()

@@ -4,7 +4,8 @@ and its in-process compiles) all read them from here, so a limit set in the clus
 (``grammar_cache: {compile_timeout_s: 30}``) holds on every path a grammar can take.
 
 A pydantic model: unknown keys and bad values are refused with a message naming the key.
-It crosses Ray as ``config.model_dump()`` and is rebuilt with ``GrammarCacheConfig(**d)``.
+Built once (``ClusterConfig`` checks it, ``cluster.launch.up`` builds it) and passed as the
+object: it crosses Ray pickled, never as a dict to validate again.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -93,7 +95,8 @@ class GrammarCacheConfig(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise ValueError(_explain(exc)) from None
+            raise ValueError(config_error_message(exc, "grammar_cache",
+                                                  type(self).model_fields)) from None
 
     @field_validator("hot_specs")
     @classmethod
@@ -138,14 +141,19 @@ def hot_spec(d: dict):
         raise ValueError(f"hot_specs entry {d!r}: {exc}") from None
 
 
-def _explain(exc: ValidationError) -> str:
-    """One line per problem, each naming the key: ``grammar_cache.compile_timeout_s: ...``."""
+def config_error_message(exc: ValidationError, section: str | None,
+                         known: Iterable[str], most: int = 5) -> str:
+    """The one "message naming the key" of the settings (the grammar cache's config, the
+    app's arguments): one part per problem (the first ``most``), each naming the key as
+    ``section.key``: ``unknown key; known keys: a, b`` for a key the model does not have,
+    else pydantic's reason and the value given."""
     parts = []
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(config)"
-        if err["type"] == "extra_forbidden":
-            known = ", ".join(GrammarCacheConfig.model_fields)
-            parts.append(f"grammar_cache.{key}: unknown key; known keys: {known}")
+    for err in exc.errors()[:most]:
+        key = ".".join(str(p) for p in (section, *err["loc"]) if p is not None) or "(config)"
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            parts.append(f"{key}: unknown key; known keys: {', '.join(sorted(known))}")
+        elif err["type"] == "extra_forbidden":  # in a nested model: ``known`` is not its
+            parts.append(f"{key}: unknown key")
         else:
-            parts.append(f"grammar_cache.{key}: {err['msg']} (got {err.get('input')!r})")
+            parts.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
     return "; ".join(parts)

@@ -314,7 +314,7 @@ def test_new_worker_serves_known_grammars_without_fetching(cluster):
     new = WorkerActor.options(name=f"{WORKER_PREFIX}new-{uuid.uuid4().hex[:4]}",
                               namespace=NAMESPACE, num_cpus=0.25).remote(
         _engine(config), "w-new", (SCHEDULER_NAME, NAMESPACE),
-        (ACTOR_NAME, NAMESPACE, dict(config.grammar_cache)))
+        (ACTOR_NAME, NAMESPACE, GrammarCacheConfig(**config.grammar_cache)))
     # both hot grammars (the configured one and the requested one), in the background
     wait_for(lambda: grammar_stats(new).get("prefetches", 0) >= 2, "the new worker's prefetch")
     before = grammar_stats(new)

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -22,6 +23,9 @@ import ray
 # scheduler, every front end), so the engine (torch, transformers, xgrammar) is imported
 # in __init__, in the worker's own process only
 from worker.engine.sequence import GenerationRequest
+
+if TYPE_CHECKING:
+    from grammar_cache.config import GrammarCacheConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
@@ -39,10 +43,10 @@ def served_model_name(model: str | None) -> str:
 class WorkerActor:
     def __init__(self, engine_config: dict | None = None, worker_id: str | None = None,
                  scheduler: tuple[str, str] | None = None,
-                 grammar_cache: tuple[str, str, dict] | None = None):
+                 grammar_cache: tuple[str, str, "GrammarCacheConfig"] | None = None):
         """scheduler: (name, namespace) of the scheduler actor to register with, at start
         and again whenever Ray restarts this actor. grammar_cache: (name, namespace,
-        GrammarCacheConfig fields) of the shared cache actor to compile through; None:
+        GrammarCacheConfig) of the shared cache actor to compile through; None:
         compile in-process."""
         from worker.engine.async_engine import AsyncEngine
         from worker.engine.config import EngineConfig
@@ -85,28 +89,27 @@ class WorkerActor:
             except ValueError:
                 pass  # no scheduler yet: it finds workers by name when it starts
 
-    def _cache_fetch(self, name: str, namespace: str, config: dict):
+    def _cache_fetch(self, name: str, namespace: str, config: "GrammarCacheConfig"):
         """The engine's grammar source: a factory the engine calls with its tokenizer
         info, giving the cache client's fetch (the engine itself knows no Ray)."""
-        from grammar_cache.actor import GrammarCacheConfig
         from grammar_cache.client import GrammarCacheClient
 
         def factory(info):
             self.grammar_client = GrammarCacheClient(
-                info, config=GrammarCacheConfig(**config), name=name, namespace=namespace)
+                info, config=config, name=name, namespace=namespace)
             return self.grammar_client.fetch
         return factory
 
-    def _start_replicator(self, name: str, namespace: str, config: dict) -> None:
+    def _start_replicator(self, name: str, namespace: str,
+                          config: "GrammarCacheConfig") -> None:
         """Warm replication (grammar_cache/replication.py): the task itself starts on the
         actor's event loop at the first async call (load, health, generate)."""
-        from grammar_cache.actor import GrammarCacheConfig
         from grammar_cache.replication import Replicator
         guided = self.engine.engine.guided
         if guided is None:
             return
         self.replicator = Replicator(
-            GrammarCacheConfig(**config), guided.fingerprint,
+            config, guided.fingerprint,
             actor=lambda: ray.get_actor(name, namespace=namespace),
             prefetch=guided.get_grammar, holds=guided.holds,
             held_bytes=lambda: guided.cached_bytes,
