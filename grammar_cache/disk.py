@@ -13,6 +13,12 @@ files least recently used (a read touches its file's mtime) are deleted.
 Only compiled grammars and "compile locally" verdicts are written; errors are not (they
 expire, and a grammar error is cheap to find again). Every failure of the disk (full,
 read-only, removed under us) is logged once and counted, never raised: the disk is a cache.
+
+A file is read only when it and every folder from ``root`` down to it are this user's and
+writable by no one else (grammar_cache/private_files.py, as for the kernels and models):
+a grammar is loaded into every worker, and one that others could write is treated as a
+failed read (logged, counted in disk_errors, compiled instead). Folders are made 0755
+whatever the umask, files 0600.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 
 from grammar_cache import envelope
+from grammar_cache.private_files import check_private, make_private_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,7 @@ class DiskStore:
         """The envelope bytes kept for ``key``, or None."""
         p = self.path(fingerprint, key)
         try:
+            check_private(p, self.base)  # PermissionError: an OSError, a failed read
             data = p.read_bytes()
             os.utime(p)  # recently used: evicted last
         except FileNotFoundError:
@@ -77,7 +85,7 @@ class DiskStore:
             return False
         p = self.path(fingerprint, key)
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(p.parent, self.base)
             fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=p.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
