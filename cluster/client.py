@@ -34,7 +34,7 @@ from worker.engine.loop_guard import LoopGuardParams
 from worker.engine.params import SamplingParams
 from worker.engine.sequence import GenerationRequest, RequestOutput
 
-__all__ = ["RuntimeClient", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
+__all__ = ["RuntimeClient", "RuntimeClientStats", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
            "LoopGuardParams",
            "GrammarSpec", "ErrorKind", "GrammarError", "GrammarUnavailable", "NoWorkers",
            "Overloaded", "RayTaskError", "NAMESPACE"]
@@ -44,6 +44,22 @@ logger = logging.getLogger(__name__)
 _WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 # what a front end sees when the runtime underneath fails (not a bug, not the client's)
 INFRASTRUCTURE_ERRORS = (*_WORKER_GONE, GetTimeoutError)
+
+
+@dataclasses.dataclass
+class RuntimeClientStats:
+    """A front end's runtime client: counters, and gauges filled in by ``stats()``
+    (rendered as ``rayguide_replica_<name>`` on /metrics)."""
+
+    retries: int = 0  # requests sent again after their worker died before streaming
+    failovers: int = 0  # requests continued on another worker after a mid-stream death
+    resumed_tokens: int = 0  # tokens those continuations did not have to generate again
+    own_routes: int = 0  # routed without the scheduler (it was restarting)
+    route_timeouts: int = 0  # route calls given up after route_timeout_s
+    route_timeout_s: float = 0.0  # the setting, for reading the counter above
+    failover_pause_max_s: float = 0.0  # worker death -> continuation sent
+    failover_pause_p50_s: float = 0.0
+    scheduler_down: int = 0  # 1 while the scheduler is known to be down
 
 
 class RuntimeClient:
@@ -71,12 +87,8 @@ class RuntimeClient:
         self.route_timeout_s = route_timeout_s
         self.skip_after_timeout_s = skip_after_timeout_s
         self._skip_until = 0.0
-        self.retries = 0
-        self.own_routes = 0  # routed without the scheduler (it was restarting)
-        self.route_timeouts = 0  # route calls given up after route_timeout_s
+        self.counts = RuntimeClientStats()
         self.max_failovers = max_failovers
-        self.failovers = 0  # requests continued on another worker after a mid-stream death
-        self.resumed_tokens = 0  # tokens those continuations did not have to generate again
         self.failover_pauses: deque[float] = deque(maxlen=1024)  # death -> continuation sent
         self._workers: dict[str, object] = {}  # worker id -> handle, as routes revealed them
         self._in_flight: dict[str, int] = {}  # worker id -> this client's open requests
@@ -155,9 +167,9 @@ class RuntimeClient:
             if isinstance(exc, ActorDiedError):
                 self._find_scheduler()
             if isinstance(exc, asyncio.TimeoutError):
-                self.route_timeouts += 1
+                self.counts.route_timeouts += 1
                 self._skip_until = time.monotonic() + self.skip_after_timeout_s
-                log = logger.warning if self.route_timeouts == 1 else logger.debug
+                log = logger.warning if self.counts.route_timeouts == 1 else logger.debug
                 log("the scheduler did not route in %.2f s; routing from the last known "
                     "workers for %.1f s (logged once; counted in route_timeouts)",
                     self.route_timeout_s, self.skip_after_timeout_s)
@@ -178,7 +190,7 @@ class RuntimeClient:
         worker_id = self._sessions.get(session_id) if session_id is not None else None
         if worker_id not in known:
             worker_id = min(known, key=lambda w: (self._in_flight.get(w, 0), w))
-        self.own_routes += 1
+        self.counts.own_routes += 1
         route = {"worker_id": worker_id, "handle": self._workers[worker_id]}
         self._remember(session_id, route)  # the restarted scheduler learns it from the worker
         return route
@@ -244,8 +256,8 @@ class RuntimeClient:
                         return
                     failovers += 1
                     attempt = 0  # a continuation gets its own retries
-                    self.failovers += 1
-                    self.resumed_tokens += len(emitted)
+                    self.counts.failovers += 1
+                    self.counts.resumed_tokens += len(emitted)
                     current = dataclasses.replace(
                         request, request_id=f"{request.request_id}-f{failovers}",
                         resume_token_ids=list(emitted), resume_text="".join(emitted_text))
@@ -254,7 +266,7 @@ class RuntimeClient:
                                    "another worker after %d tokens", worker_id,
                                    request.request_id, len(emitted))
                     continue
-                self.retries += 1
+                self.counts.retries += 1
                 logger.warning("worker %s died before streaming; retrying (attempt %d)",
                                worker_id, attempt + 1)
             finally:
@@ -287,15 +299,14 @@ class RuntimeClient:
             route = await self._route(session_id, expected, family, frozenset(died_on))
         return route
 
-    def stats(self) -> dict:
-        """This client's failover and routing counters (a front end's /metrics)."""
-        return {"retries": self.retries, "failovers": self.failovers,
-                "resumed_tokens": self.resumed_tokens,
-                "failover_pause_max_s": max(self.failover_pauses, default=0.0),
-                "failover_pause_p50_s": percentile(self.failover_pauses, 50, 0.0),
-                "own_routes": self.own_routes, "route_timeouts": self.route_timeouts,
-                "route_timeout_s": self.route_timeout_s,
-                "scheduler_down": int(self.scheduler_down_since is not None)}
+    def stats(self) -> RuntimeClientStats:
+        """A copy of this client's counters, its failover pauses and whether the scheduler
+        is down now (a front end's /metrics renders every field)."""
+        return dataclasses.replace(
+            self.counts, route_timeout_s=self.route_timeout_s,
+            failover_pause_max_s=max(self.failover_pauses, default=0.0),
+            failover_pause_p50_s=percentile(self.failover_pauses, 50, 0.0),
+            scheduler_down=int(self.scheduler_down_since is not None))
 
     async def _report_failed(self, worker_id: str) -> None:
         """Tells the scheduler (briefly: a restarting scheduler finds the dead worker by

@@ -57,6 +57,7 @@ from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import ErrorKind, GrammarError
 from grammar_cache.percentile import percentile
 from grammar_cache.spec import GrammarSpec
+from grammar_cache.stats import CacheStats
 
 __all__ = ["ACTOR_NAME", "NAMESPACE", "GrammarCache", "GrammarCacheActor", "GrammarCacheConfig",
            "get_or_create_actor", "wait_ready"]
@@ -205,11 +206,7 @@ class GrammarCache:
         self._tasks: set[asyncio.Task] = set()
         self.compiling = 0  # compiles running or waiting for a compile process
         self.compile_times: deque[float] = deque(maxlen=2048)
-        self.counts = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "timeouts": 0,
-                       "joined": 0, "local_verdicts": 0, "unavailable": 0, "disk_hits": 0,
-                       "hot": 0, "leases": 0, "lease_publishes": 0, "lease_releases": 0,
-                       "lease_lapses": 0, "late_publishes": 0, "too_large": 0,
-                       "overloaded": 0, "displaced": 0, "cancelled": 0}
+        self.counts = CacheStats()
         self.disk = disk_tier.from_config(config)
         # keys ever asked for (bounded: how the cluster's compiles per distinct grammar is
         # computed) and requests per key reported by workers
@@ -263,7 +260,7 @@ class GrammarCache:
             hot.add(key)
             self.specs[key] = spec
             self.hot_lists.setdefault(fingerprint, []).append(key)
-            self.counts["hot"] += 1
+            self.counts.hot += 1
 
     def hot(self, fingerprint: str, since: int = 0,
             uses: list[tuple[str, int, GrammarSpec | None]] = ()) -> dict:
@@ -310,19 +307,23 @@ class GrammarCache:
         key = spec.key(fingerprint)  # cached on the spec by whoever built it
         data = self.lru.get(key) or self._cached_error(key)
         if data is not None:
-            self._count("hits")
+            self.counts.hits += 1
+            self._m_requests.inc(tags={"result": "hits"})
             self._seen(key, spec)
             return data
         try:  # microseconds; not remembered, so refused grammars take no memory here
             spec.check_repetitions(self.config.max_repetition)
         except GrammarError as exc:
-            self._count("too_large")
+            self.counts.too_large += 1
+            self._m_requests.inc(tags={"result": "too_large"})
             return envelope.pack_error(str(exc), fingerprint, key, exc.kind)
         self._seen(key, spec)
         if key in self.inflight:
-            self._count("joined")
+            self.counts.joined += 1
+            self._m_requests.inc(tags={"result": "joined"})
             return await self._wait(key)
-        self._count("misses")
+        self.counts.misses += 1
+        self._m_requests.inc(tags={"result": "misses"})
         self.inflight[key] = asyncio.get_running_loop().create_future()
         try:
             data = await self._from_disk(fingerprint, key)
@@ -372,10 +373,10 @@ class GrammarCache:
         try:
             data = await self._compile(spec, fingerprint, key, client, ticket)
         except QueueFull:  # a client with a smaller share took its place
-            self.counts["displaced"] += 1
+            self.counts.displaced += 1
             data = self._overloaded(spec, fingerprint, key)
         except asyncio.CancelledError:
-            self.counts["cancelled"] += 1
+            self.counts.cancelled += 1
             logger.info("compile of %s cancelled: nobody waits for it", spec.describe())
             self._fail(key, asyncio.CancelledError())
             return
@@ -387,7 +388,8 @@ class GrammarCache:
         self._settle(key, data)
 
     def _overloaded(self, spec: GrammarSpec, fingerprint: str, key: str) -> bytes:
-        self._count("overloaded")
+        self.counts.overloaded += 1
+        self._m_requests.inc(tags={"result": "overloaded"})
         return envelope.pack_error(
             f"the grammar cache has {self.queue.waiting} compiles waiting (the limit is "
             f"{self.config.max_queued_compiles}: grammar_cache.max_queued_compiles); this new "
@@ -408,8 +410,8 @@ class GrammarCache:
         return WALL_FACTOR * self.config.compile_timeout_s + LEASE_SERIALIZE_S
 
     def _grant(self, spec: GrammarSpec, fingerprint: str, key: str) -> None:
-        self.counts["leases"] += 1
-        self.counts["compiles"] += 1  # the worker's compile is this grammar's compile
+        self.counts.leases += 1
+        self.counts.compiles += 1  # the worker's compile is this grammar's compile
         timer = asyncio.get_running_loop().call_later(self.lease_timeout_s(), self._lapse, key)
         self.leases[key] = (spec, fingerprint, timer)
 
@@ -419,7 +421,7 @@ class GrammarCache:
         grammar was compiled here meanwhile) or the envelope is not for this key."""
         lease = self.leases.get(key)
         if lease is None or lease[1] != fingerprint:
-            self.counts["late_publishes"] += 1
+            self.counts.late_publishes += 1
             return False
         try:
             env = envelope.read_header(data)
@@ -431,9 +433,9 @@ class GrammarCache:
             return False
         del self.leases[key]
         lease[2].cancel()
-        self.counts["lease_publishes"] += 1
+        self.counts.lease_publishes += 1
         if "error" in env:
-            self.counts["errors"] += 1
+            self.counts.errors += 1
             if ErrorKind.parse(env.get("error_kind")).client_fault:
                 self._keep_error(key, data)
         else:
@@ -449,13 +451,13 @@ class GrammarCache:
         if lease is None:
             return
         lease[2].cancel()
-        self.counts["lease_releases"] += 1
+        self.counts.lease_releases += 1
         self._compile_lease(key, lease)
 
     def _lapse(self, key: str) -> None:
         lease = self.leases.pop(key, None)
         if lease is not None:  # the holder died or hung: compile it here
-            self.counts["lease_lapses"] += 1
+            self.counts.lease_lapses += 1
             logger.warning("a worker's lease on %s lapsed; compiling it here", key)
             self._compile_lease(key, lease)
 
@@ -507,7 +509,7 @@ class GrammarCache:
         if any(env.get(f) != v for f, v in envelope._header(fingerprint, key).items()) or (
                 "error" in env):
             return None
-        self.counts["disk_hits"] += 1
+        self.counts.disk_hits += 1
         self.lru.put(key, data)
         self._m_bytes.set(self.lru.bytes)
         return data
@@ -536,25 +538,25 @@ class GrammarCache:
         finally:
             self.compiling -= 1
             self.queue.leave(client, ticket)
-        self.counts["compiles"] += 1
+        self.counts.compiles += 1
         self.compile_times.append(elapsed)
         self._m_compile.observe(elapsed, tags={"kind": spec.kind})
         data = result.data
         if result.error_kind is not None:
-            self.counts["errors"] += 1
+            self.counts.errors += 1
             if result.error_kind is ErrorKind.COMPILE_TIMEOUT:
-                self.counts["timeouts"] += 1
+                self.counts.timeouts += 1
             if result.cacheable:
                 self._keep_error(key, data)
             else:  # a compile process died: not the grammar's fault, ask again next time
-                self.counts["unavailable"] += 1
+                self.counts.unavailable += 1
         else:
             if result.load_s >= self.config.local_verdict_factor * result.compile_s:
                 # xgrammar's serialization of this grammar loads slower than it compiles:
                 # keep (and send) a small verdict instead; workers compile it themselves,
                 # knowing it compiles within the limits
                 data = envelope.pack_local(fingerprint, key, result.compile_s)
-                self.counts["local_verdicts"] += 1
+                self.counts.local_verdicts += 1
             self._keep(fingerprint, key, data)
         return data
 
@@ -567,17 +569,13 @@ class GrammarCache:
             return None
         return item[0]
 
-    def _count(self, result: str) -> None:
-        self.counts[result] += 1
-        self._m_requests.inc(tags={"result": result})
-
     def stats(self) -> dict:
         distinct = len(self.distinct)
-        return {**self.counts, "entries": len(self.lru), "bytes": self.lru.bytes,
+        return {**self.counts.as_dict(), "entries": len(self.lru), "bytes": self.lru.bytes,
                 "distinct_grammars": distinct,
                 # 1.0: every grammar the cluster asked for was compiled exactly once (disk
                 # hits count as no compile)
-                "compiles_per_distinct_grammar": (self.counts["compiles"] / distinct
+                "compiles_per_distinct_grammar": (self.counts.compiles / distinct
                                                   if distinct else 0.0),
                 "disk": self.disk.stats() if self.disk is not None else {},
                 "max_bytes": self.config.max_bytes, "evictions": self.lru.evictions,
