@@ -91,6 +91,8 @@ class RequestOutput:
     # values the loop guard ended where they began to repeat (then closed; see
     # worker/engine/loop_guard.py); an output that then ended on its own finishes "stop"
     loop_cuts: int = 0
+    # the grammar engine that served a guided request ("xgrammar" | "llguidance"), final chunk
+    grammar_engine: str | None = None
 
     def merge(self, chunk: "RequestOutput") -> "RequestOutput":
         """Accumulates a later chunk of the same request into this one (texts, tokens and
@@ -112,7 +114,8 @@ class RequestOutput:
 # fields a later chunk overrides when merged (the last chunk carries the final values)
 _FINAL_FIELDS = ("finished", "finish_reason", "error", "error_kind", "prompt_tokens",
                  "completion_tokens", "cached_tokens", "worker_id", "closed_early",
-                 "validation", "validation_error", "approximated", "loop_cuts")
+                 "validation", "validation_error", "approximated", "loop_cuts",
+                "grammar_engine")
 
 
 class SeqStatus(enum.Enum):
