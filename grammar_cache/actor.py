@@ -36,6 +36,8 @@ uses)``, every second or so, from their background replicator); a grammar reques
 ``replicate_after_requests`` times anywhere in the cluster, or listed in ``hot_specs``,
 joins the tokenizer's hot list, and every worker fetches what it lacks of that list in the
 background, so a request that meets a known grammar on another worker finds it there.
+What the hot lists remember is bounded (grammar_cache/hot_list.py): a grammar nobody asked
+for in a while, or past ``max_tracked_grammars``, is forgotten and leaves its hot list.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from grammar_cache import envelope
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool, CompileResult
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import ErrorKind, GrammarError
+from grammar_cache.hot_list import HotList
 from grammar_cache.percentile import percentile
 from grammar_cache.spec import GrammarSpec
 from grammar_cache.stats import CacheStats
@@ -209,12 +212,9 @@ class GrammarCache:
         self.counts = CacheStats()
         self.disk = disk_tier.from_config(config)
         # keys ever asked for (bounded: how the cluster's compiles per distinct grammar is
-        # computed) and requests per key reported by workers
+        # computed); specs and requests per key reported by workers, and the hot lists
         self.distinct: OrderedDict[str, None] = OrderedDict()
-        self.demand: dict[str, int] = {}
-        self.specs: dict[str, GrammarSpec] = {}  # key -> spec, for the hot lists
-        self.hot_lists: dict[str, list[str]] = {}  # fingerprint -> hot keys, oldest first
-        self._hot_sets: dict[str, set[str]] = {}
+        self.hot_list = HotList(config)
         self._ready = threading.Event()
         self._ready_error: str | None = None
         threading.Thread(target=self._start_pool, name="grammar-pool-start",
@@ -254,12 +254,7 @@ class GrammarCache:
     # warm replication ----------------------------------------------------------------
 
     def _mark_hot(self, spec: GrammarSpec, fingerprint: str) -> None:
-        key = spec.key(fingerprint)
-        hot = self._hot_sets.setdefault(fingerprint, set())
-        if key not in hot:
-            hot.add(key)
-            self.specs[key] = spec
-            self.hot_lists.setdefault(fingerprint, []).append(key)
+        if self.hot_list.pin(fingerprint, spec.key(fingerprint), spec):
             self.counts.hot += 1
 
     def hot(self, fingerprint: str, since: int = 0,
@@ -274,18 +269,11 @@ class GrammarCache:
         - ``known``: whether this cache has the tokenizer (a worker that has made no request
           yet registers it then, so configured hot grammars warm before any request)."""
         for key, n, spec in uses:
-            if spec is not None:
-                self.specs.setdefault(key, spec)
-            self.demand[key] = self.demand.get(key, 0) + n
-            if (self.config.replicate and key in self.specs
-                    and self.demand[key] >= self.config.replicate_after_requests):
-                self._mark_hot(self.specs[key], fingerprint)
-        keys = self.hot_lists.get(fingerprint, [])
-        new = keys[since:]
-        if since == 0:
-            new = sorted(new, key=lambda k: -self.demand.get(k, 0))
-        return {"cursor": len(keys), "compiling": self.compiling + len(self.leases),
-                "specs": [self.specs[k] for k in new if self._cached_error(k) is None],
+            if self.hot_list.use(fingerprint, key, n, spec):
+                self.counts.hot += 1
+        cursor, new = self.hot_list.since(fingerprint, since)
+        return {"cursor": cursor, "compiling": self.compiling + len(self.leases),
+                "specs": [s for k, s in new if self._cached_error(k) is None],
                 "known": fingerprint in self.tokenizers}
     def has_tokenizer(self, fingerprint: str) -> bool:
         return fingerprint in self.tokenizers
@@ -348,7 +336,7 @@ class GrammarCache:
         return await self._wait(key)
 
     def _seen(self, key: str, spec: GrammarSpec) -> None:
-        self.specs.setdefault(key, spec)
+        self.hot_list.seen(key, spec)
         self.distinct[key] = None
         self.distinct.move_to_end(key)
         while len(self.distinct) > 100_000:

@@ -79,6 +79,11 @@ class GrammarCacheConfig(BaseModel):
     # its requests ask for is still fetched (the LRU's own bound is the engine's
     # grammar_cache_bytes)
     replicate_max_bytes: int = Field(256 * 2**20, ge=0)
+    # the cache actor remembers the spec and request count of at most this many grammars
+    # (least recently asked for forgotten first), and forgets one nobody asked for in
+    # hot_idle_s; a forgotten grammar leaves the hot list (hot_specs never do)
+    max_tracked_grammars: int = Field(10_000, ge=1)
+    hot_idle_s: float = Field(3600.0, gt=0)
     # grammars every worker warms at start, as GrammarSpec fields: {"kind": "json_schema",
     # "source": {...schema...}} (a JSON source may be given as an object)
     hot_specs: list[dict] = Field(default_factory=list)
@@ -115,7 +120,7 @@ class GrammarCacheConfig(BaseModel):
         root = os.environ.get("RAYGUIDE_CACHE_DIR")
         return (Path(root) if root else Path.home() / ".cache" / "rayguide") / "grammars"
 
-    @field_validator("compile_timeout_s", "error_ttl_s", "ready_timeout_s")
+    @field_validator("compile_timeout_s", "error_ttl_s", "ready_timeout_s", "hot_idle_s")
     @classmethod
     def _finite(cls, v: float) -> float:
         # inf would turn a compile limit into no limit at all
