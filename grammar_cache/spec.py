@@ -130,23 +130,23 @@ class GrammarSpec:
         return cls("json_object", "", **options)
 
     @classmethod
-    def regex(cls, pattern: str) -> "GrammarSpec":
-        return cls("regex", pattern)
+    def regex(cls, pattern: str, **options) -> "GrammarSpec":
+        return cls("regex", pattern, **options)
 
     @classmethod
-    def ebnf(cls, grammar: str) -> "GrammarSpec":
+    def ebnf(cls, grammar: str, **options) -> "GrammarSpec":
         """An EBNF / GBNF grammar with a ``root`` rule (xgrammar's dialect)."""
-        return cls("ebnf", grammar)
+        return cls("ebnf", grammar, **options)
 
     @classmethod
-    def lark(cls, grammar: str) -> "GrammarSpec":
-        return cls("lark", grammar)
+    def lark(cls, grammar: str, **options) -> "GrammarSpec":
+        return cls("lark", grammar, **options)
 
     @classmethod
-    def choice(cls, choices: list[str]) -> "GrammarSpec":
+    def choice(cls, choices: list[str], **options) -> "GrammarSpec":
         """Exactly one of the given strings."""
         _check_choices(choices)
-        return cls("choice", _canonical_json(list(choices)))
+        return cls("choice", _canonical_json(list(choices)), **options)
 
     @classmethod
     def structural_tag(cls, tag: dict | str) -> "GrammarSpec":
