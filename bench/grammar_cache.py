@@ -426,14 +426,15 @@ def warm_worker(config, handles, mix, schedule, size: ClusterSize) -> dict:
     import ray
 
     from cluster.client import GenerationRequest, SamplingParams
-    from grammar_cache.actor import ACTOR_NAME
+    from grammar_cache.actor import ACTOR_NAME, GrammarCacheConfig
     from scheduler.actor import NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX
     from worker.actor import WorkerActor
     t0 = time.perf_counter()
     new = WorkerActor.options(name=f"{WORKER_PREFIX}{size.workers}", namespace=NAMESPACE,
                               num_cpus=0.25).remote(
         dataclasses.asdict(config.engine_config()), f"w{size.workers}",
-        (SCHEDULER_NAME, NAMESPACE), (ACTOR_NAME, NAMESPACE, dict(config.grammar_cache)))
+        (SCHEDULER_NAME, NAMESPACE),
+        (ACTOR_NAME, NAMESPACE, GrammarCacheConfig(**config.grammar_cache)))
     ray.get(new.health.remote())
     started = time.perf_counter() - t0
     hot = ray.get(handles["cache"].stats.remote())["hot"]

@@ -9,17 +9,19 @@ same code path, figures meaningless; tests/test_bench_smoke.py runs it), neither
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
 import math
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from grammar_cache import percentile as shared
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -60,15 +62,8 @@ def record(name: str, body: str) -> None:
     DOCS.write_text(text)
 
 
-def percentile(values, p: float) -> float:
-    """The p-th percentile (0-100) of ``values``, interpolated linearly between samples;
-    nan when there are none."""
-    values = sorted(values)
-    if not values:
-        return math.nan
-    if len(values) == 1 or p >= 100:
-        return values[-1] if p >= 100 else values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[max(1, int(p)) - 1]
+# the tree's one percentile (grammar_cache/percentile.py); nan without samples
+percentile = functools.partial(shared.percentile, default=math.nan)
 
 
 _REPEAT = re.compile(r"(.{4,64}?)\1{2,}", re.S)

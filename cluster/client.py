@@ -24,7 +24,9 @@ import ray
 from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError,
                             RayActorError, RayTaskError)
 
+from grammar_cache.backoff import backoff
 from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
+from grammar_cache.percentile import percentile
 from grammar_cache.spec import GrammarSpec
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
 from scheduler.routing import NoWorkers, Overloaded
@@ -32,7 +34,7 @@ from worker.engine.loop_guard import LoopGuardParams
 from worker.engine.params import SamplingParams
 from worker.engine.sequence import GenerationRequest, RequestOutput
 
-__all__ = ["RuntimeClient", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
+__all__ = ["RuntimeClient", "RuntimeClientStats", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
            "LoopGuardParams",
            "GrammarSpec", "ErrorKind", "GrammarError", "GrammarUnavailable", "NoWorkers",
            "Overloaded", "RayTaskError", "NAMESPACE"]
@@ -42,6 +44,22 @@ logger = logging.getLogger(__name__)
 _WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 # what a front end sees when the runtime underneath fails (not a bug, not the client's)
 INFRASTRUCTURE_ERRORS = (*_WORKER_GONE, GetTimeoutError)
+
+
+@dataclasses.dataclass
+class RuntimeClientStats:
+    """A front end's runtime client: counters, and gauges filled in by ``stats()``
+    (rendered as ``rayguide_replica_<name>`` on /metrics)."""
+
+    retries: int = 0  # requests sent again after their worker died before streaming
+    failovers: int = 0  # requests continued on another worker after a mid-stream death
+    resumed_tokens: int = 0  # tokens those continuations did not have to generate again
+    own_routes: int = 0  # routed without the scheduler (it was restarting)
+    route_timeouts: int = 0  # route calls given up after route_timeout_s
+    route_timeout_s: float = 0.0  # the setting, for reading the counter above
+    failover_pause_max_s: float = 0.0  # worker death -> continuation sent
+    failover_pause_p50_s: float = 0.0
+    scheduler_down: int = 0  # 1 while the scheduler is known to be down
 
 
 class RuntimeClient:
@@ -69,12 +87,8 @@ class RuntimeClient:
         self.route_timeout_s = route_timeout_s
         self.skip_after_timeout_s = skip_after_timeout_s
         self._skip_until = 0.0
-        self.retries = 0
-        self.own_routes = 0  # routed without the scheduler (it was restarting)
-        self.route_timeouts = 0  # route calls given up after route_timeout_s
+        self.counts = RuntimeClientStats()
         self.max_failovers = max_failovers
-        self.failovers = 0  # requests continued on another worker after a mid-stream death
-        self.resumed_tokens = 0  # tokens those continuations did not have to generate again
         self.failover_pauses: deque[float] = deque(maxlen=1024)  # death -> continuation sent
         self._workers: dict[str, object] = {}  # worker id -> handle, as routes revealed them
         self._in_flight: dict[str, int] = {}  # worker id -> this client's open requests
@@ -90,17 +104,17 @@ class RuntimeClient:
         (max_restarts=-1) and the same handle reaches the new instance, so an unavailable
         scheduler is retried with backoff for up to ``scheduler_wait_s``."""
         deadline = time.monotonic() + self.scheduler_wait_s
-        delay = 0.05
+        delays = backoff(0.05, 1.0)
         while True:
             try:
                 return await getattr(self.scheduler, method).remote(*args)
             except _WORKER_GONE as exc:
+                delay = next(delays)
                 if time.monotonic() + delay > deadline:
                     raise
                 if isinstance(exc, ActorDiedError):
                     self._find_scheduler()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
 
     def _find_scheduler(self) -> None:
         if self._by_name:
@@ -115,14 +129,14 @@ class RuntimeClient:
             self._watcher = loop.create_task(self._watch())
 
     async def _watch(self) -> None:
-        delay = 0.05
+        delays = backoff(0.05, 1.0)
         while True:
             try:
                 await self.scheduler.watch.remote(0.0)  # answers once up and rebuilt
                 if self.scheduler_down_since is not None:
                     logger.info("scheduler back after %.2f s",
                                 time.monotonic() - self.scheduler_down_since)
-                self.scheduler_down_since, delay = None, 0.05
+                self.scheduler_down_since, delays = None, backoff(0.05, 1.0)
                 await self.scheduler.watch.remote(30.0)
             except _WORKER_GONE as exc:
                 if self.scheduler_down_since is None:
@@ -131,8 +145,7 @@ class RuntimeClient:
                                    "workers until it is back", type(exc).__name__)
                 if isinstance(exc, ActorDiedError):
                     self._find_scheduler()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(next(delays))
             except Exception:  # noqa: BLE001 - the watch only informs routing: never fatal
                 logger.debug("scheduler watch failed", exc_info=True)
                 await asyncio.sleep(1.0)
@@ -154,9 +167,9 @@ class RuntimeClient:
             if isinstance(exc, ActorDiedError):
                 self._find_scheduler()
             if isinstance(exc, asyncio.TimeoutError):
-                self.route_timeouts += 1
+                self.counts.route_timeouts += 1
                 self._skip_until = time.monotonic() + self.skip_after_timeout_s
-                log = logger.warning if self.route_timeouts == 1 else logger.debug
+                log = logger.warning if self.counts.route_timeouts == 1 else logger.debug
                 log("the scheduler did not route in %.2f s; routing from the last known "
                     "workers for %.1f s (logged once; counted in route_timeouts)",
                     self.route_timeout_s, self.skip_after_timeout_s)
@@ -177,7 +190,7 @@ class RuntimeClient:
         worker_id = self._sessions.get(session_id) if session_id is not None else None
         if worker_id not in known:
             worker_id = min(known, key=lambda w: (self._in_flight.get(w, 0), w))
-        self.own_routes += 1
+        self.counts.own_routes += 1
         route = {"worker_id": worker_id, "handle": self._workers[worker_id]}
         self._remember(session_id, route)  # the restarted scheduler learns it from the worker
         return route
@@ -243,8 +256,8 @@ class RuntimeClient:
                         return
                     failovers += 1
                     attempt = 0  # a continuation gets its own retries
-                    self.failovers += 1
-                    self.resumed_tokens += len(emitted)
+                    self.counts.failovers += 1
+                    self.counts.resumed_tokens += len(emitted)
                     current = dataclasses.replace(
                         request, request_id=f"{request.request_id}-f{failovers}",
                         resume_token_ids=list(emitted), resume_text="".join(emitted_text))
@@ -253,7 +266,7 @@ class RuntimeClient:
                                    "another worker after %d tokens", worker_id,
                                    request.request_id, len(emitted))
                     continue
-                self.retries += 1
+                self.counts.retries += 1
                 logger.warning("worker %s died before streaming; retrying (attempt %d)",
                                worker_id, attempt + 1)
             finally:
@@ -276,27 +289,24 @@ class RuntimeClient:
         milliseconds on workers that are still restarting."""
         route = await self._route(session_id, expected, family, frozenset(died_on))
         deadline = time.monotonic() + self.scheduler_wait_s
-        delay = 0.1
+        delays = backoff(0.1, 1.0)
         while route["worker_id"] in died_on and time.monotonic() < deadline:
             try:  # a worker restarted under the same name answers again
                 await asyncio.wait_for(route["handle"].load.remote(), 1.0)
                 return route
             except (*_WORKER_GONE, asyncio.TimeoutError):
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(next(delays))
             route = await self._route(session_id, expected, family, frozenset(died_on))
         return route
 
-    def stats(self) -> dict:
-        """This client's failover and routing counters (a front end's /metrics)."""
-        pauses = sorted(self.failover_pauses)
-        return {"retries": self.retries, "failovers": self.failovers,
-                "resumed_tokens": self.resumed_tokens,
-                "failover_pause_max_s": pauses[-1] if pauses else 0.0,
-                "failover_pause_p50_s": pauses[len(pauses) // 2] if pauses else 0.0,
-                "own_routes": self.own_routes, "route_timeouts": self.route_timeouts,
-                "route_timeout_s": self.route_timeout_s,
-                "scheduler_down": int(self.scheduler_down_since is not None)}
+    def stats(self) -> RuntimeClientStats:
+        """A copy of this client's counters, its failover pauses and whether the scheduler
+        is down now (a front end's /metrics renders every field)."""
+        return dataclasses.replace(
+            self.counts, route_timeout_s=self.route_timeout_s,
+            failover_pause_max_s=max(self.failover_pauses, default=0.0),
+            failover_pause_p50_s=percentile(self.failover_pauses, 50, 0.0),
+            scheduler_down=int(self.scheduler_down_since is not None))
 
     async def _report_failed(self, worker_id: str) -> None:
         """Tells the scheduler (briefly: a restarting scheduler finds the dead worker by

@@ -1,6 +1,6 @@
 """The runtime's configuration: one dataclass, loadable from YAML, overridable by CLI flags.
 
-    model: null                # default model; or an HF dir, a .gguf file, a hub id
+    model: null                # default model; or an HF dir, a .gguf file, hf:org/name@rev
     num_workers: 2
     worker: {num_cpus: 1, num_gpus: 0, num_threads: 1}
     engine: {kv_cache_gb: 1.0, max_num_seqs: 64, ...}       # EngineConfig fields

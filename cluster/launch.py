@@ -306,7 +306,8 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
     existing = set(_named_actors())
     _created_here.update(n for n in names if n not in existing)
     lifetime = "detached" if detached else None
-    cache = get_or_create_actor(GrammarCacheConfig(**config.grammar_cache), detached=detached,
+    cache_config = GrammarCacheConfig(**config.grammar_cache)
+    cache = get_or_create_actor(cache_config, detached=detached,
                                 resources=config.control_resources)
     scheduler = get_or_create_scheduler(SchedulerConfig(**config.scheduler), detached=detached,
                                         resources=config.control_resources)
@@ -314,8 +315,7 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
     # workers compile through the cache actor with the cluster's compile limits (their
     # fallback compiles too)
     # (grammar_cache: {shared: false}: each worker compiles by itself, the baseline)
-    cache_link = ((CACHE_NAME, NAMESPACE, dict(config.grammar_cache))
-                  if GrammarCacheConfig(**config.grammar_cache).shared else None)
+    cache_link = (CACHE_NAME, NAMESPACE, cache_config) if cache_config.shared else None
     workers = []
     for i in range(config.num_workers):
         workers.append(WorkerActor.options(

@@ -707,7 +707,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--address", default=None,
                    help="Ray address (default: the job's cluster, else a local one)")
     g = p.add_argument_group("the job's own runtime (only when none is running)")
-    g.add_argument("--model", default=None, help="HF dir, .gguf file or hub id")
+    g.add_argument("--model", default=None,
+                   help="HF dir, .gguf file or hf:org/name@revision (a hub download)")
     g.add_argument("--workers", type=int, default=None, help="worker actors (2)")
     g.add_argument("--config", default=None, metavar="YAML", help="as for `rayguide up`")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -12,6 +12,7 @@ of the field the client should change in ``param``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,7 @@ def structured_outputs(so: Any) -> GrammarSpec:
               "grammar": GrammarSpec.ebnf, "structural_tag": GrammarSpec.structural_tag}
     if not isinstance(so, dict):
         raise DialectError("structured_outputs must be an object", "structured_outputs")
-    given = [k for k in so if so[k] is not None]
+    given = [k for k in so if so[k] is not None and k != "backend"]
     if len(given) != 1 or given[0] not in makers:
         raise DialectError(f"structured_outputs needs exactly one of {sorted(makers)}; "
                            f"got {sorted(given)}", "structured_outputs")
@@ -148,6 +149,40 @@ def vllm_field(name: str, value: Any) -> GrammarSpec:
     makers = {"guided_regex": GrammarSpec.regex, "guided_choice": GrammarSpec.choice,
               "guided_grammar": GrammarSpec.ebnf}
     return _wrap(name, makers[name], value)
+
+
+# the grammar engine a request may ask for, by name; "guidance" is vLLM's name of llguidance
+ENGINE_NAMES = {"auto": "auto", "xgrammar": "xgrammar", "llguidance": "llguidance",
+                "guidance": "llguidance"}
+
+
+def engine_from(fields: dict[str, Any]) -> str | None:
+    """The grammar engine a request forces (``guided_decoding_backend``, or vLLM's newer
+    ``structured_outputs.backend``), None when it names none. An unknown name, or two
+    fields naming different engines, is a DialectError naming the field."""
+    asked = []
+    so = fields.get("structured_outputs")
+    for param, value in (("guided_decoding_backend", fields.get("guided_decoding_backend")),
+                         ("structured_outputs.backend",
+                          so.get("backend") if isinstance(so, dict) else None)):
+        if value is None:
+            continue
+        if not isinstance(value, str) or value not in ENGINE_NAMES:
+            raise DialectError(f"{param} {value!r} is not a grammar engine; use one of "
+                               f"{', '.join(ENGINE_NAMES)}", param, ErrorKind.BAD_REQUEST)
+        asked.append((param, ENGINE_NAMES[value]))
+    if len({engine for _, engine in asked}) > 1:
+        raise DialectError("guided_decoding_backend and structured_outputs.backend name "
+                           "different engines; send one", "structured_outputs.backend",
+                           ErrorKind.BAD_REQUEST)
+    return asked[0][1] if asked else None
+
+
+def with_engine(spec: GrammarSpec, engine: str | None) -> GrammarSpec:
+    """``spec`` asking for ``engine`` (None: as it is)."""
+    if engine is None or spec.engine == engine:
+        return spec
+    return dataclasses.replace(spec, engine=engine)
 
 
 def from_openai(fields: dict[str, Any]) -> GrammarSpec | None:

@@ -4,6 +4,18 @@ agent (Prometheus format on each node's metrics port) and, with the runtime's ga
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ReplicaStats:
+    """This replica's own counts: ``rayguide_replica_http_requests{route, status}`` and
+    ``rayguide_replica_generated_tokens``."""
+
+    requests: dict[tuple[str, int], int] = field(default_factory=dict)
+    generated_tokens: int = 0
+
 
 class Metrics:
     """Request counters and latencies, exported through Ray's metrics agent (Prometheus
@@ -25,36 +37,43 @@ class Metrics:
                                              boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10])
         self.generated = metrics.Counter("rayguide_generated_tokens",
                                          "completion tokens sent to clients")
-        self.local = {"requests": {}, "tokens": 0}
+        self.local = ReplicaStats()
 
     def request(self, route: str, status: int, seconds: float) -> None:
         self.requests.inc(1, {"route": route, "status": str(status)})
         self.latency.observe(seconds, {"route": route})
         key = (route, status)
-        self.local["requests"][key] = self.local["requests"].get(key, 0) + 1
+        self.local.requests[key] = self.local.requests.get(key, 0) + 1
 
     def ttft(self, seconds: float) -> None:
         self.first_token.observe(seconds)
 
     def tokens(self, n: int) -> None:
         self.generated.inc(n)
-        self.local["tokens"] += n
+        self.local.generated_tokens += n
 
-    def render(self, status: dict | None, client: dict | None = None) -> str:
-        """``status``: the scheduler's stats (None: it did not answer); ``client``: this
-        replica's RuntimeClient.stats() (failovers, own routes while the scheduler
-        restarted)."""
+    def render(self, status: dict | None, client=None, cache: dict | None = None) -> str:
+        """The Prometheus text of /metrics. ``status``: the scheduler's ``stats()`` (None:
+        it did not answer): its counters as ``rayguide_scheduler_<name>``, and each
+        worker's load report as ``rayguide_worker_<name>{worker=...}`` (engine stats),
+        ``rayguide_worker_grammar_client_<name>`` (cache client, replication, grammar
+        waits) and ``rayguide_worker_grammar_local_<name>`` (the worker's own LRU).
+        ``client``: this replica's ``RuntimeClientStats`` (``rayguide_replica_<name>``).
+        ``cache``: the grammar cache actor's ``stats()`` (``rayguide_grammar_cache_<name>``,
+        its disk tier ``rayguide_grammar_cache_store_<name>``). Every number in them is
+        exported under its field's name (the stats dataclasses: grammar_cache/stats.py,
+        SchedulerStats, RuntimeClientStats, EngineStats; tests/test_stats_unit.py)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
         reg = CollectorRegistry()
-        for name, value in (client or {}).items():
-            Gauge(f"rayguide_replica_{name}", f"this replica's runtime client: {name}",
-                  registry=reg).set(value)
+        if client is not None and not isinstance(client, dict):
+            client = dataclasses.asdict(client)
+        _gauges(reg, "rayguide_replica_", "this replica's runtime client", client or {})
         req = Counter("rayguide_replica_http_requests", "this replica's HTTP requests",
                       ("route", "status"), registry=reg)
-        for (route, code), n in self.local["requests"].items():
+        for (route, code), n in self.local.requests.items():
             req.labels(route, str(code)).inc(n)
         Counter("rayguide_replica_generated_tokens", "this replica's completion tokens",
-                registry=reg).inc(self.local["tokens"])
+                registry=reg).inc(self.local.generated_tokens)
         up = Gauge("rayguide_up", "1 when the scheduler answers", registry=reg)
         up.set(1 if status else 0)
         if status:
@@ -62,30 +81,35 @@ class Metrics:
                   registry=reg).set(status["sessions"])
             Gauge("rayguide_workers", "workers registered", registry=reg).set(
                 len(status["workers"]))
-            per = {name: Gauge(f"rayguide_worker_{name}", f"per worker: {name}",
-                               ("worker",), registry=reg)
-                   for name in ("running", "waiting", "free_blocks", "total_blocks",
-                                "live_sessions", "live_processors")}
-            # the worker's grammar cache client (actor hits, disk hits, local fallbacks,
-            # prefetches, requests that waited for their grammar) and its local LRU of
-            # compiled grammars (hits, misses, evictions; prefetches count as lookups)
-            groups = {"grammar_client": ("rayguide_worker_grammar_client_", {}),
-                      "grammar_cache": ("rayguide_worker_grammar_local_", {})}
+            _gauges(reg, "rayguide_scheduler_", "scheduler", status)
+            groups = {"rayguide_worker_": (lambda load: load, {}),
+                      "rayguide_worker_grammar_client_": (
+                          lambda load: load.get("grammar_client") or {}, {}),
+                      "rayguide_worker_grammar_local_": (
+                          lambda load: load.get("grammar_cache") or {}, {})}
             for wid, load in status["workers"].items():
-                for name, gauge in per.items():
-                    if isinstance(load.get(name), (int, float)):
-                        gauge.labels(wid).set(load[name])
-                for field, (prefix, gauges) in groups.items():
-                    for name, value in (load.get(field) or {}).items():
-                        if isinstance(value, (int, float)) and not isinstance(value, bool):
-                            if name not in gauges:
-                                gauges[name] = Gauge(f"{prefix}{name}",
-                                                     f"per worker {field}: {name}",
-                                                     ("worker",), registry=reg)
-                            gauges[name].labels(wid).set(value)
-            for name in ("routes", "rejected", "sessions_ended", "broadcast_messages",
-                         "workers_dropped", "workers_suspected", "broadcast_failures",
-                         "affinity_routes"):
-                Gauge(f"rayguide_scheduler_{name}", f"scheduler: {name} so far",
-                      registry=reg).set(status.get(name, 0))
+                for prefix, (part, gauges) in groups.items():
+                    for name, value in _numbers(part(load)):
+                        if name not in gauges:
+                            gauges[name] = Gauge(f"{prefix}{name}", f"per worker: {name}",
+                                                 ("worker",), registry=reg)
+                        gauges[name].labels(wid).set(value)
+        if cache:
+            _gauges(reg, "rayguide_grammar_cache_", "grammar cache", cache)
+            _gauges(reg, "rayguide_grammar_cache_store_", "grammar cache's disk tier",
+                    cache.get("disk") or {})
         return generate_latest(reg).decode()
+
+
+def _numbers(values: dict):
+    """The (name, value) pairs of a stats dict that are numbers (a flag as 0 / 1); nested
+    groups, lists, text and None are left to their own renderers."""
+    for name, value in values.items():
+        if isinstance(value, (int, float)):  # bool is an int: a flag exports as 0 / 1
+            yield name, float(value)
+
+
+def _gauges(reg, prefix: str, what: str, values: dict) -> None:
+    from prometheus_client import Gauge
+    for name, value in _numbers(values):
+        Gauge(f"{prefix}{name}", f"{what}: {name}", registry=reg).set(value)

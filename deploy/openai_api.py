@@ -72,7 +72,9 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None  # accepted and ignored: always xgrammar
+    # the grammar engine: "auto" (the server's default), "xgrammar", "llguidance"
+    # ("guidance": vLLM's name); also structured_outputs.backend
+    guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -194,6 +196,8 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None 
                                 " with the tool definitions")
     elif req.tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
+    if grammar is not None:
+        grammar = dialects.with_engine(grammar, _engine(req))
     plan = Plan("chat", [], grammar, stream=req.stream, include_usage=_include_usage(req),
                 logprobs=req.logprobs, tools=functions, tool_mode=mode,
                 session_id=req.session_id, model=req.model,
@@ -225,7 +229,10 @@ def plan_completion(req: CompletionRequest, limits: Limits,
                           f"{limits.max_choices} choices per request (max_choices); send "
                           "fewer", "n" if req.n > 1 else "prompt")
     _check_prompt_chars(sum(len(p) for p in prompts), limits, "prompt")
-    plan = Plan("completion", [], _grammar(req), stream=req.stream,
+    grammar = _grammar(req)
+    if grammar is not None:
+        grammar = dialects.with_engine(grammar, _engine(req))
+    plan = Plan("completion", [], grammar, stream=req.stream,
                 include_usage=_include_usage(req), logprobs=req.logprobs is not None,
                 session_id=req.session_id, model=req.model,
                 validation=req.validation or "flag", loop_guard=_loop_guard(req),
@@ -356,6 +363,15 @@ def _grammar(req: _Request) -> GrammarSpec | None:
               ("response_format", *dialects.VLLM_FIELDS, "structured_outputs")}
     try:
         return dialects.from_openai(fields)
+    except dialects.DialectError as exc:
+        raise for_kind(exc.kind, str(exc), exc.param) from None
+
+
+def _engine(req: _Request) -> str | None:
+    """The grammar engine the request forces, None when it names none."""
+    try:
+        return dialects.engine_from({"guided_decoding_backend": req.guided_decoding_backend,
+                                     "structured_outputs": req.structured_outputs})
     except dialects.DialectError as exc:
         raise for_kind(exc.kind, str(exc), exc.param) from None
 

@@ -11,7 +11,8 @@ A guided choice carries a ``guided`` object next to OpenAI's fields: ``validatio
 ("valid" / "invalid" / null when not checked), ``validation_error``, ``closed_early``
 (the budget ran out and the output was closed to stay valid; finish_reason stays
 "length") and ``approximated`` (schema keywords the grammar only approximates, where the
-validation is what enforces them).
+validation is what enforces them), and ``engine``: the grammar engine that served it
+("xgrammar" or "llguidance").
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def guided_report(out: RequestOutput) -> dict:
             "closed_early": bool(getattr(out, "closed_early", False)),
             "loop_cut": bool(getattr(out, "loop_cuts", 0)),
             "loop_cuts": int(getattr(out, "loop_cuts", 0) or 0),
-            "approximated": list(getattr(out, "approximated", None) or [])}
+            "approximated": list(getattr(out, "approximated", None) or []),
+            "engine": getattr(out, "grammar_engine", None)}
 
 
 # A token the engine forced to close an output early (its budget ran out) was not sampled:

@@ -96,10 +96,11 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
         # but warns that it did when RAY_AUTH_MODE is unset. A user's own setting wins.
         if "RAY_AUTH_MODE" not in os.environ:
             launch.set_auth_mode("token")
-        # "local": a new instance even when `ray start` runs a cluster on this machine
-        ray.init(address="local", namespace=launch.NAMESPACE, include_dashboard=False,
-                 log_to_driver=False,
-                 num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
+        # "local": a new instance even when `ray start` runs a cluster on this machine;
+        # no dashboard and no Prometheus exporter (it would answer anyone on 0.0.0.0)
+        ray.init(address="local", namespace=launch.NAMESPACE, log_to_driver=False,
+                 num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+                 **launch.private_instance_options())
     else:
         launch.connect(config.address)
     gcs = ray.get_runtime_context().gcs_address

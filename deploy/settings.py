@@ -14,6 +14,7 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.config import ClusterConfig
+from grammar_cache.config import config_error_message  # a leaf: pydantic only, no Ray
 
 
 class Limits(BaseModel):
@@ -65,7 +66,6 @@ class AppSettings(BaseModel):
     config: str | None = None  # a ClusterConfig YAML
     model: str | None = None
     num_workers: int | None = None
-    address: str | None = None
     engine: dict | None = None
     worker: dict | None = None
     grammar_cache: dict | None = None
@@ -89,12 +89,8 @@ class AppSettings(BaseModel):
         try:
             settings = cls.model_validate(dict(args or {}))
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'args'}: "
-                f"{'unknown key' if e['type'] == 'extra_forbidden' else e['msg']}"
-                for e in exc.errors()[:5])
-            raise ValueError(f"invalid app arguments: {problems}; known: "
-                             f"{sorted(cls.model_fields)}") from None
+            raise ValueError("invalid app arguments: " + config_error_message(
+                exc, None, cls.model_fields)) from None
         if settings.api_key is None:
             settings.api_key = os.environ.get("RAYGUIDE_API_KEY") or None
         settings.cluster_config()

@@ -36,6 +36,8 @@ uses)``, every second or so, from their background replicator); a grammar reques
 ``replicate_after_requests`` times anywhere in the cluster, or listed in ``hot_specs``,
 joins the tokenizer's hot list, and every worker fetches what it lacks of that list in the
 background, so a request that meets a known grammar on another worker finds it there.
+What the hot lists remember is bounded (grammar_cache/hot_list.py): a grammar nobody asked
+for in a while, or past ``max_tracked_grammars``, is forgotten and leaves its hot list.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ from grammar_cache import envelope
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool, CompileResult
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import ErrorKind, GrammarError
+from grammar_cache.hot_list import HotList
+from grammar_cache.percentile import percentile
 from grammar_cache.spec import GrammarSpec
+from grammar_cache.stats import CacheStats
 
 __all__ = ["ACTOR_NAME", "NAMESPACE", "GrammarCache", "GrammarCacheActor", "GrammarCacheConfig",
            "get_or_create_actor", "wait_ready"]
@@ -204,19 +209,12 @@ class GrammarCache:
         self._tasks: set[asyncio.Task] = set()
         self.compiling = 0  # compiles running or waiting for a compile process
         self.compile_times: deque[float] = deque(maxlen=2048)
-        self.counts = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "timeouts": 0,
-                       "joined": 0, "local_verdicts": 0, "unavailable": 0, "disk_hits": 0,
-                       "hot": 0, "leases": 0, "lease_publishes": 0, "lease_releases": 0,
-                       "lease_lapses": 0, "late_publishes": 0, "too_large": 0,
-                       "overloaded": 0, "displaced": 0, "cancelled": 0}
+        self.counts = CacheStats()
         self.disk = disk_tier.from_config(config)
         # keys ever asked for (bounded: how the cluster's compiles per distinct grammar is
-        # computed) and requests per key reported by workers
+        # computed); specs and requests per key reported by workers, and the hot lists
         self.distinct: OrderedDict[str, None] = OrderedDict()
-        self.demand: dict[str, int] = {}
-        self.specs: dict[str, GrammarSpec] = {}  # key -> spec, for the hot lists
-        self.hot_lists: dict[str, list[str]] = {}  # fingerprint -> hot keys, oldest first
-        self._hot_sets: dict[str, set[str]] = {}
+        self.hot_list = HotList(config)
         self._ready = threading.Event()
         self._ready_error: str | None = None
         threading.Thread(target=self._start_pool, name="grammar-pool-start",
@@ -256,13 +254,8 @@ class GrammarCache:
     # warm replication ----------------------------------------------------------------
 
     def _mark_hot(self, spec: GrammarSpec, fingerprint: str) -> None:
-        key = spec.key(fingerprint)
-        hot = self._hot_sets.setdefault(fingerprint, set())
-        if key not in hot:
-            hot.add(key)
-            self.specs[key] = spec
-            self.hot_lists.setdefault(fingerprint, []).append(key)
-            self.counts["hot"] += 1
+        if self.hot_list.pin(fingerprint, spec.key(fingerprint), spec):
+            self.counts.hot += 1
 
     def hot(self, fingerprint: str, since: int = 0,
             uses: list[tuple[str, int, GrammarSpec | None]] = ()) -> dict:
@@ -276,18 +269,11 @@ class GrammarCache:
         - ``known``: whether this cache has the tokenizer (a worker that has made no request
           yet registers it then, so configured hot grammars warm before any request)."""
         for key, n, spec in uses:
-            if spec is not None:
-                self.specs.setdefault(key, spec)
-            self.demand[key] = self.demand.get(key, 0) + n
-            if (self.config.replicate and key in self.specs
-                    and self.demand[key] >= self.config.replicate_after_requests):
-                self._mark_hot(self.specs[key], fingerprint)
-        keys = self.hot_lists.get(fingerprint, [])
-        new = keys[since:]
-        if since == 0:
-            new = sorted(new, key=lambda k: -self.demand.get(k, 0))
-        return {"cursor": len(keys), "compiling": self.compiling + len(self.leases),
-                "specs": [self.specs[k] for k in new if self._cached_error(k) is None],
+            if self.hot_list.use(fingerprint, key, n, spec):
+                self.counts.hot += 1
+        cursor, new = self.hot_list.since(fingerprint, since)
+        return {"cursor": cursor, "compiling": self.compiling + len(self.leases),
+                "specs": [s for k, s in new if self._cached_error(k) is None],
                 "known": fingerprint in self.tokenizers}
     def has_tokenizer(self, fingerprint: str) -> bool:
         return fingerprint in self.tokenizers
@@ -309,19 +295,23 @@ class GrammarCache:
         key = spec.key(fingerprint)  # cached on the spec by whoever built it
         data = self.lru.get(key) or self._cached_error(key)
         if data is not None:
-            self._count("hits")
+            self.counts.hits += 1
+            self._m_requests.inc(tags={"result": "hits"})
             self._seen(key, spec)
             return data
         try:  # microseconds; not remembered, so refused grammars take no memory here
             spec.check_repetitions(self.config.max_repetition)
         except GrammarError as exc:
-            self._count("too_large")
+            self.counts.too_large += 1
+            self._m_requests.inc(tags={"result": "too_large"})
             return envelope.pack_error(str(exc), fingerprint, key, exc.kind)
         self._seen(key, spec)
         if key in self.inflight:
-            self._count("joined")
+            self.counts.joined += 1
+            self._m_requests.inc(tags={"result": "joined"})
             return await self._wait(key)
-        self._count("misses")
+        self.counts.misses += 1
+        self._m_requests.inc(tags={"result": "misses"})
         self.inflight[key] = asyncio.get_running_loop().create_future()
         try:
             data = await self._from_disk(fingerprint, key)
@@ -346,7 +336,7 @@ class GrammarCache:
         return await self._wait(key)
 
     def _seen(self, key: str, spec: GrammarSpec) -> None:
-        self.specs.setdefault(key, spec)
+        self.hot_list.seen(key, spec)
         self.distinct[key] = None
         self.distinct.move_to_end(key)
         while len(self.distinct) > 100_000:
@@ -371,10 +361,10 @@ class GrammarCache:
         try:
             data = await self._compile(spec, fingerprint, key, client, ticket)
         except QueueFull:  # a client with a smaller share took its place
-            self.counts["displaced"] += 1
+            self.counts.displaced += 1
             data = self._overloaded(spec, fingerprint, key)
         except asyncio.CancelledError:
-            self.counts["cancelled"] += 1
+            self.counts.cancelled += 1
             logger.info("compile of %s cancelled: nobody waits for it", spec.describe())
             self._fail(key, asyncio.CancelledError())
             return
@@ -386,7 +376,8 @@ class GrammarCache:
         self._settle(key, data)
 
     def _overloaded(self, spec: GrammarSpec, fingerprint: str, key: str) -> bytes:
-        self._count("overloaded")
+        self.counts.overloaded += 1
+        self._m_requests.inc(tags={"result": "overloaded"})
         return envelope.pack_error(
             f"the grammar cache has {self.queue.waiting} compiles waiting (the limit is "
             f"{self.config.max_queued_compiles}: grammar_cache.max_queued_compiles); this new "
@@ -407,8 +398,8 @@ class GrammarCache:
         return WALL_FACTOR * self.config.compile_timeout_s + LEASE_SERIALIZE_S
 
     def _grant(self, spec: GrammarSpec, fingerprint: str, key: str) -> None:
-        self.counts["leases"] += 1
-        self.counts["compiles"] += 1  # the worker's compile is this grammar's compile
+        self.counts.leases += 1
+        self.counts.compiles += 1  # the worker's compile is this grammar's compile
         timer = asyncio.get_running_loop().call_later(self.lease_timeout_s(), self._lapse, key)
         self.leases[key] = (spec, fingerprint, timer)
 
@@ -418,7 +409,7 @@ class GrammarCache:
         grammar was compiled here meanwhile) or the envelope is not for this key."""
         lease = self.leases.get(key)
         if lease is None or lease[1] != fingerprint:
-            self.counts["late_publishes"] += 1
+            self.counts.late_publishes += 1
             return False
         try:
             env = envelope.read_header(data)
@@ -430,9 +421,9 @@ class GrammarCache:
             return False
         del self.leases[key]
         lease[2].cancel()
-        self.counts["lease_publishes"] += 1
+        self.counts.lease_publishes += 1
         if "error" in env:
-            self.counts["errors"] += 1
+            self.counts.errors += 1
             if ErrorKind.parse(env.get("error_kind")).client_fault:
                 self._keep_error(key, data)
         else:
@@ -448,13 +439,13 @@ class GrammarCache:
         if lease is None:
             return
         lease[2].cancel()
-        self.counts["lease_releases"] += 1
+        self.counts.lease_releases += 1
         self._compile_lease(key, lease)
 
     def _lapse(self, key: str) -> None:
         lease = self.leases.pop(key, None)
         if lease is not None:  # the holder died or hung: compile it here
-            self.counts["lease_lapses"] += 1
+            self.counts.lease_lapses += 1
             logger.warning("a worker's lease on %s lapsed; compiling it here", key)
             self._compile_lease(key, lease)
 
@@ -506,7 +497,7 @@ class GrammarCache:
         if any(env.get(f) != v for f, v in envelope._header(fingerprint, key).items()) or (
                 "error" in env):
             return None
-        self.counts["disk_hits"] += 1
+        self.counts.disk_hits += 1
         self.lru.put(key, data)
         self._m_bytes.set(self.lru.bytes)
         return data
@@ -535,25 +526,25 @@ class GrammarCache:
         finally:
             self.compiling -= 1
             self.queue.leave(client, ticket)
-        self.counts["compiles"] += 1
+        self.counts.compiles += 1
         self.compile_times.append(elapsed)
         self._m_compile.observe(elapsed, tags={"kind": spec.kind})
         data = result.data
         if result.error_kind is not None:
-            self.counts["errors"] += 1
+            self.counts.errors += 1
             if result.error_kind is ErrorKind.COMPILE_TIMEOUT:
-                self.counts["timeouts"] += 1
+                self.counts.timeouts += 1
             if result.cacheable:
                 self._keep_error(key, data)
             else:  # a compile process died: not the grammar's fault, ask again next time
-                self.counts["unavailable"] += 1
+                self.counts.unavailable += 1
         else:
             if result.load_s >= self.config.local_verdict_factor * result.compile_s:
                 # xgrammar's serialization of this grammar loads slower than it compiles:
                 # keep (and send) a small verdict instead; workers compile it themselves,
                 # knowing it compiles within the limits
                 data = envelope.pack_local(fingerprint, key, result.compile_s)
-                self.counts["local_verdicts"] += 1
+                self.counts.local_verdicts += 1
             self._keep(fingerprint, key, data)
         return data
 
@@ -566,27 +557,19 @@ class GrammarCache:
             return None
         return item[0]
 
-    def _count(self, result: str) -> None:
-        self.counts[result] += 1
-        self._m_requests.inc(tags={"result": result})
-
     def stats(self) -> dict:
-        times = sorted(self.compile_times)
-
-        def pct(q):
-            return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
-
         distinct = len(self.distinct)
-        return {**self.counts, "entries": len(self.lru), "bytes": self.lru.bytes,
+        return {**self.counts.as_dict(), "entries": len(self.lru), "bytes": self.lru.bytes,
                 "distinct_grammars": distinct,
                 # 1.0: every grammar the cluster asked for was compiled exactly once (disk
                 # hits count as no compile)
-                "compiles_per_distinct_grammar": (self.counts["compiles"] / distinct
+                "compiles_per_distinct_grammar": (self.counts.compiles / distinct
                                                   if distinct else 0.0),
                 "disk": self.disk.stats() if self.disk is not None else {},
                 "max_bytes": self.config.max_bytes, "evictions": self.lru.evictions,
                 "cached_errors": len(self.errors), "tokenizers": len(self.tokenizers),
-                "compile_p50_s": pct(0.5), "compile_p99_s": pct(0.99),
+                "compile_p50_s": percentile(self.compile_times, 50, 0.0),
+                "compile_p99_s": percentile(self.compile_times, 99, 0.0),
                 "compile_crashes": self.pool.crashes, "ready": self._ready.is_set(),
                 "config": self.config.model_dump()}
 
@@ -603,13 +586,13 @@ def _log_disk_error(write) -> None:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class GrammarCacheActor:
-    """The named cluster-wide cache; see the module docstring. ``config``: a
-    GrammarCacheConfig's ``model_dump()``."""
+    """The named cluster-wide cache; see the module docstring. ``config``: the
+    GrammarCacheConfig (built once by its caller; it crosses Ray as the object)."""
 
-    def __init__(self, config: dict | None = None):
+    def __init__(self, config: GrammarCacheConfig | None = None):
         # does not wait for the compile processes: ping answers at once, ready() says when
         # compiles can start (a blocking __init__ made every call, ping included, wait)
-        self.cache = GrammarCache(GrammarCacheConfig(**(config or {})))
+        self.cache = GrammarCache(config)
 
     async def ready(self, timeout_s: float | None = None) -> bool:
         return await self.cache.ready(timeout_s)
@@ -651,7 +634,7 @@ def get_or_create_actor(config: GrammarCacheConfig | None = None, *, detached: b
     return GrammarCacheActor.options(
         name=name, namespace=namespace, get_if_exists=True,
         lifetime="detached" if detached else None, resources=resources or {},
-    ).remote((config or GrammarCacheConfig()).model_dump())
+    ).remote(config or GrammarCacheConfig())
 
 
 def wait_ready(actor, timeout_s: float = 120.0) -> None:

@@ -51,6 +51,7 @@ Everything is counted in ``stats()``; a fallback is never silent.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import re
@@ -63,11 +64,13 @@ import xgrammar as xgr
 from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.actor import ACTOR_NAME, LEASE_SERIALIZE_S, NAMESPACE
+from grammar_cache.backoff import backoff
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import ErrorKind, GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
+from grammar_cache.stats import ClientStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,14 +88,12 @@ TRIM_AFTER_BYTES = 2**20  # envelopes this big are worth a malloc_trim after loa
 
 class GrammarCacheClient:
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo",
-                 config: GrammarCacheConfig | dict | None = None, *, name: str = ACTOR_NAME,
+                 config: GrammarCacheConfig | None = None, *, name: str = ACTOR_NAME,
                  namespace: str = NAMESPACE, rpc_timeout_s: float | None = None,
                  ping_timeout_s: float = 2.0, retry_after_s: float = 5.0):
-        """``config``: the cluster's grammar cache settings (or their ``model_dump()``);
-        its limits bound every compile this client makes."""
-        if not isinstance(config, GrammarCacheConfig):
-            config = GrammarCacheConfig(**(config or {}))
-        self.config = config
+        """``config``: the cluster's grammar cache settings; its limits bound every
+        compile this client makes."""
+        self.config = config = config or GrammarCacheConfig()
         self.info = tokenizer_info
         self.fingerprint = tokenizer_fingerprint(tokenizer_info)
         self._tokenizer_json = tokenizer_info.serialize_json()
@@ -115,14 +116,7 @@ class GrammarCacheClient:
         self._slot = threading.Semaphore(1)
         self._stuck = False
         self._digits = re.compile(r"\d{%d,}" % config.worker_compile_max_digits)
-        self._counts = {"fetches": 0, "actor_hits": 0, "verdicts": 0, "verdicts_in_child": 0,
-                        "verdict_timeouts": 0, "worker_compiles": 0,
-                        "worker_compile_timeouts": 0, "lease_releases": 0, "publishes": 0,
-                        "publish_failures": 0, "publish_s": 0.0, "publish_max_s": 0.0,
-                        "local_fallbacks": 0, "actor_failures": 0,
-                        "registrations": 0, "registration_retries": 0, "unavailable": 0,
-                        "fetch_wait_s": 0.0, "fetch_wait_max_s": 0.0, "disk_hits": 0,
-                        "disk_writes": 0}
+        self.counts = ClientStats()
         self.disk = disk_tier.from_config(config)
         # the fallback's compile process starts in the background, FALLBACK_WARM_DELAY_S
         # after this client: started only when the actor fails, it would make every
@@ -149,28 +143,25 @@ class GrammarCacheClient:
         try:
             return self._fetch(spec, client)
         except GrammarUnavailable:
-            self._count("unavailable")
+            with self._lock:
+                self.counts.unavailable += 1
             raise
         finally:
             wait = time.monotonic() - t
             with self._lock:
                 self._fetching -= 1
                 self._last_fetch = time.monotonic()
-                self._counts["fetches"] += 1
-                self._counts["fetch_wait_s"] += wait
-                self._counts["fetch_wait_max_s"] = max(self._counts["fetch_wait_max_s"], wait)
+                self.counts.fetches += 1
+                self.counts.fetch_wait_s += wait
+                self.counts.fetch_wait_max_s = max(self.counts.fetch_wait_max_s, wait)
 
     def stats(self) -> dict:
-        """Counters for the worker's ``load()`` / metrics: fetches, actor_hits, verdicts
-        (compiled in-process on the actor's word), verdicts_in_child, verdict_timeouts,
-        local_fallbacks (compiled without the actor), actor_failures, registrations,
-        registration_retries, unavailable (transient failures returned), fetch_wait_s (total)
-        and fetch_wait_max_s; disk_hits (loaded from this node's disk tier) and disk_writes;
-        actor_skipped: the actor is being skipped after a failure."""
+        """This client's counters (``ClientStats``, grammar_cache/stats.py) as the dict the
+        worker's ``load()`` carries over Ray, ``actor_skipped`` set as of now."""
         with self._lock:
-            out = dict(self._counts)
-        out["actor_skipped"] = time.monotonic() < self._down_until
-        return out
+            counts = dataclasses.replace(self.counts,
+                                         actor_skipped=time.monotonic() < self._down_until)
+        return counts.as_dict()
 
     def _fetch(self, spec: GrammarSpec, client: str | None = None):
         spec.check_repetitions(self.config.max_repetition)
@@ -180,11 +171,13 @@ class GrammarCacheClient:
             if data is not None:
                 try:
                     compiled = self._unpack(data, key)
-                    self._count("disk_hits")
+                    with self._lock:
+                        self.counts.disk_hits += 1
                     return compiled
                 except envelope.CompileLocally:
-                    self._count("disk_hits")
-                    self._count("verdicts")
+                    with self._lock:
+                        self.counts.disk_hits += 1
+                        self.counts.verdicts += 1
                     return self._compile_verdict(spec)
                 except (envelope.EnvelopeMismatch, GrammarUnavailable):
                     pass  # not ours after all (or an error): ask the actor
@@ -192,18 +185,21 @@ class GrammarCacheClient:
         if data is not None:
             try:
                 compiled = self._unpack(data, key)
-                self._count("actor_hits")
+                with self._lock:
+                    self.counts.actor_hits += 1
                 self._keep(key, data)
                 return compiled
             except envelope.Leased:
                 return self._compile_leased(spec, key)
             except envelope.CompileLocally:
-                self._count("verdicts")
+                with self._lock:
+                    self.counts.verdicts += 1
                 self._keep(key, data)
                 return self._compile_verdict(spec)
             except envelope.EnvelopeMismatch as exc:
                 self._fallback(f"its envelope does not match this worker ({exc})")
-        self._count("local_fallbacks")
+        with self._lock:
+            self.counts.local_fallbacks += 1
         return self._compile_in_child(spec, key)
 
     def _unpack(self, data: bytes, key: str):
@@ -236,7 +232,8 @@ class GrammarCacheClient:
 
         def write():
             if self.disk.put(self.fingerprint, key, data):
-                self._count("disk_writes")
+                with self._lock:
+                    self.counts.disk_writes += 1
         threading.Thread(target=write, name="grammar-disk-write", daemon=True).start()
 
     # the actor ----------------------------------------------------------------------
@@ -269,7 +266,8 @@ class GrammarCacheClient:
             self._actor = None
             self._actor_ready = self._registered = False
             self._down_until = time.monotonic() + self.retry_after_s
-            self._count("actor_failures")
+            with self._lock:
+                self.counts.actor_failures += 1
             self._fallback(f"unavailable ({type(exc).__name__}: {exc})")
             return None
 
@@ -296,21 +294,22 @@ class GrammarCacheClient:
 
     def _register(self, actor) -> None:
         """Registers the tokenizer, retrying with backoff (0.1, 0.2, 0.4 s)."""
-        delay = 0.1
+        delays = backoff(0.1)
         for attempt in range(REGISTER_ATTEMPTS):
             try:
                 ray.get(actor.register_tokenizer.remote(self.fingerprint, self._tokenizer_json),
                         timeout=self.rpc_timeout_s)
                 self._registered = True
-                self._count("registrations")
+                with self._lock:
+                    self.counts.registrations += 1
                 return
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError,
                     ray.exceptions.ActorUnavailableError):
                 if attempt == REGISTER_ATTEMPTS - 1:
                     raise
-                self._count("registration_retries")
-                time.sleep(delay)
-                delay *= 2
+                with self._lock:
+                    self.counts.registration_retries += 1
+                time.sleep(next(delays))
 
     def _handle(self):
         if self._actor is None:
@@ -324,7 +323,7 @@ class GrammarCacheClient:
         """One log line per outage: from here on this worker compiles by itself."""
         if not self._warned:
             logger.warning("grammar cache actor %r %s; compiling grammars in this worker "
-                           "(counted in stats()['local_fallbacks'])", self.name, why)
+                           "(counted in stats().local_fallbacks)", self.name, why)
             self._warned = True
 
     def _reachable(self) -> None:
@@ -373,7 +372,8 @@ class GrammarCacheClient:
                     if done.is_set():  # it finished after all
                         break
                     self._stuck = True
-                self._count("worker_compile_timeouts")
+                with self._lock:
+                    self.counts.worker_compile_timeouts += 1
                 logger.warning("the first compile of %s passed the compile limit (%g s) in "
                                "this worker; the grammar cache compiles it in a child process "
                                "(this compile runs on: xgrammar cannot stop it)",
@@ -388,7 +388,8 @@ class GrammarCacheClient:
             # not known to be the grammar's fault (memory, ...): the child decides
             return self._give_back(spec, key)
         compiled, compile_s = box["grammar"], box["compile_s"]
-        self._count("worker_compiles")
+        with self._lock:
+            self.counts.worker_compiles += 1
         self._publish(key, lambda: self._pack(compiled, key, compile_s))
         return compiled
 
@@ -424,15 +425,19 @@ class GrammarCacheClient:
                 body = data() if callable(data) else data
                 ok = ray.get(self._handle().publish.remote(self.fingerprint, key, body),
                              timeout=self.rpc_timeout_s)
-                self._count("publishes" if ok else "publish_failures")
                 took = time.monotonic() - start
                 with self._lock:
-                    self._counts["publish_s"] += took
-                    self._counts["publish_max_s"] = max(self._counts["publish_max_s"], took)
+                    if ok:
+                        self.counts.publishes += 1
+                    else:
+                        self.counts.publish_failures += 1
+                    self.counts.publish_s += took
+                    self.counts.publish_max_s = max(self.counts.publish_max_s, took)
                 if ok and "error" not in envelope.read_header(body):
                     self._keep(key, body)
             except Exception as exc:  # noqa: BLE001 - the lease lapses; the actor compiles it
-                self._count("publish_failures")
+                with self._lock:
+                    self.counts.publish_failures += 1
                 logger.warning("publishing a compiled grammar to the cache failed: %s", exc)
             finally:
                 body = None
@@ -442,7 +447,8 @@ class GrammarCacheClient:
     def _give_back(self, spec: GrammarSpec, key: str):
         """Hands the lease back (the actor compiles the grammar in its child process, under
         the limits) and waits for that result like any other asker."""
-        self._count("lease_releases")
+        with self._lock:
+            self.counts.lease_releases += 1
         try:
             ray.get(self._handle().release.remote(self.fingerprint, key),
                     timeout=self.rpc_timeout_s)
@@ -450,17 +456,21 @@ class GrammarCacheClient:
             logger.warning("handing a grammar compile back to the cache failed: %s", exc)
         data = self._from_actor(spec, lease=False)
         if data is None:
-            self._count("local_fallbacks")
+            with self._lock:
+                self.counts.local_fallbacks += 1
             return self._compile_in_child(spec, key)
         try:
             compiled = self._unpack(data, key)
         except envelope.CompileLocally:
-            self._count("verdicts")
+            with self._lock:
+                self.counts.verdicts += 1
             return self._compile_verdict(spec)
         except (envelope.Leased, envelope.EnvelopeMismatch):
-            self._count("local_fallbacks")
+            with self._lock:
+                self.counts.local_fallbacks += 1
             return self._compile_in_child(spec, key)
-        self._count("actor_hits")
+        with self._lock:
+            self.counts.actor_hits += 1
         self._keep(key, data)
         return compiled
 
@@ -469,7 +479,8 @@ class GrammarCacheClient:
         for the bounds."""
         if not self._slot.acquire(blocking=False):
             # another in-process compile (maybe one past its limit) holds the slot
-            self._count("verdicts_in_child")
+            with self._lock:
+                self.counts.verdicts_in_child += 1
             return self._compile_in_child(spec, spec.key(self.fingerprint))
         done = threading.Event()
         box: dict = {}
@@ -490,7 +501,8 @@ class GrammarCacheClient:
         if not done.wait(limit):
             with self._lock:
                 self._stuck = not done.is_set()
-            self._count("verdict_timeouts")
+            with self._lock:
+                self.counts.verdict_timeouts += 1
             logger.warning("in-process compile of %s (proven to compile within the limit by "
                            "the grammar cache) passed %g s in this worker; failing the "
                            "request as unavailable, the compile runs on", spec.describe(),
@@ -543,10 +555,6 @@ class GrammarCacheClient:
             self._local_pool().wait_ready()
         except Exception:  # noqa: BLE001 - it will be started again on first use
             logger.exception("starting the fallback compile process")
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
 
     def close(self) -> None:
         """Stops the fallback compile process."""

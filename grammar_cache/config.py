@@ -4,7 +4,8 @@ and its in-process compiles) all read them from here, so a limit set in the clus
 (``grammar_cache: {compile_timeout_s: 30}``) holds on every path a grammar can take.
 
 A pydantic model: unknown keys and bad values are refused with a message naming the key.
-It crosses Ray as ``config.model_dump()`` and is rebuilt with ``GrammarCacheConfig(**d)``.
+Built once (``ClusterConfig`` checks it, ``cluster.launch.up`` builds it) and passed as the
+object: it crosses Ray pickled, never as a dict to validate again.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -77,6 +79,11 @@ class GrammarCacheConfig(BaseModel):
     # its requests ask for is still fetched (the LRU's own bound is the engine's
     # grammar_cache_bytes)
     replicate_max_bytes: int = Field(256 * 2**20, ge=0)
+    # the cache actor remembers the spec and request count of at most this many grammars
+    # (least recently asked for forgotten first), and forgets one nobody asked for in
+    # hot_idle_s; a forgotten grammar leaves the hot list (hot_specs never do)
+    max_tracked_grammars: int = Field(10_000, ge=1)
+    hot_idle_s: float = Field(3600.0, gt=0)
     # grammars every worker warms at start, as GrammarSpec fields: {"kind": "json_schema",
     # "source": {...schema...}} (a JSON source may be given as an object)
     hot_specs: list[dict] = Field(default_factory=list)
@@ -93,7 +100,8 @@ class GrammarCacheConfig(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise ValueError(_explain(exc)) from None
+            raise ValueError(config_error_message(exc, "grammar_cache",
+                                                  type(self).model_fields)) from None
 
     @field_validator("hot_specs")
     @classmethod
@@ -112,7 +120,7 @@ class GrammarCacheConfig(BaseModel):
         root = os.environ.get("RAYGUIDE_CACHE_DIR")
         return (Path(root) if root else Path.home() / ".cache" / "rayguide") / "grammars"
 
-    @field_validator("compile_timeout_s", "error_ttl_s", "ready_timeout_s")
+    @field_validator("compile_timeout_s", "error_ttl_s", "ready_timeout_s", "hot_idle_s")
     @classmethod
     def _finite(cls, v: float) -> float:
         # inf would turn a compile limit into no limit at all
@@ -138,14 +146,19 @@ def hot_spec(d: dict):
         raise ValueError(f"hot_specs entry {d!r}: {exc}") from None
 
 
-def _explain(exc: ValidationError) -> str:
-    """One line per problem, each naming the key: ``grammar_cache.compile_timeout_s: ...``."""
+def config_error_message(exc: ValidationError, section: str | None,
+                         known: Iterable[str], most: int = 5) -> str:
+    """The one "message naming the key" of the settings (the grammar cache's config, the
+    app's arguments): one part per problem (the first ``most``), each naming the key as
+    ``section.key``: ``unknown key; known keys: a, b`` for a key the model does not have,
+    else pydantic's reason and the value given."""
     parts = []
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "(config)"
-        if err["type"] == "extra_forbidden":
-            known = ", ".join(GrammarCacheConfig.model_fields)
-            parts.append(f"grammar_cache.{key}: unknown key; known keys: {known}")
+    for err in exc.errors()[:most]:
+        key = ".".join(str(p) for p in (section, *err["loc"]) if p is not None) or "(config)"
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            parts.append(f"{key}: unknown key; known keys: {', '.join(sorted(known))}")
+        elif err["type"] == "extra_forbidden":  # in a nested model: ``known`` is not its
+            parts.append(f"{key}: unknown key")
         else:
-            parts.append(f"grammar_cache.{key}: {err['msg']} (got {err.get('input')!r})")
+            parts.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
     return "; ".join(parts)

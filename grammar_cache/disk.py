@@ -13,6 +13,12 @@ files least recently used (a read touches its file's mtime) are deleted.
 Only compiled grammars and "compile locally" verdicts are written; errors are not (they
 expire, and a grammar error is cheap to find again). Every failure of the disk (full,
 read-only, removed under us) is logged once and counted, never raised: the disk is a cache.
+
+A file is read only when it and every folder from ``root`` down to it are this user's and
+writable by no one else (grammar_cache/private_files.py, as for the kernels and models):
+a grammar is loaded into every worker, and one that others could write is treated as a
+failed read (logged, counted in disk_errors, compiled instead). Folders are made 0755
+whatever the umask, files 0600.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import time
 from pathlib import Path
 
 from grammar_cache import envelope
+from grammar_cache.private_files import check_private, make_private_dirs
+from grammar_cache.stats import DiskStats
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +44,7 @@ class DiskStore:
         self.base = Path(root)
         self._root: Path | None = None
         self.max_bytes = max_bytes
-        self.counts = {"disk_hits": 0, "disk_misses": 0, "disk_writes": 0,
-                       "disk_evictions": 0, "disk_errors": 0}
+        self.counts = DiskStats()
         self._lock = threading.Lock()
         self._warned = False
         self._written_since_sweep = 0
@@ -57,15 +64,21 @@ class DiskStore:
         """The envelope bytes kept for ``key``, or None."""
         p = self.path(fingerprint, key)
         try:
+            check_private(p, self.base)  # PermissionError: an OSError, a failed read
             data = p.read_bytes()
             os.utime(p)  # recently used: evicted last
         except FileNotFoundError:
-            self._count("disk_misses")
+            with self._lock:
+                self.counts.disk_misses += 1
             return None
         except OSError as exc:
             self._error(f"reading {p}", exc)
             return None
-        self._count("disk_hits" if data else "disk_misses")
+        with self._lock:
+            if data:
+                self.counts.disk_hits += 1
+            else:
+                self.counts.disk_misses += 1
         return data or None
 
     def has(self, fingerprint: str, key: str) -> bool:
@@ -77,7 +90,7 @@ class DiskStore:
             return False
         p = self.path(fingerprint, key)
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(p.parent, self.base)
             fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=p.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -89,7 +102,8 @@ class DiskStore:
         except OSError as exc:
             self._error(f"writing {p}", exc)
             return False
-        self._count("disk_writes")
+        with self._lock:
+            self.counts.disk_writes += 1
         with self._lock:
             self._written_since_sweep += len(data)
         self.sweep()
@@ -114,7 +128,8 @@ class DiskStore:
             try:
                 f.unlink()
                 total -= size
-                self._count("disk_evictions")
+                with self._lock:
+                    self.counts.disk_evictions += 1
             except FileNotFoundError:
                 total -= size  # another process of the node evicted it
             except OSError as exc:
@@ -132,15 +147,13 @@ class DiskStore:
         return sum(f.stat().st_size for f in self.base.glob(f"*/*/*{SUFFIX}") if f.exists())
 
     def stats(self) -> dict:
+        """The counters (``DiskStats``, grammar_cache/stats.py) as a dict (crosses Ray)."""
         with self._lock:
-            return dict(self.counts)
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.counts[name] += 1
+            return self.counts.as_dict()
 
     def _error(self, what: str, exc: OSError) -> None:
-        self._count("disk_errors")
+        with self._lock:
+            self.counts.disk_errors += 1
         if not self._warned:
             self._warned = True
             logger.warning("grammar disk cache: %s failed (%s); going on without it where "

@@ -29,6 +29,7 @@ from typing import Callable
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import GrammarError
 from grammar_cache.spec import GrammarSpec
+from grammar_cache.stats import ReplicationStats
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,7 @@ class Replicator:
         self.cursor = 0
         self._uses: dict[str, list] = {}  # key -> [requests, spec]
         self._sent: set[str] = set()  # keys whose spec the actor already has from us
-        self.counts = {"prefetches": 0, "prefetch_failures": 0, "prefetch_skipped_budget": 0,
-                       "prefetch_deferred": 0, "prefetch_deferred_compiling": 0,
-                       "prefetch_s": 0.0, "replication_polls": 0, "replication_poll_failures": 0,
-                       "replication_registrations": 0}
+        self.counts = ReplicationStats()
         self._task: asyncio.Task | None = None
         self._deferred_since: float | None = None  # while the actor's compiles held us back
 
@@ -88,7 +86,7 @@ class Replicator:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the actor restarting, a dead handle
-                self.counts["replication_poll_failures"] += 1
+                self.counts.replication_poll_failures += 1
                 logger.debug("grammar replication poll failed: %s", exc)
             await asyncio.sleep(self.config.replicate_interval_s)
 
@@ -110,14 +108,14 @@ class Replicator:
             raise
         if not answer["known"]:  # no request here yet, or the actor restarted: without
             await asyncio.to_thread(self._register)  # our tokenizer it has no hot list
-            self.counts["replication_registrations"] += 1
+            self.counts.replication_registrations += 1
         if answer["cursor"] < self.cursor:  # the actor restarted: its hot list starts
             self._sent.clear()  # over, and it knows none of the specs we sent
             answer = await self._actor().hot.remote(self.fingerprint, 0, [])
         elif not answer["known"]:
             answer = await self._actor().hot.remote(self.fingerprint, self.cursor, [])
         self.cursor, specs, compiling = answer["cursor"], answer["specs"], answer["compiling"]
-        self.counts["replication_polls"] += 1
+        self.counts.replication_polls += 1
         if not self.config.replicate:
             return 0
         done = 0
@@ -127,28 +125,28 @@ class Replicator:
         self._deferred_since = None
         while self._pending:
             if self._busy():
-                self.counts["prefetch_deferred"] += 1
+                self.counts.prefetch_deferred += 1
                 break
             spec = self._pending.pop(0)
             if self._holds(spec):
                 self._on_held(spec)
                 continue
             if self._held_bytes() >= self.config.replicate_max_bytes:
-                self.counts["prefetch_skipped_budget"] += 1
+                self.counts.prefetch_skipped_budget += 1
                 continue
             t = time.monotonic()
             try:
                 await asyncio.wrap_future(self._prefetch(spec))
             except GrammarError:
-                self.counts["prefetch_failures"] += 1  # known bad now: cached as an error
+                self.counts.prefetch_failures += 1  # known bad now: cached as an error
                 continue
             except Exception as exc:  # noqa: BLE001 - transient: the next request fetches
-                self.counts["prefetch_failures"] += 1
+                self.counts.prefetch_failures += 1
                 logger.debug("prefetching %s failed: %s", spec.describe(), exc)
                 continue
             finally:
-                self.counts["prefetch_s"] += time.monotonic() - t
-            self.counts["prefetches"] += 1
+                self.counts.prefetch_s += time.monotonic() - t
+            self.counts.prefetches += 1
             self._on_held(spec)
             done += 1
         return done
@@ -159,7 +157,7 @@ class Replicator:
             self._deferred_since = now
         if now - self._deferred_since >= MAX_DEFER_S:
             return False
-        self.counts["prefetch_deferred_compiling"] += 1
+        self.counts.prefetch_deferred_compiling += 1
         return True
 
     def used_n(self, key: str, n: int, spec: GrammarSpec) -> None:
@@ -170,7 +168,8 @@ class Replicator:
             entry[0] += n
 
     def stats(self) -> dict:
-        return dict(self.counts)
+        """The counters (``ReplicationStats``) as the dict the worker's ``load()`` carries."""
+        return self.counts.as_dict()
 
     def stop(self) -> None:
         if self._task is not None:

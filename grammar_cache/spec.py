@@ -25,9 +25,13 @@ from grammar_cache.errors import ErrorKind, GrammarError
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
 ALIASES = {"regex_schema": "regex", "grammar": "ebnf", "gbnf": "ebnf", "json": "json_schema"}
 WHITESPACE = ("bounded", "any", "compact", "indent", "spaced")
+# the grammar engines a spec may ask for (worker/engine/grammar_engines.py); "auto": the
+# server's default, and where that is "auto" too, the rule (llguidance for a JSON grammar
+# it compiles, xgrammar elsewhere)
+ENGINES = ("auto", "xgrammar", "llguidance")
 MAX_SOURCE_BYTES = 256 * 1024
 MAX_CHOICES = 4096
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: the engine is part of the key
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,10 @@ class GrammarSpec:
     part of the key: where the schema sets no bound, a number has at most
     ``max_int_digits`` integer digits (15: every such integer is exact in a JavaScript
     number), ``max_frac_digits`` fraction digits and ``max_exp_digits`` exponent digits;
-    0 turns a guard off."""
+    0 turns a guard off.
+
+    ``engine``: the grammar engine asked for (one of ENGINES), part of the key: a grammar
+    compiled by xgrammar and one by llguidance are different grammars."""
 
     kind: str
     source: str = ""
@@ -57,6 +64,7 @@ class GrammarSpec:
     max_int_digits: int = 15
     max_frac_digits: int = 10
     max_exp_digits: int = 2
+    engine: str = "auto"
 
     def __post_init__(self):
         kind = ALIASES.get(self.kind, self.kind)
@@ -72,6 +80,9 @@ class GrammarSpec:
                                ErrorKind.GRAMMAR_TOO_LARGE)
         if kind != "json_object" and not self.source.strip():
             raise ValueError(f"{kind} grammar is empty")
+        if self.engine not in ENGINES:
+            raise ValueError(f"grammar engine {self.engine!r} is not one of "
+                             f"{', '.join(ENGINES)}")
         if self.whitespace not in WHITESPACE:
             raise ValueError(f"whitespace {self.whitespace!r} is not one of {WHITESPACE}")
         if not 0 <= self.max_whitespace <= 256:
@@ -119,23 +130,23 @@ class GrammarSpec:
         return cls("json_object", "", **options)
 
     @classmethod
-    def regex(cls, pattern: str) -> "GrammarSpec":
-        return cls("regex", pattern)
+    def regex(cls, pattern: str, **options) -> "GrammarSpec":
+        return cls("regex", pattern, **options)
 
     @classmethod
-    def ebnf(cls, grammar: str) -> "GrammarSpec":
+    def ebnf(cls, grammar: str, **options) -> "GrammarSpec":
         """An EBNF / GBNF grammar with a ``root`` rule (xgrammar's dialect)."""
-        return cls("ebnf", grammar)
+        return cls("ebnf", grammar, **options)
 
     @classmethod
-    def lark(cls, grammar: str) -> "GrammarSpec":
-        return cls("lark", grammar)
+    def lark(cls, grammar: str, **options) -> "GrammarSpec":
+        return cls("lark", grammar, **options)
 
     @classmethod
-    def choice(cls, choices: list[str]) -> "GrammarSpec":
+    def choice(cls, choices: list[str], **options) -> "GrammarSpec":
         """Exactly one of the given strings."""
         _check_choices(choices)
-        return cls("choice", _canonical_json(list(choices)))
+        return cls("choice", _canonical_json(list(choices)), **options)
 
     @classmethod
     def structural_tag(cls, tag: dict | str) -> "GrammarSpec":

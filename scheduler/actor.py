@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import ray
 from ray.exceptions import ActorDiedError
@@ -54,6 +54,23 @@ class SchedulerConfig:
                 raise ValueError(f"scheduler.{name} must be a positive integer, got {value!r}")
 
 
+@dataclass
+class SchedulerStats:
+    """The scheduler's counters (rendered as ``rayguide_scheduler_<name>`` on /metrics),
+    with two gauges filled in when ``stats()`` is asked."""
+
+    routes: int = 0
+    rejected: int = 0  # routes refused: overloaded, no worker
+    registrations: int = 0  # worker registrations (a restarted worker registers again)
+    sessions_ended: int = 0
+    broadcast_messages: int = 0  # end_sessions messages sent (one per worker and batch)
+    broadcast_failures: int = 0
+    workers_dropped: int = 0  # confirmed dead
+    workers_suspected: int = 0  # a load poll timed out: routed around until it answers
+    affinity_routes: int = 0  # routed to a worker holding the grammar (the table counts)
+    sessions: int = 0  # sessions pinned now
+
+
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class SchedulerActor:
     def __init__(self, config: dict | None = None):
@@ -70,10 +87,7 @@ class SchedulerActor:
         self._started: asyncio.Task | None = None
         self._broadcast_lock = asyncio.Lock()
         self.rebuild_s: float | None = None
-        self.counts = {"routes": 0, "sessions_ended": 0, "broadcast_messages": 0,
-                       "workers_dropped": 0, "workers_suspected": 0, "rejected": 0,
-                       "registrations": 0,
-                       "broadcast_failures": 0}
+        self.counts = SchedulerStats()
 
     async def _ensure_started(self) -> None:
         """Starts the background loops and rebuilds the tables once; every call waits for
@@ -124,7 +138,7 @@ class SchedulerActor:
         self.table.add_worker(worker_id, handle, node_id)
         if info:
             self.table.update_load(worker_id, info)
-        self.counts["registrations"] += 1
+        self.counts.registrations += 1
         logger.info("worker %s registered (node %s)", worker_id, node_id)
         # its first load report now, not at the next poll (it answers once its start ends)
         entry = self.table.workers.get(worker_id)
@@ -144,9 +158,9 @@ class SchedulerActor:
             entry = self.table.route(session_id, expected_tokens, grammar_family,
                                      avoid=frozenset(avoid or ()))
         except Exception:
-            self.counts["rejected"] += 1  # Overloaded or NoWorkers
+            self.counts.rejected += 1  # Overloaded or NoWorkers
             raise
-        self.counts["routes"] += 1
+        self.counts.routes += 1
         return {"worker_id": entry.worker_id, "handle": entry.handle}
 
     async def end_session(self, session_id: str) -> None:
@@ -158,7 +172,7 @@ class SchedulerActor:
         for sid in session_ids:
             self.table.end_session(sid)
         self._pending_ends.extend(session_ids)
-        self.counts["sessions_ended"] += len(session_ids)
+        self.counts.sessions_ended += len(session_ids)
 
     async def worker_failed(self, worker_id: str) -> list[str]:
         """A caller saw a call to the worker fail: stop routing to it now. Dropped (and its
@@ -185,8 +199,9 @@ class SchedulerActor:
 
     async def stats(self) -> dict:
         await self._ensure_started()
-        return {**self.counts, "sessions": len(self.table.sessions),
-                "affinity_routes": self.table.affinity_routes, "rebuild_s": self.rebuild_s,
+        counts = replace(self.counts, sessions=len(self.table.sessions),
+                         affinity_routes=self.table.affinity_routes)
+        return {**asdict(counts), "rebuild_s": self.rebuild_s,
                 "config": asdict(self.config),
                 "workers": {w.worker_id: _shown(w) for w in self.table.workers.values()}}
 
@@ -200,7 +215,7 @@ class SchedulerActor:
         if worker_id not in self.table.workers:
             return []
         self._undelivered.pop(worker_id, None)
-        self.counts["workers_dropped"] += 1
+        self.counts.workers_dropped += 1
         logger.warning("worker %s dropped from routing", worker_id)
         return self.table.drop_worker(worker_id)
 
@@ -217,7 +232,7 @@ class SchedulerActor:
         for entry in list(self.table.workers.values()):
             ids = self._undelivered.pop(entry.worker_id, []) + batch
             sends.append((entry.worker_id, ids, entry.handle.end_sessions.remote(ids)))
-            self.counts["broadcast_messages"] += 1
+            self.counts.broadcast_messages += 1
         for worker_id, ids, ref in sends:
             try:
                 await asyncio.wait_for(ref, self.config.rpc_timeout_s)
@@ -225,7 +240,7 @@ class SchedulerActor:
                 # kept for that worker's next batch: a slow or restarting worker still
                 # releases the sessions; a dead one is dropped by the load poll (and with
                 # it, what it held)
-                self.counts["broadcast_failures"] += 1
+                self.counts.broadcast_failures += 1
                 if worker_id in self.table.workers:
                     self._undelivered[worker_id] = ids[-MAX_UNDELIVERED:]
                 logger.warning("ending %d session(s) on worker %s failed (%s); will resend",
@@ -243,7 +258,7 @@ class SchedulerActor:
             self._drop(entry.worker_id)
         except Exception:  # slow, restarting or unreachable: route around it meanwhile
             if entry.worker_id in self.table.workers and not entry.suspect:
-                self.counts["workers_suspected"] += 1
+                self.counts.workers_suspected += 1
                 logger.warning("worker %s did not answer a load poll in %.1f s; routing "
                                "around it until it does", entry.worker_id,
                                self.config.rpc_timeout_s)

@@ -233,7 +233,7 @@ def test_worker_death_mid_stream_and_before_streaming(own_runtime):
     victim = chunks[0].worker_id
     # the stream went on from another worker where it stopped (failover), no error
     assert chunks[-1].finish_reason in ("stop", "length"), chunks[-1]
-    assert client.failovers == 1 and {c.worker_id for c in chunks[4:]} - {victim}
+    assert client.counts.failovers == 1 and {c.worker_id for c in chunks[4:]} - {victim}
     assert sum(len(c.token_ids) for c in chunks) == chunks[-1].completion_tokens
     assert victim not in ray.get(client.scheduler.stats.remote())["workers"]  # dropped at once
     # a session pinned to a worker that dies before streaming anything is retried elsewhere
@@ -247,4 +247,4 @@ def test_worker_death_mid_stream_and_before_streaming(own_runtime):
             time.sleep(0.1)
     out = run(client.complete(req("pinned", text="still there?")))
     assert out.finish_reason in ("stop", "length") and out.worker_id not in (victim, target)
-    assert client.retries == 1
+    assert client.counts.retries == 1

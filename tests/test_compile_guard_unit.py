@@ -180,7 +180,7 @@ def test_cache_refuses_a_huge_repetition_without_queueing(cache):
         c = cache()
         data = await asyncio.wait_for(c.get(GrammarSpec.regex("a{100001}"), "fp"), 5)
         assert kind_of(data) == ErrorKind.GRAMMAR_TOO_LARGE.value
-        assert c.pool.started == [] and c.counts["too_large"] == 1
+        assert c.pool.started == [] and c.counts.too_large == 1
         assert not c.specs and not c.distinct  # refused grammars take no memory
     run(main)
 
@@ -196,7 +196,7 @@ def test_a_full_compile_queue_refuses_a_new_grammar_at_once(cache):
         assert time.perf_counter() - t < 0.1
         assert kind_of(data) == ErrorKind.OVERLOADED.value
         assert "max_queued_compiles" in msgpack.unpackb(data)["error"]
-        assert c.counts["overloaded"] == 1 and c._cached_error(
+        assert c.counts.overloaded == 1 and c._cached_error(
             GrammarSpec.regex("new").key("fp")) is None  # never cached
         c.pool.go.set()
         assert all(kind_of(d) == "invalid_grammar" for d in await asyncio.gather(*asks))
@@ -231,7 +231,7 @@ def test_a_full_queue_makes_room_for_a_client_below_its_share(cache):
         assert kind_of(more) == "overloaded"  # the flooder has its share
         polite = asyncio.ensure_future(c.get(GrammarSpec.regex("polite"), "fp", client="polite"))
         await settle()
-        assert c.counts["displaced"] == 1
+        assert c.counts.displaced == 1
         assert kind_of(await flood[-1]) == "overloaded"  # the flooder's newest gave way
         c.pool.go.set()
         assert kind_of(await polite) == "invalid_grammar"
@@ -250,7 +250,7 @@ def test_a_queued_compile_nobody_waits_for_is_dropped(cache):
         assert c.queue.waiting == 1
         left.cancel()  # Ray cancels the call: the asker left
         await settle()
-        assert c.queue.waiting == 0 and c.counts["cancelled"] == 1
+        assert c.queue.waiting == 0 and c.counts.cancelled == 1
         c.pool.go.set()
         await first
         await settle()

@@ -117,7 +117,7 @@ def test_tiny_temperature_is_greedy_and_conforms(make_engine):
 ])
 def test_closing_at_tight_budgets(make_engine, spec, check):
     engine = make_engine()
-    matcher = xgr.GrammarMatcher(engine.guided.get_grammar(spec).result(timeout=60))
+    matcher = engine.guided.new_matcher(engine.guided.get_grammar(spec).result(timeout=60))
     minimum = len(engine.guided.closer.shortest(matcher, 64).tokens)
     prompt = chat("Write a very long answer, as long as you can, about the stars.")
     for budget in (minimum, minimum + 1, minimum + 4, minimum + 12):
@@ -176,7 +176,7 @@ def test_validation_catches_what_the_grammar_lets_through(make_engine):
               "required": ["n"]}
     engine = make_engine()
     spec = GrammarSpec.json_schema(schema)
-    matcher = xgr.GrammarMatcher(engine.guided.get_grammar(spec).result(timeout=60))
+    matcher = engine.guided.new_matcher(engine.guided.get_grammar(spec).result(timeout=60))
     assert matcher.accept_string('{"n": 0}') and matcher.is_completed()
     assert validate_json(schema, '{"n": 0}') is not None
     # the same "not" with n pinned to one value by the grammar (xgrammar keeps integer
@@ -209,7 +209,7 @@ def test_closing_finishes_a_started_character_with_valid_utf8(make_engine, lead,
     by_bytes = {v: i for i, v in enumerate(search.vocab) if len(v) == 1}
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"s": {"type": "string"}},
                                     "required": ["s"]}, whitespace="compact")
-    m = xgr.GrammarMatcher(engine.guided.get_grammar(spec).result(timeout=60))
+    m = engine.guided.new_matcher(engine.guided.get_grammar(spec).result(timeout=60))
     assert m.accept_string('{"s":"') and m.accept_token(by_bytes[lead])
     pending = search.pending_bytes([by_bytes[lead]])
     assert pending == lead
@@ -269,7 +269,7 @@ def test_closing_search_finds_fixed_lengths_and_rare_characters(make_engine, spe
     # which only runs when the dive's answer does not fit, given more time
     engine = make_engine()
     search = engine.guided.closer
-    m = xgr.GrammarMatcher(engine.guided.get_grammar(spec).result(timeout=60))
+    m = engine.guided.new_matcher(engine.guided.get_grammar(spec).result(timeout=60))
     assert m.accept_string(prefix)
     for exact in (False, True):
         search.time_limit_s = 2.0 if exact else engine.config.closing_search_ms / 1000
@@ -309,7 +309,7 @@ def test_a_path_spelled_differently_by_the_sampled_token_is_kept(make_engine):
     # beginning gives nothing; another word inside a string leaves the parser where it was
     engine = make_engine()
     closer, tok = engine.guided.closer, engine.tokenizer
-    m = xgr.GrammarMatcher(engine.guided.get_grammar(GrammarSpec.json_schema(PERSON))
+    m = engine.guided.new_matcher(engine.guided.get_grammar(GrammarSpec.json_schema(PERSON))
                            .result(timeout=60))
     assert m.accept_string('{"name":')
     path = closer.fitting(m, 40).tokens

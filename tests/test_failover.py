@@ -100,7 +100,7 @@ def test_a_worker_killed_mid_stream_costs_only_a_pause(runtime):
     assert final.request_id == request.request_id
     assert re.fullmatch(pattern, text), text  # whole, valid, nothing twice
     assert sum(len(c.token_ids) for c in chunks) == final.completion_tokens
-    assert client.failovers == 1 and client.resumed_tokens >= 5
+    assert client.counts.failovers == 1 and client.counts.resumed_tokens >= 5
     assert {c.worker_id for c in chunks[6:]} - {killed}  # the rest came from another worker
     print(f"\nfailover: longest pause a caller saw {pause * 1000:.0f} ms")
 
@@ -147,7 +147,7 @@ def test_concurrent_streams_survive_a_worker_kill(runtime):
         assert final.finished and final.finish_reason in ("stop", "length"), (final.error, len(chunks))
         assert re.fullmatch(pattern, "".join(c.text for c in chunks))  # whole, valid, once
         assert sum(len(c.token_ids) for c in chunks) == final.completion_tokens
-    assert client.failovers >= 1  # (a stream in `moved` may end as the kill lands)
+    assert client.counts.failovers >= 1  # (a stream in `moved` may end as the kill lands)
     print(f"\n8 concurrent streams, a worker killed: {len(moved)} were on it and continued, "
           f"0 failed, longest failover pause {max(client.failover_pauses) * 1000:.0f} ms")
 
@@ -183,9 +183,9 @@ def test_callers_do_not_wait_for_a_restarting_scheduler(runtime):
     assert new.finish_reason in ("stop", "length")
     # routed from what the client knew (ray.kill is asynchronous: the first route may still
     # reach the dying scheduler); at most one route call waited for its timeout
-    assert client.own_routes >= 1 and client.route_timeouts <= 1
+    assert client.counts.own_routes >= 1 and client.counts.route_timeouts <= 1
     print(f"\nscheduler restart: two requests served {served:.2f} s after the kill "
-          f"(route timeouts: {client.route_timeouts}); death noticed after "
+          f"(route timeouts: {client.counts.route_timeouts}); death noticed after "
           f"{noticed:.2f} s, the scheduler back after {back:.2f} s")
     deadline = time.monotonic() + 30  # the restarted scheduler rebuilds its tables
     while True:

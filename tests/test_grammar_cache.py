@@ -108,7 +108,7 @@ def test_concurrent_asks_share_one_compile():
     try:
         datas = asyncio.run(main())
         assert len(set(datas)) == 1
-        assert cache.counts["compiles"] == 1 and cache.counts["joined"] == 3
+        assert cache.counts.compiles == 1 and cache.counts.joined == 3
     finally:
         cache.close()
 
@@ -692,11 +692,11 @@ def test_lease_waiters_get_the_publication_or_the_actors_compile(monkeypatch):
 
     try:
         got, sent = asyncio.run(published())
-        assert got == sent and cache.counts["joined"] == 1
+        assert got == sent and cache.counts.joined == 1
         cache.wait_ready_for_test = None
         data = asyncio.run(lapsed())
         assert envelope.unpack(data, info, fp, spec(2).key(fp)) is not None
-        assert cache.counts["lease_lapses"] == 1 and cache.counts["compiles"] == 3
+        assert cache.counts.lease_lapses == 1 and cache.counts.compiles == 3
         assert not cache.leases and not cache.inflight
         assert not cache.publish(fp, spec(2).key(fp), sent)  # too late: ignored
     finally:

@@ -66,18 +66,18 @@ def test_restarted_cache_warms_from_disk(tmp_path):
     first, info, fp = tiny_cache(tmp_path)
     try:
         data = asyncio.run(first.get(spec(1), fp))
-        assert first.counts["compiles"] == 1
+        assert first.counts.compiles == 1
     finally:
         first.close()
     second, _, _ = tiny_cache(tmp_path)  # the actor restarted (or the whole cluster)
     try:
         again = asyncio.run(second.get(spec(1), fp))
-        assert second.counts["compiles"] == 0 and second.counts["disk_hits"] == 1
+        assert second.counts.compiles == 0 and second.counts.disk_hits == 1
         m = xgr.GrammarMatcher(envelope.unpack(again, info, fp))
         assert m.accept_string('{"p1": 2}') and data == again
         # a grammar it never compiled is still compiled (and an invalid one is not kept)
         asyncio.run(second.get(spec(2), fp))
-        assert second.counts["compiles"] == 1
+        assert second.counts.compiles == 1
         asyncio.run(second.get(GrammarSpec.regex("[z-a]"), fp))
         assert not second.disk.has(fp, GrammarSpec.regex("[z-a]").key(fp))
     finally:
@@ -92,7 +92,7 @@ def test_a_file_for_another_tokenizer_is_never_loaded(tmp_path):
         # a stale envelope under this key: right name, wrong tokenizer inside
         other.put(fp, key, envelope.pack_local("another-fingerprint", key, 0.1))
         data = asyncio.run(cache.get(spec(3), fp))
-        assert cache.counts["disk_hits"] == 0 and cache.counts["compiles"] == 1
+        assert cache.counts.disk_hits == 0 and cache.counts.compiles == 1
         assert "grammar" in envelope.read_header(data)
     finally:
         cache.close()
@@ -108,7 +108,7 @@ def test_an_answer_leaves_when_its_compile_is_done_not_behind_queued_compiles(tm
 
     async def ask(i):
         data = await cache.get(spec(10 + i), fp)
-        seen.append(cache.counts["compiles"])  # compiles done when this answer left
+        seen.append(cache.counts.compiles)  # compiles done when this answer left
         return data
 
     async def main():
@@ -314,7 +314,7 @@ def test_new_worker_serves_known_grammars_without_fetching(cluster):
     new = WorkerActor.options(name=f"{WORKER_PREFIX}new-{uuid.uuid4().hex[:4]}",
                               namespace=NAMESPACE, num_cpus=0.25).remote(
         _engine(config), "w-new", (SCHEDULER_NAME, NAMESPACE),
-        (ACTOR_NAME, NAMESPACE, dict(config.grammar_cache)))
+        (ACTOR_NAME, NAMESPACE, GrammarCacheConfig(**config.grammar_cache)))
     # both hot grammars (the configured one and the requested one), in the background
     wait_for(lambda: grammar_stats(new).get("prefetches", 0) >= 2, "the new worker's prefetch")
     before = grammar_stats(new)

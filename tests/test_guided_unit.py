@@ -37,7 +37,7 @@ def compile(manager, spec):
 
 def accepts(manager, spec, text: str) -> bool:
     """Whether the grammar accepts exactly ``text`` followed by the stop token."""
-    m = xgr.GrammarMatcher(compile(manager, spec))
+    m = manager.new_matcher(compile(manager, spec))
     return m.accept_string(text) and m.accept_token(EOS) and m.is_terminated()
 
 
@@ -112,7 +112,7 @@ def test_kinds_accept_and_reject(manager, spec, text, ok):
 
 
 def test_padded_vocab_rows_are_never_allowed(manager):
-    m = xgr.GrammarMatcher(compile(manager, GrammarSpec.regex("x+")))
+    m = manager.new_matcher(compile(manager, GrammarSpec.regex("x+")))
     mask = xgr.allocate_token_bitmask(1, 40)
     m.fill_next_token_bitmask(mask)
     logits = torch.zeros(1, 40)
@@ -226,16 +226,16 @@ def test_tiny_temperature_is_greedy():
 def test_grammar_cache_is_bounded_by_bytes():
     info = xgr.TokenizerInfo(VOCAB, vocab_size=40, stop_token_ids=[EOS])
     probe = GuidedDecodingManager(info)
-    size = compile(probe, GrammarSpec.regex("x+")).memory_size_bytes
+    size = compile(probe, GrammarSpec.regex("x+")).artifact.memory_size_bytes
     small = GuidedDecodingManager(info, cache_bytes=int(2.5 * size))
     for pattern in ("x+", "a+", "b+", "ab+"):
         compile(small, GrammarSpec.regex(pattern))
-    assert small.cached_bytes <= 2.5 * size and small.stats["evictions"] >= 1
-    compiles = small.stats["compiles"]
+    assert small.cached_bytes <= 2.5 * size and small.stats.evictions >= 1
+    compiles = small.stats.compiles
     compile(small, GrammarSpec.regex("ab+"))  # the newest stays
-    assert small.stats["compiles"] == compiles
+    assert small.stats.compiles == compiles
     compile(small, GrammarSpec.regex("x+"))  # the oldest was evicted: compiled again
-    assert small.stats["compiles"] == compiles + 1
+    assert small.stats.compiles == compiles + 1
 
 
 @pytest.mark.parametrize("spec, prefix, completion", [
@@ -251,7 +251,7 @@ def test_shortest_completion(manager, spec, prefix, completion):
     from worker.engine.closing import CompletionSearch
 
     search = CompletionSearch(manager.tokenizer_info, time_limit_s=60)  # node caps only
-    m = xgr.GrammarMatcher(compile(manager, spec))
+    m = manager.new_matcher(compile(manager, spec))
     assert m.accept_string(prefix)
     dived = search.shortest(m, 32)  # the greedy dive: valid, maybe a little longer
     probe = m.fork()
@@ -262,7 +262,7 @@ def test_shortest_completion(manager, spec, prefix, completion):
     assert len(found.tokens) <= len(completion)
     assert m.accept_string(text) and m.is_completed()
     assert search.shortest(m, 32).tokens == []  # complete: nothing to add
-    short = xgr.GrammarMatcher(compile(manager, spec))
+    short = manager.new_matcher(compile(manager, spec))
     short.accept_string(prefix)
     tight = search.shortest(short, len(found.tokens) - 1, exact=True)  # one too few: none
     assert tight.tokens is None and tight.exhausted
@@ -272,7 +272,7 @@ def test_search_cut_short_by_the_clock_is_not_exhausted(manager):
     from worker.engine.closing import CompletionSearch
 
     search = CompletionSearch(manager.tokenizer_info, time_limit_s=0.0)
-    m = xgr.GrammarMatcher(compile(manager, GrammarSpec.regex("a[0-9]{3}b")))
+    m = manager.new_matcher(compile(manager, GrammarSpec.regex("a[0-9]{3}b")))
     for exact in (False, True):
         found = search.shortest(m, 32, exact=exact)
         assert found.tokens is None and not found.exhausted  # "do not know", never "none"
@@ -290,12 +290,12 @@ def test_search_cut_short_by_the_clock_is_not_exhausted(manager):
 def test_bad_grammars_fail_with_a_message_and_are_cached(manager, spec, message):
     with pytest.raises(GrammarError, match=f"invalid {message} grammar: .+"):
         compile(manager, spec)
-    compiles = manager.stats["compiles"]
+    compiles = manager.stats.compiles
     fut = manager.get_grammar(spec)
     assert fut.done()  # the failure is cached: fails fast the second time
     with pytest.raises(GrammarError):
         fut.result()
-    assert manager.stats["compiles"] == compiles
+    assert manager.stats.compiles == compiles
 
 
 def test_same_spec_compiles_once(manager):

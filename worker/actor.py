@@ -15,16 +15,30 @@ import socket
 import threading
 import time
 from collections import OrderedDict, deque
+from typing import TYPE_CHECKING
 
 import ray
 
 # light at import: Ray imports this module wherever a worker handle is unpickled (the
 # scheduler, every front end), so the engine (torch, transformers, xgrammar) is imported
 # in __init__, in the worker's own process only
+from grammar_cache.stats import ClientStats, GrammarRequestStats, ReplicationStats
 from worker.engine.sequence import GenerationRequest
+
+if TYPE_CHECKING:
+    from grammar_cache.config import GrammarCacheConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
+
+
+def grammar_report(client: dict | None, replication: dict | None, requests: dict) -> dict:
+    """The grammar group of ``load()`` (rendered by /metrics as
+    ``rayguide_worker_grammar_client_<name>``): the cache client's counters, replication's
+    and this worker's guided requests' (grammar_cache/stats.py); zeros for a part this
+    worker does not run (no shared cache), so every series is always there."""
+    return {**(client or ClientStats().as_dict()),
+            **(replication or ReplicationStats().as_dict()), **requests}
 
 
 def served_model_name(model: str | None) -> str:
@@ -39,10 +53,10 @@ def served_model_name(model: str | None) -> str:
 class WorkerActor:
     def __init__(self, engine_config: dict | None = None, worker_id: str | None = None,
                  scheduler: tuple[str, str] | None = None,
-                 grammar_cache: tuple[str, str, dict] | None = None):
+                 grammar_cache: tuple[str, str, "GrammarCacheConfig"] | None = None):
         """scheduler: (name, namespace) of the scheduler actor to register with, at start
         and again whenever Ray restarts this actor. grammar_cache: (name, namespace,
-        GrammarCacheConfig fields) of the shared cache actor to compile through; None:
+        GrammarCacheConfig) of the shared cache actor to compile through; None:
         compile in-process."""
         from worker.engine.async_engine import AsyncEngine
         from worker.engine.config import EngineConfig
@@ -69,8 +83,7 @@ class WorkerActor:
         self.families: OrderedDict[str, None] = OrderedDict()
         # per guided request: did its grammar have to be fetched / compiled (a wait), and
         # for how long; the last ones kept for benchmarks (grammar_requests())
-        self._grammar_counts = {"grammar_requests": 0, "grammar_request_waits": 0,
-                                "grammar_request_wait_s": 0.0, "grammar_request_wait_max_s": 0.0}
+        self._grammar_counts = GrammarRequestStats()
         self._grammar_lock = threading.Lock()
         self._grammar_log: deque = deque(maxlen=8192)
         if self.grammar_client is not None and grammar_cache is not None:
@@ -85,28 +98,27 @@ class WorkerActor:
             except ValueError:
                 pass  # no scheduler yet: it finds workers by name when it starts
 
-    def _cache_fetch(self, name: str, namespace: str, config: dict):
+    def _cache_fetch(self, name: str, namespace: str, config: "GrammarCacheConfig"):
         """The engine's grammar source: a factory the engine calls with its tokenizer
         info, giving the cache client's fetch (the engine itself knows no Ray)."""
-        from grammar_cache.actor import GrammarCacheConfig
         from grammar_cache.client import GrammarCacheClient
 
         def factory(info):
             self.grammar_client = GrammarCacheClient(
-                info, config=GrammarCacheConfig(**config), name=name, namespace=namespace)
+                info, config=config, name=name, namespace=namespace)
             return self.grammar_client.fetch
         return factory
 
-    def _start_replicator(self, name: str, namespace: str, config: dict) -> None:
+    def _start_replicator(self, name: str, namespace: str,
+                          config: "GrammarCacheConfig") -> None:
         """Warm replication (grammar_cache/replication.py): the task itself starts on the
         actor's event loop at the first async call (load, health, generate)."""
-        from grammar_cache.actor import GrammarCacheConfig
         from grammar_cache.replication import Replicator
         guided = self.engine.engine.guided
         if guided is None:
             return
         self.replicator = Replicator(
-            GrammarCacheConfig(**config), guided.fingerprint,
+            config, guided.fingerprint,
             actor=lambda: ray.get_actor(name, namespace=namespace),
             prefetch=guided.get_grammar, holds=guided.holds,
             held_bytes=lambda: guided.cached_bytes,
@@ -130,7 +142,7 @@ class WorkerActor:
             self.replicator.used(spec)
         entry = [request.request_id, spec.family, time.time(), False, 0.0]
         with self._grammar_lock:
-            self._grammar_counts["grammar_requests"] += 1
+            self._grammar_counts.grammar_requests += 1
             self._grammar_log.append(entry)
         if guided.holds(spec):
             return
@@ -142,9 +154,9 @@ class WorkerActor:
             entry[4] = wait
             with self._grammar_lock:
                 c = self._grammar_counts
-                c["grammar_request_waits"] += 1
-                c["grammar_request_wait_s"] += wait
-                c["grammar_request_wait_max_s"] = max(c["grammar_request_wait_max_s"], wait)
+                c.grammar_request_waits += 1
+                c.grammar_request_wait_s += wait
+                c.grammar_request_wait_max_s = max(c.grammar_request_wait_max_s, wait)
         guided.get_grammar(spec).add_done_callback(done)
 
     def grammar_requests(self) -> list:
@@ -200,15 +212,11 @@ class WorkerActor:
         return stats
 
     def _grammar_stats(self) -> dict:
-        """The grammar counters in load() (rendered by /metrics as
-        rayguide_worker_grammar_client_<name>): the cache client's, replication's
-        (prefetches, ...), and per request (grammar_requests, grammar_request_waits, ...)."""
-        out = self.grammar_client.stats() if self.grammar_client is not None else {}
-        if self.replicator is not None:
-            out.update(self.replicator.stats())
         with self._grammar_lock:
-            out.update(self._grammar_counts)
-        return out
+            requests = self._grammar_counts.as_dict()
+        return grammar_report(
+            self.grammar_client.stats() if self.grammar_client is not None else None,
+            self.replicator.stats() if self.replicator is not None else None, requests)
 
     async def health(self) -> bool:
         self._replicating()

@@ -23,8 +23,9 @@ JSON's literals; where many of one class are allowed, each is tried on one scrat
 and rolled back (microseconds) and one token is kept per distinct next parser state
 (inside free text every letter leads to the same state; an e-mail's local part needs its
 ``@``). And states are merged by a key: the next-token mask, xgrammar's parser state at
-the last step without positions (a repetition such as ``[0-9a-f]{8}`` or ``ws{0,12}`` is
-unrolled, so each place in it is its own state; ``_parse_state``), the mask before the
+the last step without positions (``matcher.state_key()``, grammar_engines.py: xgrammar's
+parser state, where a repetition such as ``[0-9a-f]{8}`` or ``ws{0,12}`` is unrolled, so
+each place in it is its own state; llguidance's forced bytes), the mask before the
 current run of equal masks, and (for a closing edge, where nesting repeats mask and state
 at every level) the depth. That merge is a heuristic, so a found path is always replayed
 on the real matcher token by token before it is emitted, and "no path" is only ever taken
@@ -42,16 +43,16 @@ token per character.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import itertools
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import xgrammar as xgr
+
+from worker.engine.grammar_engines import GrammarMatcher, as_matcher
 
 _JSON_PUNCT = set(b'{}[]",: ')
 _REPEATS = 3
@@ -116,7 +117,7 @@ class CompletionSearch:
         what ``shortest(pending=...)`` needs to finish it with valid bytes."""
         return _unfinished_char(b"".join(self.vocab[t] for t in token_ids[-4:]))
 
-    def shortest(self, matcher: "xgr.GrammarMatcher", limit: int, *,
+    def shortest(self, matcher: GrammarMatcher, limit: int, *,
                  exact: bool = False, pending: bytes = b"") -> Completion:
         """The shortest completion of ``matcher``'s output within ``limit`` tokens:
         ``Completion(tokens, ...)``, or ``Completion(None, exhausted)`` when none was found
@@ -124,6 +125,7 @@ class CompletionSearch:
         Not ``exact``: a greedy dive (closers first) answers when it finds a completion;
         it may be a little longer than the shortest."""
         self.stats["searches"] += 1
+        matcher = as_matcher(matcher)
         if matcher.is_completed():
             return Completion([], True)
         # xgrammar accepts any continuation byte after a lead byte; UTF-8 does not (E0 80
@@ -142,16 +144,17 @@ class CompletionSearch:
         found = self._search(matcher, limit, "no_blanks")
         if found.tokens is None and time.perf_counter() < self._deadline:
             found = self._search(matcher, limit, "all")
-        if found.tokens is None and found.exhausted and not _parse_state(matcher):
-            # no parser state to read (another xgrammar): the mask and the depth
+        if found.tokens is None and found.exhausted and not matcher.has_parser_state():
+            # no parser state to read (llguidance, another xgrammar): the mask and the depth
             found = self._search(matcher, limit, "by_depth")
         return found
 
-    def estimate(self, matcher: "xgr.GrammarMatcher", limit: int, *,
+    def estimate(self, matcher: GrammarMatcher, limit: int, *,
                  pending: bytes = b"") -> list[int] | None:
         """The greedy dive alone (milliseconds): a completion, maybe longer than the
         shortest, or None. What tells the engine, before the closing window, that this
         output needs more room than the window to close."""
+        matcher = as_matcher(matcher)
         if matcher.is_completed():
             return []
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
@@ -161,7 +164,7 @@ class CompletionSearch:
         dived = self._dive(matcher, limit)
         return None if dived is None else self._compact(matcher, dived)
 
-    def fitting(self, matcher: "xgr.GrammarMatcher", budget: int, *,
+    def fitting(self, matcher: GrammarMatcher, budget: int, *,
                 pending: bytes = b"") -> Completion:
         """A completion for a budget of ``budget`` tokens: the dive's, and where that does
         not fit, the exact search's when it is shorter. The search counts single-character
@@ -241,7 +244,7 @@ class CompletionSearch:
             budget[0] -= 1
             text = self._in_text(row)
             if text:
-                states = states | {_parse_state(m)}
+                states = states | {m.state_key()}
             tried: set = set()
             # the closing edges first, on their own: they are what a dive takes at almost
             # every node, and listing every edge (a scratch matcher per candidate, to keep
@@ -294,7 +297,7 @@ class CompletionSearch:
         characters (in text, only those with a quote)."""
         edges = []
         if self.encode is not None:
-            forced = m.find_jump_forward_string()
+            forced = m.forced_continuation()
             toks = self.encode(forced) if forced else None
             if toks and len(toks) > 1:
                 edges.append(toks)
@@ -315,7 +318,7 @@ class CompletionSearch:
         probe, fresh = m.fork(), []
         for tokens in edges:
             if len(tokens) == 1 and probe.accept_token(tokens[0]):
-                if _parse_state(probe) not in states:
+                if probe.state_key() not in states:
                     fresh.append(tokens)
                 probe.rollback(1)
         return fresh
@@ -332,8 +335,10 @@ class CompletionSearch:
         """Whether ``tokens`` closed something: a closing edge taken where no letter could
         come instead (a ``"}"`` inside a string or an e-mail address is only a character)
         and after which the outermost open rule began earlier than before."""
-        return (self._closing_rank(tokens) <= 1 and not self._in_text(parent_row)
-                and _outermost(child) < _outermost(parent))
+        if self._closing_rank(tokens) > 1 or self._in_text(parent_row):
+            return False
+        before, after = parent.rule_start(), child.rule_start()
+        return before is None or after is None or after < before  # unknown: keep the depth
 
     def _in_text(self, row: torch.Tensor) -> bool:
         """Whether letters may come next (inside a string or free text): more than the
@@ -360,22 +365,22 @@ class CompletionSearch:
             return 5  # values with blanks and signs
         return 3
 
-    def _fill(self, m: "xgr.GrammarMatcher") -> tuple[int, torch.Tensor]:
+    def _fill(self, m: GrammarMatcher) -> tuple[int, torch.Tensor]:
         """The next-token mask of ``m`` (a copy: one fill per node, the costly part) and
         its hash."""
-        m.fill_next_token_bitmask(self._mask)
+        m.fill_bitmask(self._mask)
         row = self._mask[0].clone()
         return hash(row.numpy().tobytes()), row
 
     def _key(self, m, h: int, hist: tuple, ctx, cost: int, with_depth: bool) -> tuple:
         """Which states count as one: the next-token mask, the parser state (where in
-        which rules; see ``_parse_state``), the mask in force before the current run of
+        which rules; see ``GrammarMatcher.state_key``), the mask in force before the current run of
         equal masks (inside a string every character keeps the mask; the string's place in
         the grammar is told by what came before it), and how often (up to ``_REPEATS``) the
         mask occurred on the path (a counter such as minItems: ``[`` and ``["", `` expect
         the same next token). ``with_depth``: the cost too (nesting being closed repeats
         mask and parser state at every level)."""
-        key = (m.is_completed(), h, _parse_state(m), ctx, min(hist.count(h), _REPEATS))
+        key = (m.is_completed(), h, m.state_key(), ctx, min(hist.count(h), _REPEATS))
         return key + (cost,) if with_depth else key
 
     def rest_after(self, path: list[int], token: int) -> list[int] | None:
@@ -394,22 +399,22 @@ class CompletionSearch:
         return self.encode(rest) if rest else []
 
     @staticmethod
-    def same_place(before: "xgr.GrammarMatcher", after: "xgr.GrammarMatcher") -> bool:
+    def same_place(before: GrammarMatcher, after: GrammarMatcher) -> bool:
         """Whether the parser stands where it stood (another word inside a string): the
         same parser states at the last step, positions aside. The searches take such
         states as one, so a shortest completion found from one serves the other. False
-        where the state cannot be read."""
-        here = _parse_state(before)
-        return bool(here) and here == _parse_state(after)
+        where the state cannot be read (llguidance: see grammar_engines.py)."""
+        before, after = as_matcher(before), as_matcher(after)
+        return before.has_parser_state() and before.state_key() == after.state_key()
 
-    def min_tokens(self, matcher: "xgr.GrammarMatcher", limit: int) -> int | None:
+    def min_tokens(self, matcher: GrammarMatcher, limit: int) -> int | None:
         """Length of the shortest completion within ``limit``, None if none was found."""
         c = self.shortest(matcher, limit)
         return None if c.tokens is None else len(c.tokens)
 
     # helpers ------------------------------------------------------------------------------
 
-    def _edges(self, m: "xgr.GrammarMatcher", row: torch.Tensor,
+    def _edges(self, m: GrammarMatcher, row: torch.Tensor,
                first: bool = False) -> list[list[int]]:
         """Token paths to try from ``m``: the jump-forward string (tokenized) first, then
         the allowed candidates (a few per class when many are allowed). ``first``: ``m``
@@ -427,7 +432,7 @@ class CompletionSearch:
                      and w * 32 + b not in listed and w * 32 + b not in self.stop]
             edges.extend([t] for t in extra)
         if self.encode is not None:
-            forced = m.find_jump_forward_string()
+            forced = m.forced_continuation()
             if forced:
                 toks = self.encode(forced)
                 if toks:
@@ -445,14 +450,14 @@ class CompletionSearch:
             edges.extend([t] for t in toks)
         return edges
 
-    def _distinct(self, m: "xgr.GrammarMatcher", row: torch.Tensor,
+    def _distinct(self, m: GrammarMatcher, row: torch.Tensor,
                   toks: list[int]) -> list[int]:
         """One token for each parser state that ``toks`` lead to from ``m`` (inside a free
         string every letter leads to the same state; an e-mail's local part needs "@" and
         a regex ``[a-z]*q`` needs "q", which sampling a class would miss). Each token is
         tried on one scratch matcher and rolled back (microseconds; a fork costs 100 us),
         and the answer is remembered per (mask, parser state) for the search."""
-        key = (hash(row.numpy().tobytes()), _parse_state(m), tuple(toks))
+        key = (hash(row.numpy().tobytes()), m.state_key(), tuple(toks))
         got = self._reps_memo.get(key)
         if got is not None:
             return got
@@ -460,7 +465,7 @@ class CompletionSearch:
         for t in toks:
             if not probe.accept_token(t):
                 continue
-            state = probe._debug_print_internal_state().rsplit("Last step", 1)[-1]
+            state = probe.step_state()
             probe.rollback(1)
             if state not in states:
                 states.add(state)
@@ -468,7 +473,7 @@ class CompletionSearch:
         self._reps_memo[key] = keep
         return keep
 
-    def _compact(self, matcher: "xgr.GrammarMatcher", path: list[int]) -> list[int]:
+    def _compact(self, matcher: GrammarMatcher, path: list[int]) -> list[int]:
         """The path, or the tokenizer's own encoding of its text when that is shorter and
         the grammar accepts it."""
         if self.encode is None or len(path) < 2:
@@ -501,41 +506,6 @@ def _unfinished_char(data: bytes) -> bytes:
             else 1
         return data[-back:] if back < need else b""
     return b""
-
-
-_PARSER_STATE = re.compile(r"rule_id=(\d+), sequence_id=(\d+), element_id=(\d+), "
-                           r"rule_start_pos=(-?\d+), sub_element_id=(\d+)")
-
-
-def _parse_state(m: "xgr.GrammarMatcher") -> tuple:
-    """The matcher's parser states at its last step, without their positions: where in
-    which rules it stands (a repetition such as ``[0-9a-f]{8}`` or ``ws{0,12}`` is unrolled,
-    so each place in it is a state of its own; a string's characters all share one). Only
-    whether a rule began at the root is kept of the positions, or every path would be a
-    state of its own. xgrammar 0.2.8 has no public form of it: its debug text is parsed,
-    and a text that does not parse gives () (the mask alone then tells states apart)."""
-    return _without_positions(_states(m))
-
-
-@functools.lru_cache(maxsize=4096)
-def _without_positions(states: tuple) -> tuple:
-    return tuple((int(r), int(q), int(e), int(s), p == "-1") for r, q, e, p, s in states)
-
-
-def _outermost(m: "xgr.GrammarMatcher") -> int:
-    """Where the outermost rule open at the matcher's last step began (-1: the root)."""
-    return min((int(p) for _, _, _, p, _ in _states(m)), default=-1)
-
-
-def _states(m: "xgr.GrammarMatcher") -> tuple:
-    return _states_of(m._debug_print_internal_state().rsplit("Last step", 1)[-1])
-
-
-@functools.lru_cache(maxsize=4096)
-def _states_of(text: str) -> tuple:
-    """The debug text's parser states (parsed once per distinct text: a search reads the
-    same few states thousands of times)."""
-    return tuple(_PARSER_STATE.findall(text))
 
 
 def _class_of(raw: bytes) -> int | None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported only where a dtype name is resolved (not by front ends)
     import torch
+
+
+GRAMMAR_ENGINES = ("auto", "xgrammar", "llguidance")
 
 
 @dataclass
@@ -23,7 +27,13 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None: torch's default
     seed: int | None = None  # seeds the per-request generators of unseeded requests
     progress: bool = True  # progress bars for conversion and loading
-    guided: bool = True  # grammar-constrained decoding (xgrammar)
+    guided: bool = True  # grammar-constrained decoding
+    # the grammar engine of a spec that asks for none ("auto" in the spec): "auto" (per
+    # grammar: llguidance for a JSON grammar it compiles, xgrammar elsewhere; see
+    # worker/engine/grammar_engines.py), "xgrammar" or "llguidance". $RAYGUIDE_GRAMMAR_ENGINE
+    # sets the default (what the test suite uses to run every engine test on one engine)
+    grammar_engine: str = field(
+        default_factory=lambda: os.environ.get("RAYGUIDE_GRAMMAR_ENGINE", "auto"))
     # a request whose grammar is not ready this long after it arrived fails (a backstop
     # above the compile limit: a compile over its limit fails sooner, as a bad grammar)
     grammar_timeout_s: float = 60.0
@@ -75,6 +85,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.grammar_engine not in GRAMMAR_ENGINES:
+            raise ValueError(f"grammar_engine {self.grammar_engine!r} is not one of "
+                             f"{', '.join(GRAMMAR_ENGINES)}")
         if self.grammar_cache_bytes < 0:
             raise ValueError(f"grammar_cache_bytes must be >= 0, got {self.grammar_cache_bytes}")
         if self.closing_window < 0 or self.closing_margin < 0:

@@ -173,8 +173,8 @@ class GrammarStopCheck:
     guided output with many occurrences quadratic, on the engine thread.)
 
     ``matcher``: a grammar matcher with ``accept_string(str) -> bool`` (one rollback step,
-    the state unchanged when refused), ``is_completed()`` and ``rollback(n)``, e.g.
-    ``xgrammar.GrammarMatcher(compiled)``.
+    the state unchanged when refused), ``is_completed()`` and ``rollback(n)``: either
+    engine's matcher (grammar_engines.py), or a bare ``xgrammar.GrammarMatcher``.
     """
 
     def __init__(self, matcher):

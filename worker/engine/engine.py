@@ -28,13 +28,13 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 import torch
-import xgrammar as xgr
 
 from grammar_cache.errors import ErrorKind, GrammarError
 from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import GrammarStopCheck, IncrementalDetokenizer
+from worker.engine.grammar_engines import LLGUIDANCE
 from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
@@ -117,7 +117,7 @@ class LLMEngine:
             self.guided = GuidedDecodingManager.from_tokenizer(
                 tokenizer, model.config.vocab_size, sorted(self.eos_ids),
                 max_batch_size=config.max_num_seqs, grammar_fetch=grammar_fetch,
-                cache_bytes=config.grammar_cache_bytes)
+                cache_bytes=config.grammar_cache_bytes, default_engine=config.grammar_engine)
             self.guided.closer.time_limit_s = config.closing_search_ms / 1000
             if self.runner.device.type == "cpu":  # compile the mask kernel off the hot path
                 threading.Thread(target=bitmask.warmup, daemon=True).start()
@@ -363,7 +363,8 @@ class LLMEngine:
                 if seq.thinking_now:
                     self._leave_answer_room(seq, matcher)
                 elif seq.stop:  # a stop string only where the grammar may end
-                    seq.detokenizer.stop_check = _grammar_accepts(compiled)
+                    seq.detokenizer.stop_check = GrammarStopCheck(
+                        self.guided.new_matcher(compiled))
                 self.waiting_for_grammar.remove(seq)
                 seq.status = SeqStatus.WAITING
                 self.scheduler.add(seq)
@@ -484,7 +485,8 @@ class LLMEngine:
                                                      stop=seq.stop)
             if seq.grammar is not None:
                 if seq.stop:
-                    seq.detokenizer.stop_check = _grammar_accepts(seq.compiled)
+                    seq.detokenizer.stop_check = GrammarStopCheck(
+                        self.guided.new_matcher(seq.compiled))
                 self.policy.begin_answer(seq, self.guided.matchers.get(seq.matcher_key))
         if self._remaining(seq) <= 0:
             return self._finish(seq, "length", new_tokens=new_tokens, logprobs=lps,
@@ -547,6 +549,11 @@ class LLMEngine:
             out.reasoning_tokens = seq.thinking.tokens
         if seq.ending is not None and reason in ("stop", "length"):
             self.policy.report(seq, reason, out)
+        compiled = seq.compiled
+        if compiled is not None:
+            out.grammar_engine = compiled.engine
+            if compiled.engine == LLGUIDANCE and out.approximated:
+                out.approximated = []  # llguidance refuses what it cannot enforce exactly
         return out
 
     def _unschedulable(self) -> list[RequestOutput]:
@@ -591,7 +598,7 @@ class LLMEngine:
             steps=self.num_steps,
             waiting_for_grammar=len(self.waiting_for_grammar),
             live_processors=self.guided.num_matchers if self.guided else 0,
-            grammar_cache=dict(self.guided.stats) if self.guided else {},
+            grammar_cache=self.guided.stats.as_dict() if self.guided else {},
             session_ids=sorted(set(self.blocks.sessions) | {
                 s.session_id for s in self.seqs.values() if s.session_id is not None}),
             thinking_tokens=self.thinking_tokens,
@@ -600,10 +607,5 @@ class LLMEngine:
         )
 
 
+
 _ANSWER_SLACK = 8  # tokens a thought leaves above the answer's known length (reasoning.py)
-
-
-def _grammar_accepts(compiled) -> GrammarStopCheck:
-    """Whether the grammar accepts exactly the output before a stop string (and may end)."""
-    return GrammarStopCheck(xgr.GrammarMatcher(compiled))
-

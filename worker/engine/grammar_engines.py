@@ -1,9 +1,9 @@
 """Grammar engines: xgrammar and llguidance behind one small interface, and the ``auto``
 rule that picks one per grammar.
 
-Not wired into the engine yet (the runtime serves through xgrammar only, via
-guided_process.py); this is the interface the engine, the closing search and the cache
-will use. The protocol, per engine:
+The engine (guided_process.py: GuidedDecodingManager), the closing search (closing.py),
+the loop guard and the stop-string check use only this interface, so every guided
+feature works on either engine. The protocol, per engine:
 
     compiled = engine.compile(spec)          # GrammarSpec -> CompiledGrammar, or EngineRefused
     m = engine.matcher(compiled)             # a fresh matcher (cheap: shares the compiled grammar)
@@ -14,6 +14,26 @@ will use. The protocol, per engine:
     m.is_completed()                         # the text so far is a whole match (a stop token may come)
     m.is_terminated()                        # a stop token was accepted
     m.forced_continuation() -> str           # text every continuation starts with (jump-forward)
+    m.accept_string(text) -> bool            # one rollback step; False leaves the matcher as it was
+    m.state_key(); m.step_state()            # the closing search's state keys (see below)
+    m.rule_start() -> int | None             # where the outermost open rule began (-1: the root)
+
+xgrammar's method names are aliases on every matcher (``fill_next_token_bitmask``,
+``find_jump_forward_string``), so code written against ``xgr.GrammarMatcher`` runs on both.
+
+State keys, for the closing search's merging of states (closing.py). A merge of two states
+that differ can only make a closing estimate worse (a path is missed), never an output
+invalid: every closing path is replayed on the real matcher before it is emitted.
+- xgrammar: ``state_key()`` is its parser state at the last step without positions (read
+  from its debug text: xgrammar 0.2.8 has no public form), ``step_state()`` that state
+  with positions, ``rule_start()`` the earliest position of an open rule.
+- llguidance exposes no parser state. ``state_key()`` is what it does expose that is a
+  function of the state: whether it may end and its forced bytes; ``step_state()`` adds
+  the next-token mask (so two tokens count as one next state only where everything that
+  may follow them is the same); ``rule_start()`` is None (unknown: a closing edge always
+  keeps its depth, which merges less). ``has_parser_state()`` is False, so a search that
+  finds nothing searches again with states told apart by depth too (as xgrammar's does
+  when its debug text cannot be read) before it calls a grammar unclosable.
 
 Both engines write the same bitmask layout (xgrammar's: bit ``t % 32`` of word ``t // 32``),
 so worker/engine/bitmask.py applies either. Their masks differ slightly: llguidance
@@ -30,7 +50,9 @@ refuses the first two and leaves numbers unbounded where the schema does.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -98,6 +120,35 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def forced_continuation(self) -> str: ...
 
+    @abstractmethod
+    def accept_string(self, text: str) -> bool: ...
+
+    @abstractmethod
+    def state_key(self) -> tuple: ...
+
+    @abstractmethod
+    def step_state(self) -> object: ...
+
+    @abstractmethod
+    def rule_start(self) -> int | None: ...
+
+    @abstractmethod
+    def has_parser_state(self) -> bool: ...
+
+    engine: str
+
+    # xgrammar's names, for code written against xgr.GrammarMatcher
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        self.fill_bitmask(bitmask, index)
+
+    def find_jump_forward_string(self) -> str:
+        return self.forced_continuation()
+
+
+def as_matcher(m) -> GrammarMatcher:
+    """``m`` as an interface matcher (a bare ``xgr.GrammarMatcher`` is wrapped)."""
+    return XGrammarMatcher(m) if isinstance(m, xgr.GrammarMatcher) else m
+
 
 class GrammarEngine(ABC):
     name: str
@@ -138,6 +189,8 @@ class XGrammarEngine(GrammarEngine):
 
 
 class XGrammarMatcher(GrammarMatcher):
+    engine = XGRAMMAR
+
     def __init__(self, inner: "xgr.GrammarMatcher"):
         self.inner = inner
 
@@ -162,10 +215,48 @@ class XGrammarMatcher(GrammarMatcher):
     def forced_continuation(self) -> str:
         return self.inner.find_jump_forward_string()
 
+    def accept_string(self, text: str) -> bool:
+        return self.inner.accept_string(text)
+
+    def state_key(self) -> tuple:
+        return _without_positions(self._states())
+
+    def step_state(self) -> str:
+        return self.inner._debug_print_internal_state().rsplit("Last step", 1)[-1]
+
+    def rule_start(self) -> int:
+        return min((int(p) for _, _, _, p, _ in self._states()), default=-1)
+
+    def has_parser_state(self) -> bool:
+        return bool(self._states())
+
+    def _states(self) -> tuple:
+        return _states_of(self.step_state())
+
+
+_PARSER_STATE = re.compile(r"rule_id=(\d+), sequence_id=(\d+), element_id=(\d+), "
+                           r"rule_start_pos=(-?\d+), sub_element_id=(\d+)")
+
+
+@functools.lru_cache(maxsize=4096)
+def _states_of(text: str) -> tuple:
+    """xgrammar's parser states in its debug text (parsed once per distinct text: a
+    closing search reads the same few states thousands of times); () if it does not
+    parse (another xgrammar)."""
+    return tuple(_PARSER_STATE.findall(text))
+
+
+@functools.lru_cache(maxsize=4096)
+def _without_positions(states: tuple) -> tuple:
+    """Where in which rules, without positions: only whether a rule began at the root is
+    kept of them, or every path would be a state of its own. A repetition such as
+    ``[0-9a-f]{8}`` is unrolled in xgrammar, so each place in it stays a state of its own."""
+    return tuple((int(r), int(q), int(e), int(s), p == "-1") for r, q, e, p, s in states)
+
 
 # --- llguidance -----------------------------------------------------------------------------
 
-_LL_KINDS = ("json_schema", "json_object", "regex", "choice")
+LLGUIDANCE_KINDS = ("json_schema", "json_object", "regex", "choice")
 
 
 class LLGuidanceEngine(GrammarEngine):
@@ -198,18 +289,19 @@ class LLGuidanceEngine(GrammarEngine):
         grammar = _llguidance_grammar(spec)
         start_state = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if start_state.is_error():
-            raise EngineRefused(LLGUIDANCE, f"llguidance refused the {spec.kind} grammar: "
+            raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
                                 f"{_first_line(start_state.get_error())}")
         return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start)
 
     def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(compiled.artifact.deep_copy(), self.stop_token_ids)
+        return LLGuidanceMatcher(compiled.artifact.deep_copy(), self.stop_token_ids,
+                                 self.tokenizer)
 
 
 def _llguidance_grammar(spec: GrammarSpec) -> str:
     import llguidance
 
-    if spec.kind not in _LL_KINDS:
+    if spec.kind not in LLGUIDANCE_KINDS:
         raise EngineRefused(LLGUIDANCE, f"llguidance does not take {spec.kind} grammars "
                             f"here (they are written in xgrammar's dialect); use xgrammar")
     if spec.kind == "regex":
@@ -229,7 +321,7 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema), overrides=_json_options(spec))
     except ValueError as exc:
-        raise EngineRefused(LLGUIDANCE, f"llguidance refused the {spec.kind} grammar: "
+        raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
                             f"{_first_line(str(exc))}") from None
 
 
@@ -310,14 +402,20 @@ def strict_schema(node, merged: bool = False):
 
 class LLGuidanceMatcher(GrammarMatcher):
     """llguidance's LLMatcher with xgrammar's semantics: a refused token leaves the
-    matcher as it was (llguidance would enter its error state for good), and a stop token
-    is accepted where the grammar may end and counts as one token for ``rollback`` (the
-    matcher itself never sees it)."""
+    matcher as it was (llguidance would enter its error state for good), a stop token is
+    accepted where the grammar may end and counts as one step for ``rollback`` (the
+    matcher itself never sees it), and ``accept_string`` is one step however many tokens
+    it takes (``_steps``: the tokens of each step, for rollback)."""
 
-    def __init__(self, inner: "llguidance.LLMatcher", stop_token_ids: frozenset[int]):
+    engine = LLGUIDANCE
+
+    def __init__(self, inner: "llguidance.LLMatcher", stop_token_ids: frozenset[int],
+                 tokenizer: "llguidance.LLTokenizer | None" = None):
         self.inner = inner
         self.stop_token_ids = stop_token_ids
+        self.tokenizer = tokenizer
         self.terminated = False
+        self._steps: list[int] = []  # inner tokens per accepted step (0: the stop token)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         # llguidance.torch's helpers are torch.compile'd at import (seconds, and a
@@ -333,20 +431,42 @@ class LLGuidanceMatcher(GrammarMatcher):
             return False
         if token in self.stop_token_ids:
             self.terminated = self.inner.is_accepting()
+            if self.terminated:
+                self._steps.append(0)
             return self.terminated
-        return self.inner.try_consume_tokens([token]) == 1
+        if self.inner.try_consume_tokens([token]) != 1:
+            return False
+        self._steps.append(1)
+        return True
+
+    def accept_string(self, text: str) -> bool:
+        if self.terminated or self.tokenizer is None:
+            return False
+        tokens = self.tokenizer.tokenize_str(text)
+        done = self.inner.try_consume_tokens(tokens)
+        if done != len(tokens):
+            if done:
+                self.inner.rollback(done)
+            return False
+        self._steps.append(len(tokens))
+        return True
 
     def rollback(self, num_tokens: int) -> None:
-        if num_tokens and self.terminated:
-            self.terminated = False
-            num_tokens -= 1
-        if num_tokens and not self.inner.rollback(num_tokens):
-            raise ValueError(f"llguidance could not roll back {num_tokens} tokens: "
+        if num_tokens > len(self._steps):
+            raise ValueError(f"cannot roll back {num_tokens} steps: only "
+                             f"{len(self._steps)} were accepted")
+        inner = 0
+        for _ in range(num_tokens):
+            inner += self._steps.pop()
+        self.terminated = False
+        if inner and not self.inner.rollback(inner):
+            raise ValueError(f"llguidance could not roll back {inner} tokens: "
                              f"{self.inner.get_error()}")
 
     def fork(self) -> "LLGuidanceMatcher":
-        twin = LLGuidanceMatcher(self.inner.deep_copy(), self.stop_token_ids)
+        twin = LLGuidanceMatcher(self.inner.deep_copy(), self.stop_token_ids, self.tokenizer)
         twin.terminated = self.terminated
+        twin._steps = list(self._steps)
         return twin
 
     def is_completed(self) -> bool:
@@ -365,6 +485,22 @@ class LLGuidanceMatcher(GrammarMatcher):
             except UnicodeDecodeError:
                 continue
         return ""
+
+    def state_key(self) -> tuple:
+        if self.terminated:
+            return (True, b"")
+        return (self.inner.is_accepting(), self.inner.compute_ff_bytes())
+
+    def step_state(self) -> tuple:
+        if self.terminated:
+            return self.state_key()
+        return self.state_key() + (hash(self.inner.compute_bitmask()),)
+
+    def rule_start(self) -> None:
+        return None
+
+    def has_parser_state(self) -> bool:
+        return False
 
 
 # --- choosing -------------------------------------------------------------------------------

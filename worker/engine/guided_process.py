@@ -1,4 +1,5 @@
-"""GuidedDecodingManager: the engine's one handle on xgrammar.
+"""GuidedDecodingManager: the engine's one handle on its grammar engines (xgrammar and
+llguidance behind grammar_engines.py's interface, chosen per grammar).
 
 It owns the tokenizer info (built with the *model's* vocab size, so padded embedding rows
 and ids the tokenizer lacks can never be sampled under a grammar, and with the model's
@@ -7,28 +8,41 @@ compiled grammars and of failures (bounded by bytes), owns the batch token bitma
 (allocated once at the engine's max batch size), and keeps one matcher per request, keyed
 by ``Sequence.matcher_key`` (the request, never a client-chosen session id).
 
-Where a compile happens is pluggable: by default in-process on the manager's thread pool;
-with ``fetch`` (for a worker in a cluster, ``GrammarCacheClient(info, ...).fetch``, injected
-by the worker actor: the engine imports no Ray) through the shared cache actor. The
-manager's cache then serves as the worker's local LRU of deserialized grammars.
+Which engine compiles a spec (``resolve``): the spec's ``engine`` when it names one, else
+the manager's ``default_engine`` (``EngineConfig.grammar_engine``), and ``auto`` by the rule
+in grammar_engines.py (llguidance for a JSON grammar it compiles, xgrammar elsewhere).
+
+Where an xgrammar compile happens is pluggable: by default in-process on the manager's
+thread pool; with ``fetch`` (for a worker in a cluster, ``GrammarCacheClient(info,
+...).fetch``, injected by the worker actor: the engine imports no Ray) through the shared
+cache actor. llguidance grammars always compile here (well under a millisecond, less than
+an actor round trip; docs/architecture.md). The manager's cache is the worker's local LRU
+of both, and of their errors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import xgrammar as xgr
 
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
+from grammar_cache.config import MAX_REPETITION
 from grammar_cache.spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace
 from worker.engine.closing import NEXT_BYTE, CompletionSearch
+from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, LLGUIDANCE_AUTO_KINDS,
+                                           LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
+                                           EngineRefused, GrammarMatcher, LLGuidanceEngine,
+                                           XGrammarMatcher)
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +51,47 @@ GrammarFetch = Callable[[GrammarSpec], "xgr.CompiledGrammar"]
 # what a worker injects: given the engine's tokenizer info, a fetch for compiled grammars
 GrammarFetchFactory = Callable[["xgr.TokenizerInfo"], GrammarFetch]
 _ERROR_BYTES = 1024  # what a cached failure counts against the byte bound
+# an llguidance grammar's memory is its start state (not measurable from Python): a guess
+# in the size of its lexer, so the byte bound still counts it
+_LLGUIDANCE_BYTES = 64 * 1024
+
+
+@dataclass
+class GuidedStats:
+    """The manager's counters (the worker's local grammar cache, per engine)."""
+
+    hits: int = 0
+    misses: int = 0
+    compiles: int = 0  # grammars built or fetched here (both engines), and failures
+    errors: int = 0
+    evictions: int = 0
+    xgrammar_grammars: int = 0  # grammars compiled (or fetched) per engine
+    llguidance_grammars: int = 0
+    xgrammar_requests: int = 0  # matchers created per engine (one per guided request)
+    llguidance_requests: int = 0
+    llguidance_refusals: int = 0  # auto: grammars llguidance refused, served by xgrammar
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 class GuidedDecodingManager:
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, max_batch_size: int = 64,
                  compile_threads: int = 1, fill_threads: int = 1, cache_bytes: int = 1 << 30,
                  error_ttl_s: float = 60.0, fetch: GrammarFetch | None = None,
-                 encode: Callable[[str], list[int]] | None = None):
-        """``fetch``: compiles (or fetches) a spec; None compiles in-process. ``encode``:
-        the tokenizer's text -> ids, used to cost forced strings in closing searches."""
+                 encode: Callable[[str], list[int]] | None = None,
+                 llguidance: Callable[[], LLGuidanceEngine] | None = None,
+                 default_engine: str = AUTO, max_repetition: int = MAX_REPETITION):
+        """``fetch``: compiles (or fetches) an xgrammar spec; None compiles in-process.
+        ``encode``: the tokenizer's text -> ids, used to cost forced strings in closing
+        searches. ``llguidance``: builds the llguidance engine (on first use; None: no
+        llguidance here, ``auto`` is xgrammar). ``default_engine``: what a spec whose
+        engine is ``auto`` gets (``auto``: the rule). ``max_repetition``: the cache's
+        repetition limit, applied to llguidance compiles as the cache applies it to
+        xgrammar's."""
+        if default_engine not in (AUTO, *ENGINES):
+            raise ValueError(f"grammar engine {default_engine!r} is not one of "
+                             f"{(AUTO, *ENGINES)}")
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
         self.stop_token_ids = list(tokenizer_info.stop_token_ids)
@@ -56,7 +102,9 @@ class GuidedDecodingManager:
         # [max_batch_size, ceil(vocab / 32)] int32, reused every step
         self.bitmask = xgr.allocate_token_bitmask(max_batch_size, self.vocab_size)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=fill_threads)
-        self.matchers: dict[MatcherKey, xgr.GrammarMatcher] = {}
+        self.fill_threads = fill_threads
+        self._ll_executor = None  # llguidance's parallel fill (built on first use)
+        self.matchers: dict[MatcherKey, GrammarMatcher] = {}
         self._grammars: OrderedDict[str, object] = OrderedDict()  # key -> compiled | error
         self._sizes: dict[str, int] = {}  # key -> bytes it counts against cache_bytes
         self.cached_bytes = 0
@@ -70,7 +118,12 @@ class GuidedDecodingManager:
         self._fetch = fetch or (lambda spec: compile_spec(self.compiler, spec))
         self.cache_bytes = cache_bytes
         self.error_ttl_s = error_ttl_s
-        self.stats = {"hits": 0, "misses": 0, "compiles": 0, "errors": 0, "evictions": 0}
+        self.stats = GuidedStats()
+        self.default_engine = default_engine
+        self.max_repetition = max_repetition
+        self._llguidance_factory = llguidance
+        self._llguidance: LLGuidanceEngine | None = None
+        self._ll_lock = threading.Lock()
         self._encode = encode
         self._closer: CompletionSearch | None = None
         self._utf8_bans: dict[bytes, torch.Tensor] = {}
@@ -87,6 +140,8 @@ class GuidedDecodingManager:
             kwargs["fetch"] = grammar_fetch(info)
         kwargs.setdefault("encode", lambda text: tokenizer(
             text, add_special_tokens=False)["input_ids"])
+        kwargs.setdefault("llguidance", lambda: LLGuidanceEngine.from_huggingface(
+            tokenizer, vocab_size, stop_token_ids))
         return cls(info, **kwargs)
 
     @property
@@ -118,14 +173,15 @@ class GuidedDecodingManager:
     # grammars ---------------------------------------------------------------------------
 
     def get_grammar(self, spec: GrammarSpec) -> Future:
-        """A future of the compiled grammar (or of the GrammarError). Cached grammars and
-        cached failures resolve at once; concurrent asks for one spec share one compile."""
+        """A future of the CompiledGrammar (or of the GrammarError; EngineRefused names
+        the engine). Cached grammars and cached failures resolve at once; concurrent asks
+        for one spec share one compile."""
         key = spec.key(self.fingerprint)
         with self._lock:
             cached = self._grammars.get(key)
             if cached is not None and not self._expired(key):
                 self._grammars.move_to_end(key)
-                self.stats["hits"] += 1
+                self.stats.hits += 1
                 fut: Future = Future()
                 if isinstance(cached, GrammarError):
                     fut.set_exception(cached)
@@ -133,9 +189,9 @@ class GuidedDecodingManager:
                     fut.set_result(cached)
                 return fut
             if key in self._inflight:
-                self.stats["hits"] += 1
+                self.stats.hits += 1
                 return self._inflight[key]
-            self.stats["misses"] += 1
+            self.stats.misses += 1
             fut = self._pool.submit(self._compile, key, spec)
             self._inflight[key] = fut
             return fut
@@ -147,10 +203,53 @@ class GuidedDecodingManager:
             cached = self._grammars.get(spec.key(self.fingerprint))
             return cached is not None and not isinstance(cached, GrammarError)
 
+    def resolve(self, spec: GrammarSpec) -> str:
+        """The engine asked for ``spec``: its own, else the default (maybe ``auto``)."""
+        return spec.engine if spec.engine != AUTO else self.default_engine
+
+    @property
+    def llguidance(self) -> LLGuidanceEngine | None:
+        """The llguidance engine (built on first use, about half a second), or None when
+        this manager has none."""
+        if self._llguidance is None and self._llguidance_factory is not None:
+            with self._ll_lock:
+                if self._llguidance is None:
+                    self._llguidance = self._llguidance_factory()
+        return self._llguidance
+
+    def _build(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compiles ``spec`` on the engine it resolves to; raises GrammarError."""
+        asked = self.resolve(spec)
+        # a spec that names llguidance gets it or its refusal; a server default of
+        # llguidance sends it the kinds it takes (the others are in xgrammar's dialects)
+        if (spec.engine == LLGUIDANCE
+                or (asked == LLGUIDANCE and spec.kind in LLGUIDANCE_KINDS)
+                or (asked == AUTO and spec.kind in LLGUIDANCE_AUTO_KINDS
+                    and self._llguidance_factory is not None)):
+            ll = self.llguidance
+            if ll is None:
+                raise EngineRefused(LLGUIDANCE, "llguidance is not available in this "
+                                    "engine; use grammar engine 'xgrammar' or 'auto'")
+            try:
+                spec.check_repetitions(self.max_repetition)  # the cache's limit, as for xgrammar
+                compiled = ll.compile(spec)
+                self.stats.llguidance_grammars += 1
+                return compiled
+            except EngineRefused:
+                if asked == LLGUIDANCE:  # asked for by the spec or the server: no fallback
+                    raise
+                self.stats.llguidance_refusals += 1
+        # xgrammar's grammars go through the fetch (the shared cache in a cluster) under
+        # their own key: one entry per grammar, whichever way it was asked for
+        t = time.perf_counter()
+        artifact = self._fetch(dataclasses.replace(spec, engine=XGRAMMAR))
+        self.stats.xgrammar_grammars += 1
+        return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - t)
+
     def _compile(self, key: str, spec: GrammarSpec):
         t = time.perf_counter()
         try:
-            result = self._fetch(spec)
+            result = self._build(spec)
         except GrammarError as exc:
             result = exc
         except BaseException:
@@ -161,7 +260,7 @@ class GuidedDecodingManager:
             raise
         with self._lock:
             self._inflight.pop(key, None)
-            self.stats["compiles"] += 1
+            self.stats.compiles += 1
             self._store(key, result)
         logger.debug("compiled %s in %.1f ms", spec.describe(), 1e3 * (time.perf_counter() - t))
         if isinstance(result, GrammarError):
@@ -172,11 +271,13 @@ class GuidedDecodingManager:
         """Caches a compiled grammar or a failure; evicts least recently used entries
         while the cache holds more than ``cache_bytes`` (the newest always stays)."""
         if isinstance(result, GrammarError):
-            self.stats["errors"] += 1
+            self.stats.errors += 1
             self._error_time[key] = time.monotonic()
             size = _ERROR_BYTES
+        elif result.engine == LLGUIDANCE:
+            size = _LLGUIDANCE_BYTES + len(result.spec.source)
         else:
-            size = _grammar_bytes(result)
+            size = _grammar_bytes(result.artifact)
         self.cached_bytes -= self._sizes.get(key, 0)
         self._grammars[key] = result
         self._grammars.move_to_end(key)
@@ -186,7 +287,7 @@ class GuidedDecodingManager:
             old, _ = self._grammars.popitem(last=False)
             self._error_time.pop(old, None)
             self.cached_bytes -= self._sizes.pop(old, 0)
-            self.stats["evictions"] += 1
+            self.stats.evictions += 1
 
     def _expired(self, key: str) -> bool:
         t = self._error_time.get(key)
@@ -194,14 +295,25 @@ class GuidedDecodingManager:
 
     # matchers ---------------------------------------------------------------------------
 
-    def add_matcher(self, key: MatcherKey, compiled: "xgr.CompiledGrammar"):
-        """A fresh matcher for one request. A key is never reused (request id plus an
-        engine-wide counter), so an existing entry would be a bug: it raises."""
+    def add_matcher(self, key: MatcherKey, compiled: CompiledGrammar) -> GrammarMatcher:
+        """A fresh matcher for one request, counted per engine. A key is never reused
+        (request id plus an engine-wide counter), so an existing entry would be a bug: it
+        raises."""
         if key in self.matchers:
             raise RuntimeError(f"a grammar matcher for {key} already exists")
-        matcher = xgr.GrammarMatcher(compiled)
+        matcher = self.new_matcher(compiled)
+        if compiled.engine == LLGUIDANCE:
+            self.stats.llguidance_requests += 1
+        else:
+            self.stats.xgrammar_requests += 1
         self.matchers[key] = matcher
         return matcher
+
+    def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
+        """A matcher at the start of ``compiled`` (not registered: for checks and tests)."""
+        if compiled.engine == LLGUIDANCE:
+            return self.llguidance.matcher(compiled)
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled.artifact))
 
     def remove_matcher(self, key: MatcherKey) -> None:
         self.matchers.pop(key, None)
@@ -212,19 +324,43 @@ class GuidedDecodingManager:
 
     # masks ------------------------------------------------------------------------------
 
-    def fill_bitmask(self, rows: list[int], matchers: list) -> None:
+    def fill_bitmask(self, rows: list[int], matchers: list[GrammarMatcher]) -> None:
         """Fills bitmask row ``rows[i]`` for ``matchers[i]``; every other row up to the
-        largest one is reset to all-allowed, so unguided rows stay untouched by apply."""
+        largest one is reset to all-allowed, so unguided rows stay untouched by apply.
+        Rows are grouped per engine: xgrammar's batch fill for its rows, llguidance's
+        parallel fill for its rows, into the same bitmask."""
         n = max(rows) + 1
         if len(rows) != n:
             self.bitmask[:n].fill_(-1)
-        self.batch_matcher.batch_fill_next_token_bitmask(matchers, self.bitmask, rows)
+        xg_rows, xg, ll = [], [], []
+        for row, m in zip(rows, matchers):
+            if m.engine == XGRAMMAR:
+                xg_rows.append(row)
+                xg.append(m.inner)
+            else:
+                ll.append((m, row))
+        if xg:
+            self.batch_matcher.batch_fill_next_token_bitmask(xg, self.bitmask, xg_rows)
+        if len(ll) == 1:
+            ll[0][0].fill_bitmask(self.bitmask, ll[0][1])
+        elif ll:
+            self._fill_llguidance(ll)
+
+    def _fill_llguidance(self, rows: list[tuple[GrammarMatcher, int]]) -> None:
+        import llguidance
+        import llguidance.numpy
+
+        if self._ll_executor is None:
+            self._ll_executor = llguidance.LLExecutor(num_threads=max(1, self.fill_threads))
+        live = [(m.inner, row) for m, row in rows if not m.is_terminated()]
+        llguidance.numpy.fill_next_token_bitmask_par(self._ll_executor, live,
+                                                     self.bitmask.numpy())
 
     def only_stop_allowed(self, matcher) -> bool:
         """Whether ``matcher`` allows nothing but a stop token next (its output is
         complete and cannot grow)."""
         mask = self.closer._mask
-        matcher.fill_next_token_bitmask(mask)
+        matcher.fill_bitmask(mask)
         bits = sum(bin(w & 0xFFFFFFFF).count("1") for w in mask[0].tolist())
         stops = sum(1 for t in self.stop_token_ids
                     if (int(mask[0, t >> 5]) >> (t & 31)) & 1)

@@ -103,6 +103,8 @@ class RequestOutput:
     # thought took (its end marker included)
     reasoning: str = ""
     reasoning_tokens: int | None = None
+    # the grammar engine that served a guided request ("xgrammar" | "llguidance"), final chunk
+    grammar_engine: str | None = None
 
     def merge(self, chunk: "RequestOutput") -> "RequestOutput":
         """Accumulates a later chunk of the same request into this one (texts, tokens and
@@ -126,7 +128,7 @@ class RequestOutput:
 _FINAL_FIELDS = ("finished", "finish_reason", "error", "error_kind", "prompt_tokens",
                  "completion_tokens", "cached_tokens", "worker_id", "closed_early",
                  "validation", "validation_error", "approximated", "loop_cuts",
-                 "reasoning_tokens")
+                 "reasoning_tokens", "grammar_engine")
 
 
 class SeqStatus(enum.Enum):

@@ -1,0 +1,84 @@
+"""Which grammar engine a request asks for (issue 30), at the edge: the request fields that
+force one, the 400s, and the response's ``guided.engine``."""
+
+import pytest
+
+from cluster.client import RequestOutput
+from deploy import openai_api as api
+from deploy import responses
+from deploy.errors import APIError
+from deploy.settings import Limits
+
+pytestmark = pytest.mark.unit
+
+LIMITS = Limits()
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def chat(**body):
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return api.plan_chat(api.parse_request(api.ChatCompletionRequest, body), LIMITS)
+
+
+def engine_of(plan):
+    return plan.requests[0].grammar.engine
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({"guided_json": SCHEMA}, "auto"),
+    ({"guided_json": SCHEMA, "guided_decoding_backend": "llguidance"}, "llguidance"),
+    ({"guided_regex": "a+", "guided_decoding_backend": "xgrammar"}, "xgrammar"),
+    ({"guided_choice": ["x", "y"], "guided_decoding_backend": "guidance"}, "llguidance"),
+    ({"structured_outputs": {"json": SCHEMA, "backend": "llguidance"}}, "llguidance"),
+    ({"structured_outputs": {"regex": "a+", "backend": "auto"}}, "auto"),
+    ({"response_format": {"type": "json_object"}, "guided_decoding_backend": "xgrammar"},
+     "xgrammar"),
+])
+def test_the_request_field_selects_the_engine(fields, want):
+    assert engine_of(chat(**fields)) == want
+
+
+def test_the_engine_is_part_of_the_grammar_key():
+    auto = chat(guided_json=SCHEMA).requests[0].grammar
+    forced = chat(guided_json=SCHEMA, guided_decoding_backend="llguidance").requests[0].grammar
+    assert auto.key("fp") != forced.key("fp")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_json": SCHEMA, "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"guided_json": SCHEMA, "guided_decoding_backend": 3}, "guided_decoding_backend"),
+    ({"structured_outputs": {"json": SCHEMA, "backend": "nope"}}, "structured_outputs.backend"),
+    ({"structured_outputs": {"json": SCHEMA, "backend": "xgrammar"},
+      "guided_decoding_backend": "llguidance"}, "structured_outputs.backend"),
+])
+def test_an_unknown_or_conflicting_engine_is_a_400_naming_the_field(fields, param):
+    with pytest.raises(APIError) as err:
+        chat(**fields)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_a_backend_without_a_grammar_changes_nothing():
+    assert chat(guided_decoding_backend="xgrammar").requests[0].grammar is None
+
+
+@pytest.mark.parametrize("engine", ["xgrammar", "llguidance"])
+def test_the_response_names_the_engine(engine):
+    plan = chat(guided_json=SCHEMA)
+    out = RequestOutput(plan.requests[0].request_id, text='{"a": 1}', finished=True,
+                        finish_reason="stop", validation="valid", grammar_engine=engine)
+    merged = RequestOutput(plan.requests[0].request_id).merge(out)  # the final field survives
+    body = responses.response_body(plan, [merged], "m")
+    assert body["choices"][0]["guided"]["engine"] == engine
+
+
+def test_metrics_count_grammars_and_requests_per_engine():
+    from deploy.metrics import Metrics
+    from worker.engine.guided_process import GuidedStats
+
+    stats = GuidedStats(xgrammar_grammars=2, llguidance_grammars=3, xgrammar_requests=5,
+                        llguidance_requests=7)
+    status = {"sessions": 0, "workers": {"w0": {"grammar_cache": stats.as_dict()}}}
+    text = Metrics().render(status)
+    for name, value in (("xgrammar_grammars", 2), ("llguidance_grammars", 3),
+                        ("xgrammar_requests", 5), ("llguidance_requests", 7)):
+        assert f'rayguide_worker_grammar_local_{name}{{worker="w0"}} {value}.0' in text, name
