@@ -259,3 +259,15 @@ def test_thinking_views():
     decode = "".join
     assert thought_end(decode, list("ab</think>cd"), "</think>") == 10
     assert thought_end(decode, list("ab</thi"), "</think>") is None
+
+
+def test_markers_from_the_chat_template(make_engine, default_tokenizer):
+    """A template that writes <think> ... </think> turns the phase on; false turns it off."""
+    saved = default_tokenizer.chat_template
+    default_tokenizer.chat_template = saved + "{# <think> ... </think> #}"
+    try:
+        assert make_engine().reasoning == ReasoningMarkers()
+        assert make_engine(reasoning=False).reasoning is None
+    finally:
+        default_tokenizer.chat_template = saved
+    assert make_engine().reasoning is None

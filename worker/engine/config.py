@@ -53,8 +53,9 @@ class EngineConfig:
     # repetition began; on for every guided JSON request unless a request turns it off
     loop_guard: bool = True
     # reasoning models (reasoning.py): the markers around a thought, {start: "<think>",
-    # end: "</think>"} (true: those), or None: no thinking phase. With markers, every
-    # request thinks freely first; its grammar applies from the token after the end marker
+    # end: "</think>"} (true: those), false: no thinking phase, None: those markers when
+    # the model's chat template writes them. With markers, every request thinks freely
+    # first; its grammar applies from the token after the end marker
     reasoning: object = None
     # the thought's default cap in tokens when a request names no thinking_token_budget
     # (None: only max_tokens, less the room the answer needs, bounds it)

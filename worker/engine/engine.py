@@ -39,7 +39,7 @@ from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingMana
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.output_policy import OutputPolicy, OutputState, PolicyStats
-from worker.engine.reasoning import Thinking, thought_end
+from worker.engine.reasoning import Thinking, from_template, thought_end
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence, SeqStatus
@@ -132,6 +132,9 @@ class LLMEngine:
         # reasoning models (reasoning.py): the end marker as tokens (what a budget forces),
         # and per grammar the length of an answer known to fit (the room a thought leaves)
         self.reasoning = config.reasoning
+        if self.reasoning is None:  # a reasoning model's chat template names its markers
+            self.reasoning = from_template(tokenizer)
+        self.reasoning = self.reasoning or None
         self._end_ids = tokenizer(self.reasoning.end, add_special_tokens=False)[
             "input_ids"] if self.reasoning is not None else []
         self._answer_room: dict[str, int] = {}

@@ -31,11 +31,12 @@ class ReasoningMarkers:
     end: str = "</think>"
 
     @classmethod
-    def parse(cls, value) -> "ReasoningMarkers | None":
-        """``EngineConfig.reasoning``: None (no reasoning phase), True (the default
-        markers), or a dict with ``start`` / ``end``."""
+    def parse(cls, value) -> "ReasoningMarkers | bool | None":
+        """``EngineConfig.reasoning``: None (read from the chat template: see
+        ``from_template``), False (no reasoning phase), True (the default markers), or a
+        dict with ``start`` / ``end``."""
         if value is None or value is False:
-            return None
+            return value
         if value is True:
             return cls()
         if isinstance(value, cls):
@@ -53,6 +54,16 @@ class ReasoningMarkers:
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"engine.reasoning.{name} must be a non-empty string")
         return markers
+
+
+def from_template(tokenizer) -> ReasoningMarkers | None:
+    """The default markers when the model's chat template writes them (a reasoning model's
+    template renders or strips ``<think> ... </think>``), else None."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    markers = ReasoningMarkers()
+    return markers if markers.start in template and markers.end in template else None
 
 
 class Thinking:
