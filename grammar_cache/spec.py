@@ -174,8 +174,8 @@ class GrammarSpec:
     def family(self) -> str:
         """The tokenizer- and engine-independent part of the key: equal for equal specs
         whatever the model and whichever engine serves them (what the edge can give the
-        scheduler for grammar-affinity routing: a worker holds an ``auto`` request's
-        grammar under the spec with the engine it resolved to)."""
+        scheduler for grammar-affinity routing: a grammar held for an ``auto`` request
+        serves an ``xgrammar`` one's routing as well)."""
         memo = self.__dict__.setdefault("_keys", {})
         family = memo.get(None)
         if family is None:
