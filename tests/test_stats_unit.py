@@ -205,3 +205,10 @@ def test_backoff_doubles_to_its_cap_and_starts_over_when_made_again():
                                                                1.0, 1.0]
     assert list(itertools.islice(backoff(0.1), 3)) == [0.1, 0.2, 0.4]
     assert list(itertools.islice(backoff(1.0, 5.0, factor=3.0), 3)) == [1.0, 3.0, 5.0]
+
+
+def test_the_load_tools_percentile_is_the_trees_rounded():
+    from deploy.loadtest import _pct
+    assert _pct([], 50) is None and _pct([0.123456], 99) == 0.1235
+    xs = [0.3, 0.1, 0.2, 0.9]
+    assert _pct(xs, 50) == round(percentile(xs, 50), 4) and _pct(xs, 100) == 0.9
