@@ -69,10 +69,10 @@ class RuntimeClient:
     open on the scheduler (``watch``, which fails when the scheduler dies). A route call
     that hangs for another reason is given up after ``route_timeout_s``, and
     the client then routes on its own for ``skip_after_timeout_s`` before it asks the
-    scheduler again. (A timeout tied to the scheduler's recent speed was tried: on a busy
-    machine it fired often, and routes made without the scheduler lose grammar affinity,
-    which doubled the grammar-cache bench's TTFT.) With no worker known yet,
-    it waits for the scheduler, up to ``scheduler_wait_s``."""
+    scheduler again. (The timeout is fixed, not tied to the scheduler's recent speed: on a
+    busy machine that fires often, and routes made without the scheduler lose grammar
+    affinity.) With no worker known yet, it waits for the scheduler, up to
+    ``scheduler_wait_s``."""
 
     def __init__(self, scheduler=None, *, max_attempts: int = 3,
                  scheduler_wait_s: float = 30.0, route_timeout_s: float = 1.0,

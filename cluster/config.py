@@ -11,7 +11,10 @@
                                # grammar cache need, to keep them on some nodes
     serve: {host: 127.0.0.1, port: 8000}
 
-Unknown keys are errors that name the key, so a typo never passes silently.
+Unknown keys are errors that name the key (``section.key: unknown key; known keys: ...``,
+grammar_cache.config's one formatter), so a typo never passes silently. The sections are
+checked once, here; the built grammar cache and scheduler configs are kept
+(``grammar_cache_config``, ``scheduler_config``) and passed on as objects.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
 from grammar_cache.actor import GrammarCacheConfig
+from grammar_cache.config import config_error_message
 from scheduler.actor import SchedulerConfig
 from worker.engine.config import EngineConfig
 
@@ -51,6 +56,9 @@ class ClusterConfig:
     scheduler: dict = field(default_factory=dict)
     serve: ServeConfig = field(default_factory=ServeConfig)
     control_resources: dict | None = None  # custom Ray resources of scheduler and cache
+    # built from the sections above in __post_init__ (again by dataclasses.replace)
+    grammar_cache_config: GrammarCacheConfig = field(init=False, repr=False, compare=False)
+    scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.num_workers < 1:
@@ -61,8 +69,9 @@ class ClusterConfig:
             self.serve = _build(ServeConfig, self.serve, "serve")
         # check the nested sections now, not when an actor starts on some node
         self.engine_config()
-        _build(GrammarCacheConfig, self.grammar_cache, "grammar_cache")
-        _build(SchedulerConfig, self.scheduler, "scheduler")
+        self.grammar_cache_config = _build(GrammarCacheConfig, self.grammar_cache,
+                                           "grammar_cache")
+        self.scheduler_config = _build(SchedulerConfig, self.scheduler, "scheduler")
 
     def engine_config(self) -> EngineConfig:
         values = dict(self.engine)
@@ -79,18 +88,24 @@ class ClusterConfig:
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping")
         data.update({k: v for k, v in overrides.items() if v is not None})
-        return _build(cls, data, str(path))
+        return _build(cls, data, None, where=str(path))
 
 
-def _build(cls, values: dict, where: str):
+def _build(cls, values: dict, section: str | None, where: str | None = None):
     """One validation pattern for every section: unknown keys are errors naming the key
-    (dataclass sections), or pydantic's own check (pydantic sections, extra="forbid")."""
+    (dataclass sections: config_error_message, as pydantic sections' own check does with
+    extra="forbid"). ``section``: the key's prefix (None at the top level); ``where``:
+    what the message starts with (the YAML file)."""
     if not isinstance(values, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(values).__name__}")
+        raise ValueError(f"{section or where} must be a mapping, got {type(values).__name__}")
     if hasattr(cls, "model_validate"):
         return cls(**values)  # a pydantic section: its own errors name the key
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
+    known = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = [key for key in values if key not in known]
     if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(known)}")
+        exc = ValidationError.from_exception_data(cls.__name__, [
+            {"type": "extra_forbidden", "loc": (key,), "input": values[key]}
+            for key in unknown])
+        message = config_error_message(exc, section, known)
+        raise ValueError(f"{where}: {message}" if where else message)
     return cls(**values)

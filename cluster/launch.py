@@ -23,9 +23,8 @@ import ray
 
 from cluster.config import ClusterConfig
 from grammar_cache.actor import ACTOR_NAME as CACHE_NAME
-from grammar_cache.actor import GrammarCacheConfig, get_or_create_actor, wait_ready
-from scheduler.actor import (NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX, SchedulerConfig,
-                             get_or_create_scheduler)
+from grammar_cache.actor import get_or_create_actor, wait_ready
+from scheduler.actor import NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX, get_or_create_scheduler
 from worker.actor import WorkerActor
 
 logger = logging.getLogger(__name__)
@@ -306,10 +305,10 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
     existing = set(_named_actors())
     _created_here.update(n for n in names if n not in existing)
     lifetime = "detached" if detached else None
-    cache_config = GrammarCacheConfig(**config.grammar_cache)
+    cache_config = config.grammar_cache_config
     cache = get_or_create_actor(cache_config, detached=detached,
                                 resources=config.control_resources)
-    scheduler = get_or_create_scheduler(SchedulerConfig(**config.scheduler), detached=detached,
+    scheduler = get_or_create_scheduler(config.scheduler_config, detached=detached,
                                         resources=config.control_resources)
     engine = dataclasses.asdict(config.engine_config())
     # workers compile through the cache actor with the cluster's compile limits (their

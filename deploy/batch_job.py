@@ -85,6 +85,7 @@ from cluster.client import (INFRASTRUCTURE_ERRORS, ErrorKind, GenerationRequest,
                             GrammarSpec, GrammarUnavailable, NoWorkers, Overloaded,
                             RequestOutput, SamplingParams)
 from deploy import dialects
+from grammar_cache.backoff import backoff
 
 FORMAT_KEYS = ("schema", "response_format", "regex", "choice")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
@@ -293,8 +294,8 @@ async def run_item(client, item: Item) -> dict:
     ``transient: true`` and a resume runs the line again."""
     if item.error is not None:
         return error_row(item, item.error, kind=ErrorKind.BAD_REQUEST)
-    attempts, delay, max_delay_s = RETRY_ATTEMPTS, RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S
-    for attempt in range(attempts):
+    delays = backoff(RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S)
+    for attempt in range(RETRY_ATTEMPTS):
         request = item.request if attempt == 0 else dataclasses.replace(
             item.request, request_id=f"{item.request.request_id}-r{attempt}")
         try:
@@ -311,9 +312,8 @@ async def run_item(client, item: Item) -> dict:
                 return error_row(item, exception_message(exc),
                                  kind=own if isinstance(own, ErrorKind) else None)
             failed = error_row(item, exception_message(exc), kind=kind)
-        if attempt + 1 < attempts:
-            await asyncio.sleep(delay)  # every worker busy, restarting, or the cache down
-            delay = min(delay * 2, max_delay_s)
+        if attempt + 1 < RETRY_ATTEMPTS:
+            await asyncio.sleep(next(delays))  # every worker busy, restarting, or the cache down
     return failed
 
 
@@ -421,18 +421,25 @@ def items(input_path: str, p: WorkPlan, **parse_kwargs):
 
 # ---- the pipeline --------------------------------------------------------------------------
 
+@dataclass
+class BatchCounts:
+    """The job's summary: rows written, error rows among them, and those of them marked
+    ``transient`` (a resume runs their lines again)."""
+    done: int = 0
+    errors: int = 0
+    transient: int = 0
+
+
 async def process(item_iter, client, out_file, *, concurrency: int = 32, progress=None,
-                  counts: dict | None = None) -> dict:
+                  counts: BatchCounts | None = None) -> BatchCounts:
     """Runs the items with ``concurrency`` in flight; writes each row (and flushes) once
-    every earlier row is written. Counts rows written and errors among them in ``counts``
-    (kept up to date, so an interrupted run still knows), and returns it."""
+    every earlier row is written. Counts rows written in ``counts`` (kept up to date, so
+    an interrupted run still knows), and returns it."""
     window = max(4 * concurrency, 64)  # rows that may wait for an earlier, slower one
     slots = asyncio.Semaphore(concurrency)
     advanced = asyncio.Condition()
     ready: dict[int, dict] = {}
-    counts = counts if counts is not None else {}
-    counts.setdefault("done", 0)
-    counts.setdefault("errors", 0)
+    counts = counts if counts is not None else BatchCounts()
     state = {"next": 0}
     tasks = set()
 
@@ -448,10 +455,9 @@ async def process(item_iter, client, out_file, *, concurrency: int = 32, progres
                     text = json.dumps(r)
                 out_file.write(text + "\n")
                 out_file.flush()
-                counts["done"] += 1
-                counts["errors"] += "error" in r
-                if r.get("transient") is True:
-                    counts["transient"] = counts.get("transient", 0) + 1
+                counts.done += 1
+                counts.errors += "error" in r
+                counts.transient += r.get("transient") is True
                 if progress is not None:
                     progress.update(1)
                 state["next"] += 1
@@ -755,7 +761,7 @@ def main(argv=None) -> int:
 def _run(args, work: WorkPlan, dropped: int, default_grammar, started: float) -> int:
     if dropped:
         print(f"batch_job: running again {dropped} lines that failed before", file=sys.stderr)
-    counts = {"done": 0, "errors": 0}
+    counts = BatchCounts()
     owned: list[str] = []
     code = 0
     # `ray job stop` (SIGTERM): print the summary and kill the actors this job started
@@ -789,11 +795,11 @@ def _run(args, work: WorkPlan, dropped: int, default_grammar, started: float) ->
         signal.signal(signal.SIGTERM, previous)
         if owned:
             release_runtime(owned)
-    if counts.get("transient"):
-        print(f"batch_job: {counts['transient']} lines failed because the runtime failed "
+    if counts.transient:
+        print(f"batch_job: {counts.transient} lines failed because the runtime failed "
               "under them (a worker or the grammar cache down); run again to redo them",
               file=sys.stderr)
-    print(f"batch_job: done={counts['done']} skipped={work.skipped} errors={counts['errors']} "
+    print(f"batch_job: done={counts.done} skipped={work.skipped} errors={counts.errors} "
           f"seconds={time.monotonic() - started:.1f} output={os.path.abspath(args.output)}",
           flush=True)
     return code

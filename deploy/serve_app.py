@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+import ray
 from ray import serve
 
 from cluster import launch
@@ -51,6 +52,14 @@ def _body_schema(model) -> dict:
     and the fuzzers that read it, know what the route takes)."""
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": model.model_json_schema()}}}}
+
+
+async def _answer_within(call, timeout_s: float):
+    """What ``call()`` answers within ``timeout_s``; None when it fails or is late."""
+    try:
+        return await asyncio.wait_for(call(), timeout_s)
+    except Exception:
+        return None
 
 
 # the docs routes are ours (below), so they follow the API key like every other route
@@ -113,6 +122,7 @@ class OpenAIServer:
         self._models: list[str] = []
         self._served = api.Served()
         self._metrics = Metrics()
+        self._cache = None  # the grammar cache actor's handle, for /metrics
 
     # endpoints --------------------------------------------------------------------------
 
@@ -158,13 +168,22 @@ class OpenAIServer:
     async def metrics(self, request: Request):
         if not self.settings.public_metrics:
             self._auth(request)
-        try:
-            status = await asyncio.wait_for(self.runtime.scheduler.stats.remote(),
-                                            self.settings.scheduler_timeout_s)
-        except Exception:  # the runtime's part of the page is left out, never a hang
-            status = None
-        return PlainTextResponse(self._metrics.render(status, self.runtime.stats()),
+        # a part whose actor is slow or down is left out of the page: never a hang, never a 500
+        timeout = self.settings.scheduler_timeout_s
+        status, cache = await asyncio.gather(
+            _answer_within(self.runtime.scheduler.stats.remote, timeout),
+            _answer_within(self._cache_stats, timeout))
+        if cache is None:
+            self._cache = None  # looked up again next time: it may have been rebuilt
+        return PlainTextResponse(self._metrics.render(status, self.runtime.stats(), cache),
                                  media_type="text/plain; version=0.0.4")
+
+    async def _cache_stats(self) -> dict:
+        """The grammar cache actor's ``stats()`` (its handle looked up by name once)."""
+        if self._cache is None:
+            self._cache = await asyncio.to_thread(
+                ray.get_actor, launch.CACHE_NAME, namespace=launch.NAMESPACE)
+        return await self._cache.stats.remote()
 
     @fastapi_app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request):

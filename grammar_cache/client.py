@@ -78,8 +78,8 @@ FALLBACK_WARM_DELAY_S = 20.0
 FALLBACK_WARM_QUIET_S = 10.0  # ... and once no grammar was fetched for this long
 
 REGISTER_ATTEMPTS = 4  # backoff 0.1, 0.2, 0.4 s between them
-# what loading xgrammar's JSON costs per byte (measured 13-25 ms per MB on 2-core machines),
-# for the verdict on a grammar compiled here: publish the grammar, or a compile-locally verdict
+# what loading xgrammar's JSON costs per byte (the slow end of 2-core machines), for the
+# verdict on a grammar compiled here: publish the grammar, or a compile-locally verdict
 LOAD_S_PER_BYTE = 25e-3 / 2**20
 WATCHDOG_POLL_S = 0.02
 PUBLISH_NICE = 10
@@ -574,10 +574,9 @@ def _grammar_bytes(compiled) -> int:
 def _trim_heap() -> None:
     """Gives the heap's free memory back to the system. xgrammar's JSON writer takes about
     15x the JSON's size for a moment, its reader less, and glibc keeps what a thread freed
-    in that thread's arena: measured, writing one 38 MB grammar left a process 500 MB
-    larger and loading it 120-320 MB, and a bench run with first compiles in the workers
-    ran a 24 GB machine out of memory before this. A trim costs a few milliseconds (60 ms
-    on a fragmented 1.3 GB heap), on the fetch or publishing thread, never the step loop."""
+    in that thread's arena, so without a trim a worker grows by hundreds of MB for each big
+    grammar it writes or loads. A trim costs milliseconds, on the fetch or publishing
+    thread, never the step loop."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

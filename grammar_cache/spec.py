@@ -172,9 +172,18 @@ class GrammarSpec:
 
     @property
     def family(self) -> str:
-        """The tokenizer-independent part of the key: equal for equal specs whatever the
-        model (what the edge can give the scheduler for grammar-affinity routing)."""
-        return self.key("")
+        """The tokenizer- and engine-independent part of the key: equal for equal specs
+        whatever the model and whichever engine serves them (what the edge can give the
+        scheduler for grammar-affinity routing: a grammar held for an ``auto`` request
+        serves an ``xgrammar`` one's routing as well)."""
+        memo = self.__dict__.setdefault("_keys", {})
+        family = memo.get(None)
+        if family is None:
+            fields = self.to_dict()
+            fields.pop("engine")
+            packed = msgpack.packb([KEY_VERSION, "family"] + [fields[k] for k in sorted(fields)])
+            family = memo[None] = hashlib.sha256(packed).hexdigest()[:32]
+        return family
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, for the compile process's pipe (not for Ray: specs cross Ray as

@@ -178,7 +178,7 @@ def test_order_errors_and_concurrency(tmp_path):
     assert "duplicate id" in rows[11]["error"]
     assert rows[0] == {"id": "p0", "line": 1, "text": "echo n0", "finish_reason": "stop",
                        "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
-    assert counts == {"done": 40, "errors": 4}
+    assert counts == batch_job.BatchCounts(done=40, errors=4)
     assert 1 < client.max_in_flight <= 4
 
 
@@ -186,19 +186,19 @@ def test_order_errors_and_concurrency(tmp_path):
 def test_resume_and_retry_errors(tmp_path):
     lines = [{"id": i, "prompt": "worker-error" if i == 2 else f"n{i}"} for i in range(6)]
     rows, counts, _, _ = run_file(tmp_path, lines)
-    assert counts == {"done": 6, "errors": 1}
+    assert counts == batch_job.BatchCounts(done=6, errors=1)
     out = tmp_path / "out.jsonl"
     text = out.read_text().splitlines(keepends=True)
     out.write_text("".join(text[:3]) + text[3][:7])  # interrupted mid-write of line 4
     rows, counts, work, client = run_file(tmp_path, lines)
     assert [r["id"] for r in rows] == list(range(6)) and work.skipped == 3
-    assert counts == {"done": 3, "errors": 0} and len(client.seen) == 3
+    assert counts == batch_job.BatchCounts(done=3, errors=0) and len(client.seen) == 3
     rows, counts, work, client = run_file(tmp_path, lines)  # nothing left to do
-    assert counts["done"] == 0 and work.skipped == 6 and client.seen == []
+    assert counts.done == 0 and work.skipped == 6 and client.seen == []
     lines[2]["prompt"] = "fixed"  # the failed line, fixed: --retry-errors runs it again
     rows, counts, work, client = run_file(tmp_path, lines, retry_errors=True)
     assert [r["id"] for r in rows] == [0, 1, 3, 4, 5, 2] and "error" not in rows[-1]
-    assert counts == {"done": 1, "errors": 0} and work.skipped == 5
+    assert counts == batch_job.BatchCounts(done=1, errors=0) and work.skipped == 5
 
 
 @pytest.mark.unit

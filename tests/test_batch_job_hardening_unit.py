@@ -95,7 +95,7 @@ def test_unreadable_lines_are_their_own_errors_and_the_job_goes_on(tmp_path):
     assert "not valid JSON" in rows[1]["error"] and "4300" in rows[1]["error"]
     assert "nested too deeply" in rows[2]["error"]
     assert "not valid JSON" in rows[3]["error"]
-    assert rows[4]["text"] == "echo two" and counts == {"done": 5, "errors": 3}
+    assert rows[4]["text"] == "echo two" and counts == batch_job.BatchCounts(done=5, errors=3)
     assert all(r["error_kind"] == "bad_request" and "transient" not in r for r in rows[1:4])
     # a resume skips them (the line is wrong, not the runtime) and plans nothing
     rows, counts, work, _ = run(tmp_path, lines, Client())
@@ -139,7 +139,7 @@ def test_lasting_transient_failure_is_redone_by_a_resume(tmp_path):
     assert rows[1]["transient"] is True and rows[1]["error_kind"] == "worker_died"
     assert "transient" not in rows[2] and "invalid json_schema" in rows[2]["error"]
     assert rows[2]["error_kind"] == "invalid_grammar"
-    assert counts == {"done": 3, "errors": 2, "transient": 1}
+    assert counts == batch_job.BatchCounts(done=3, errors=2, transient=1)
     # a plain resume (no --retry-errors) runs the transient line again, once in the file
     client = Client()
     rows, counts, work, dropped = run(tmp_path, lines, client)

@@ -59,7 +59,8 @@ def runtimes(ray_runtime, tiny_model_dir):
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=3,
         worker={"num_cpus": 1, "num_threads": 1},
-        engine={"num_kv_blocks": 128, "max_num_seqs": 16},
+        engine={"num_kv_blocks": 128, "max_num_seqs": 16,
+                "grammar_engine": "xgrammar"},  # the shared cache serves xgrammar grammars
         grammar_cache={"worker_first_compile": True},
         # a long poll: the tests see what callers' failure reports do on their own
         scheduler={"load_poll_interval_s": 300.0})

@@ -82,3 +82,12 @@ def test_metrics_count_grammars_and_requests_per_engine():
     for name, value in (("xgrammar_grammars", 2), ("llguidance_grammars", 3),
                         ("xgrammar_requests", 5), ("llguidance_requests", 7)):
         assert f'rayguide_worker_grammar_local_{name}{{worker="w0"}} {value}.0' in text, name
+
+
+def test_the_family_is_the_same_for_every_engine():
+    from grammar_cache.spec import GrammarSpec
+
+    specs = [GrammarSpec.json_schema(SCHEMA, engine=e) for e in ("auto", "xgrammar", "llguidance")]
+    assert len({s.family for s in specs}) == 1
+    assert len({s.key("fp") for s in specs}) == 3
+    assert GrammarSpec.regex("a+").family != specs[0].family

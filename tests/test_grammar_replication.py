@@ -263,7 +263,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
     disk = tmp_path_factory.mktemp("grammar-disk")
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=2,
-        worker={"num_cpus": 0.25, "num_threads": 1}, engine={"num_kv_blocks": 128},
+        worker={"num_cpus": 0.25, "num_threads": 1},
+        engine={"num_kv_blocks": 128, "grammar_engine": "xgrammar"},  # the cache is xgrammar's
         grammar_cache={"disk": True, "disk_dir": str(disk), "replicate_interval_s": 0.2,
                        "hot_specs": [{"kind": "json_schema", "source": HOT}]},
         scheduler={"load_poll_interval_s": 0.2})

@@ -5,10 +5,12 @@ inside the scheduler's stats, the cache actor's stats, the replica's client) and
 by deploy/metrics.py; a counter added to a dataclass and not exported fails here. And the
 tree's one percentile and one backoff."""
 
+import asyncio
 import dataclasses
 import itertools
 import math
 import statistics
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -129,6 +131,52 @@ def test_a_scheduler_that_does_not_answer_renders_the_replica_alone():
     assert "rayguide_worker_" not in text and "rayguide_scheduler_" not in text
 
 
+class _Remote:
+    """A fake actor method: ``.remote()`` answers ``answer`` after ``delay_s`` (an
+    exception is raised instead)."""
+
+    def __init__(self, answer, delay_s=0.0):
+        self.answer, self.delay_s = answer, delay_s
+
+    async def remote(self):
+        await asyncio.sleep(self.delay_s)
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def served_metrics(cache_stats: _Remote) -> tuple[str, object]:
+    """The /metrics page of a front end whose cache actor answers as ``cache_stats`` does
+    (the real handler; the scheduler answers, the cache handle is a fake)."""
+    import deploy.serve_app as serve_app
+    cls = getattr(serve_app.OpenAIServer, "func_or_class", serve_app.OpenAIServer)
+    server = SimpleNamespace(
+        settings=SimpleNamespace(public_metrics=True, scheduler_timeout_s=0.2),
+        runtime=RuntimeClient(scheduler=SimpleNamespace(
+            stats=_Remote({**dataclasses.asdict(SchedulerStats()), "workers": {}}))),
+        _metrics=metrics(), _cache=SimpleNamespace(stats=cache_stats))
+    server._cache_stats = types.MethodType(cls._cache_stats, server)
+    response = asyncio.run(cls.metrics(server, None))
+    return response.body.decode(), server._cache
+
+
+def test_metrics_page_has_the_cache_actors_series():
+    cache, disk = made_up(CacheStats), made_up(DiskStats)
+    text, handle = served_metrics(_Remote({**cache.as_dict(), "disk": disk.as_dict()}))
+    assert sample(text, "rayguide_grammar_cache_compiles", cache.compiles)
+    assert sample(text, "rayguide_grammar_cache_store_disk_writes", disk.disk_writes)
+    assert "rayguide_up 1.0" in text and handle is not None
+
+
+@pytest.mark.parametrize("answer, delay_s", [({"compiles": 1}, 5.0),
+                                             (RuntimeError("actor died"), 0.0)])
+def test_a_slow_or_dead_cache_leaves_its_series_out_and_is_looked_up_again(answer, delay_s):
+    text, handle = served_metrics(_Remote(answer, delay_s))
+    assert "rayguide_grammar_cache_" not in text
+    assert "rayguide_up 1.0" in text and "rayguide_replica_failovers" in text
+    assert handle is None  # the next scrape finds the actor by name (it may be rebuilt)
+
+
 def test_counters_are_typed_fields():
     stats = ClientStats()
     with pytest.raises(AttributeError):
@@ -157,3 +205,10 @@ def test_backoff_doubles_to_its_cap_and_starts_over_when_made_again():
                                                                1.0, 1.0]
     assert list(itertools.islice(backoff(0.1), 3)) == [0.1, 0.2, 0.4]
     assert list(itertools.islice(backoff(1.0, 5.0, factor=3.0), 3)) == [1.0, 3.0, 5.0]
+
+
+def test_the_load_tools_percentile_is_the_trees_rounded():
+    from deploy.loadtest import _pct
+    assert _pct([], 50) is None and _pct([0.123456], 99) == 0.1235
+    xs = [0.3, 0.1, 0.2, 0.9]
+    assert _pct(xs, 50) == round(percentile(xs, 50), 4) and _pct(xs, 100) == 0.9

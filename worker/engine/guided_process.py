@@ -239,10 +239,10 @@ class GuidedDecodingManager:
                 if asked == LLGUIDANCE:  # asked for by the spec or the server: no fallback
                     raise
                 self.stats.llguidance_refusals += 1
-        # xgrammar's grammars go through the fetch (the shared cache in a cluster) under
-        # their own key: one entry per grammar, whichever way it was asked for
+        # xgrammar's grammars go through the fetch (the shared cache in a cluster) under the
+        # request's key, which the cache's hot lists and replication count by
         t = time.perf_counter()
-        artifact = self._fetch(dataclasses.replace(spec, engine=XGRAMMAR))
+        artifact = self._fetch(spec)
         self.stats.xgrammar_grammars += 1
         return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - t)
 
