@@ -32,6 +32,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 import ray
 from ray import serve
+from ray.serve.config import BackpressureConfig
 
 from cluster import launch
 from cluster.client import ErrorKind, RequestOutput, RuntimeClient
@@ -233,16 +234,24 @@ class OpenAIServer:
 
     async def _body(self, request: Request) -> Any:
         """The JSON body, read at most ``max_body_bytes`` (a chunked body is counted as it
-        arrives, never buffered past the limit) and nested at most ``max_json_depth``."""
+        arrives, never buffered past the limit) within ``body_timeout_s`` (a 408 past it:
+        a trickled body must not hold a replica's slot) and nested at most
+        ``max_json_depth``."""
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise too_large(f"request body is {declared} bytes, over the limit of {limit}")
         raw = bytearray()
-        async for part in request.stream():
-            raw += part
-            if len(raw) > limit:
-                raise too_large(f"request body is over the limit of {limit} bytes")
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                async for part in request.stream():
+                    raw += part
+                    if len(raw) > limit:
+                        raise too_large(f"request body is over the limit of {limit} bytes")
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within "
+                           f"{self.settings.body_timeout_s:g} s (body_timeout_s)",
+                           code="body_timeout") from None
         depth = self.limits.max_json_depth
         try:
             # strict UTF-8 (json.loads of bytes lets CESU-8 surrogate bytes through)
@@ -466,6 +475,9 @@ def build_app(args: dict[str, Any] | None = None):
     return OpenAIServer.options(
         num_replicas=settings.num_replicas,
         max_ongoing_requests=settings.max_ongoing_requests,
+        max_queued_requests=settings.max_queued_requests,
+        backpressure_config=BackpressureConfig(
+            status_code=429, retry_after_s=settings.backpressure_retry_after_s),
         ray_actor_options={"num_cpus": settings.replica_num_cpus,
                            **({"resources": settings.replica_resources}
                               if settings.replica_resources else {})},

@@ -51,6 +51,14 @@ class AppSettings(BaseModel):
     replica_num_cpus: float = Field(0.0, ge=0)
     replica_resources: dict | None = None  # e.g. {"cpu_node": 0.01}: where replicas may run
     max_ongoing_requests: int = Field(256, ge=1)
+    # requests each caller (Serve's proxy, a handle) holds back while every replica has
+    # max_ongoing_requests: past it a request is answered 429 with Retry-After at once
+    # (Serve's backpressure) instead of waiting in an unbounded queue; -1: unbounded
+    max_queued_requests: int = Field(512, ge=-1)
+    backpressure_retry_after_s: float = Field(1.0, ge=0, allow_inf_nan=False)
+    # the whole request body must arrive within this (Serve streams it to the replica, so
+    # a connection that trickles it holds one of max_ongoing_requests): past it a 408
+    body_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)
     # when a non-streamed request with validation "retry" comes back invalid: how many
     # more samples it may take
     max_validation_retries: int = Field(2, ge=0, le=8)
