@@ -7,9 +7,12 @@ cache actor's compile queue):
   compile, as fast as they are answered, while a polite client asks for a new small schema
   every two seconds: the polite client is answered every time, within a starvation bound
   (not a speed figure: the measured figures are printed), no 5xx, the flooders get answers,
-  429s or 4xx naming their grammar;
+  429s or 4xx naming their grammar. With more flooders than the compile queue holds the
+  polite client's grammar is refused (xfail: the edge passes no client identity, so the
+  queue's per-client round robin sees one client);
 - slow bodies (slowloris): connections that send their headers and trickle the body, or
-  never finish it, while normal requests are answered in time; they hold no worker;
+  never finish it, while normal requests are answered in time; they hold no worker, and
+  past ``body_timeout_s`` they are answered 408 and free their replica slot;
 - one session flooding a worker: many concurrent requests under one session id get 429s
   while another client's requests are served;
 - a bounded Serve queue: past ``max_ongoing_requests`` + ``max_queued_requests`` a request
@@ -110,6 +113,7 @@ async def grammar_flood(url: str, flooders: int, duration_s: float):
     statuses: Counter = Counter()
     polite: list[tuple[float, int]] = []
     samples: dict[int, str] = {}
+    polite_errors: list[str] = []
     deadline = time.monotonic() + duration_s
     limits = httpx.Limits(max_connections=flooders + 10)
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120,
@@ -135,20 +139,19 @@ async def grammar_flood(url: str, flooders: int, duration_s: float):
                                                 "max_tokens": 24,
                                                 "guided_json": polite_schema(i)})
                 polite.append((time.monotonic() - t0, r.status_code))
-                assert r.status_code == 200, (r.status_code, r.text[:300])
-                choice = r.json()["choices"][0]
-                if choice["finish_reason"] == "stop":  # a whole answer is the schema's
-                    assert f"k{i}" in json.loads(choice["message"]["content"])
+                if r.status_code != 200:
+                    polite_errors.append(r.text[:300])
+                elif r.json()["choices"][0]["finish_reason"] == "stop":  # whole: the schema's
+                    assert f"k{i}" in json.loads(r.json()["choices"][0]["message"]["content"])
                 await asyncio.sleep(2.0)
 
         await asyncio.gather(polite_client(), *(flooder(c) for c in range(flooders)))
-    print(f"\nflood answers, one per status: {samples}")
+    print(f"\nflood answers, one per status: {samples}; polite errors: {polite_errors[:2]}")
     return statuses, polite
 
 
-def test_grammar_flood_does_not_starve_a_polite_client(svc):
-    flooders, duration = int(6 * SCALE), 20.0 * SCALE
-    statuses, polite = asyncio.run(grammar_flood(svc.url, flooders, duration))
+def run_flood(url: str, flooders: int, duration: float):
+    statuses, polite = asyncio.run(grammar_flood(url, flooders, duration))
     latencies = [t for t, _ in polite]
     stats = ray.get(launch.handles()["cache"].stats.remote())
     print(f"\ngrammar flood: {flooders} flooders for {duration:.0f} s, statuses "
@@ -156,13 +159,30 @@ def test_grammar_flood_does_not_starve_a_polite_client(svc):
           f"{sorted(latencies)[len(latencies) // 2]:.2f} s, p99 {p99(latencies):.2f} s, max "
           f"{max(latencies):.2f} s; cache compiles {stats['compiles']}, overloaded "
           f"{stats['overloaded']}, displaced {stats['displaced']}, cancelled "
-          f"{stats['cancelled']}")
+          f"{stats['cancelled']}; polite statuses {[code for _, code in polite]}")
+    workers_idle()
     assert not [s for s in statuses if s >= 500], statuses
     assert set(statuses) <= {200, 400, 408, 413, 422, 429}, statuses
     assert statuses[200] > 0  # the flood itself is served, just not ahead of everyone
-    assert len(polite) >= 3 and all(code == 200 for _, code in polite)
+    return latencies, [code for _, code in polite]
+
+
+def test_grammar_flood_does_not_starve_a_polite_client(svc):
+    # fewer flooders than the compile queue holds (8): the queue never refuses anyone
+    latencies, codes = run_flood(svc.url, int(6 * SCALE), 20.0 * SCALE)
+    assert len(codes) >= 3 and all(code == 200 for code in codes), codes
     assert p99(latencies) < POLITE_P99_S, latencies
-    workers_idle()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the edge passes no client identity to the grammar cache: every request is the same "
+    "client of its compile queue, so flooders that keep it full get a polite client's new "
+    "grammar refused (429 overloaded) instead of a fair share of the compile processes"))
+def test_grammar_flood_past_the_queue_leaves_a_polite_client_its_share(svc):
+    # more flooders than the compile queue holds: per-client round robin would still
+    # serve the polite client's one grammar ahead of the flooders' backlog
+    latencies, codes = run_flood(svc.url, 12, 12.0)
+    assert codes and all(code == 200 for code in codes), codes
 
 
 # (b) slow bodies ------------------------------------------------------------------------------
