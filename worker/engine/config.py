@@ -42,6 +42,9 @@ class EngineConfig:
     # the loop guard (loop_guard.py): a JSON value that repeats itself is ended where the
     # repetition began; on for every guided JSON request unless a request turns it off
     loop_guard: bool = True
+    # jump-forward decoding (jump_forward.py): text a guided row's grammar forces is
+    # appended without sampling and computed in the row's next forward
+    jump_forward: bool = True
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
