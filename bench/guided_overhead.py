@@ -28,7 +28,9 @@ tokens / output tokens, both counted from there).
 ``--json`` keys: jump_speedup_<w>_b<B> (guided with / without jumping), ratio_guided_jump_vs_
 unguided_<w>_b<B>, forced_token_share_<w> (of the outputs with jumping, all batches),
 steps_per_token_<w>_b<B>, and the quality check on the conformance workload:
-jump_agree_share (greedy texts equal with and without jumping), jump_agree_canonical_share
+jump_agree_share (greedy texts equal with and without jumping), jump_split_first_share
+(equal, or where they first differ one splits the same bytes otherwise: a boundary
+difference, not another choice of the model), jump_agree_canonical_share
 (the same among outputs whose no-jump tokens are the tokenizer's own split of their text:
 no boundary difference), valid_share_jump / _nojump, loop_share_jump / _nojump.
 """
@@ -339,7 +341,7 @@ def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, st
     from worker.engine.validation import validate_json
 
     figures, rows = {}, []
-    quality = {"agree": 0, "canon": 0, "canon_agree": 0, "n": 0, "valid_jump": 0,
+    quality = {"agree": 0, "split_first": 0, "canon": 0, "canon_agree": 0, "n": 0, "valid_jump": 0,
                "valid_nojump": 0, "json": 0, "loop_jump": 0, "loop_nojump": 0}
     for name, pool in jump_workloads(args.smoke).items():
         forced_all = out_all = 0
@@ -386,6 +388,7 @@ def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, st
     canon = quality["canon"]
     figures.update(
         jump_agree_share=round(quality["agree"] / n, 3),
+        jump_split_first_share=round(quality["split_first"] / n, 3),
         jump_agree_canonical_share=round(quality["canon_agree"] / canon, 3) if canon else None,
         jump_canonical_outputs=canon, jump_quality_outputs=quality["n"],
         valid_share_jump=round(quality["valid_jump"] / max(1, quality["json"]), 3),
@@ -400,7 +403,9 @@ def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, st
              + ", ".join(f"{w} {figures[f'forced_token_share_{w}']:.2f}"
                          for w in ("keys", "tools", "conformance"))
              + f". Quality on the conformance workload ({quality['n']} greedy outputs): "
-             f"texts equal with and without jumping {figures['jump_agree_share']:.2f}; among "
+             f"texts equal with and without jumping {figures['jump_agree_share']:.2f}, equal "
+             f"or first different where the same bytes are split into other tokens "
+             f"{figures['jump_split_first_share']:.2f}; among "
              f"the {canon} whose no-jump tokens are the tokenizer's own split of their text "
              f"(no boundary difference) "
              + (f"{figures['jump_agree_canonical_share']:.2f}" if canon else "n/a")
@@ -412,10 +417,24 @@ def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, st
     return figures, body
 
 
+def _first_difference_is_a_split(engine: LLMEngine, a: list[int], b: list[int]) -> bool:
+    """Whether two outputs are equal, or first differ where one splits the same bytes into
+    other tokens (``{"`` against ``{`` ``"``): a boundary difference, not the model choosing
+    other text from the same tokens."""
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return True
+    vocab = engine.guided.closer.vocab
+    x, y = vocab[a[i]], vocab[b[i]]
+    return x.startswith(y) or y.startswith(x)
+
+
 def _quality(q: dict, engine: LLMEngine, spec, with_jump, without, validate_json,
              repeated_span) -> None:
     q["n"] += 1
     q["agree"] += with_jump.text == without.text
+    q["split_first"] += _first_difference_is_a_split(engine, with_jump.token_ids,
+                                                     without.token_ids)
     canonical = engine.tokenizer(without.text, add_special_tokens=False)["input_ids"]
     ids = [t for t in without.token_ids if t not in engine.eos_ids]
     if canonical == ids:
