@@ -62,6 +62,10 @@ class EngineConfig:
     # the thought's default cap in tokens when a request names no thinking_token_budget
     # (None: only max_tokens, less the room the answer needs, bounds it)
     thinking_token_budget: int | None = None
+    # jump-forward decoding (jump_forward.py): text a guided row's grammar forces is
+    # appended without sampling and computed in the row's next forward. Off by default
+    # until the whole test suite has run with it on (it was measured, not yet run suite-wide)
+    jump_forward: bool = False
 
     def __post_init__(self):
         if isinstance(self.dtype, str):

@@ -36,6 +36,7 @@ from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import GrammarStopCheck, IncrementalDetokenizer
 from worker.engine.grammar_engines import LLGUIDANCE
 from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
+from worker.engine.jump_forward import JumpForward, JumpStats
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.output_policy import OutputPolicy, OutputState, PolicyStats
@@ -81,6 +82,13 @@ class EngineStats:
     loop_cut_outputs: int = 0  # guided outputs with at least one loop cut
     thinking_tokens: int = 0  # output tokens of reasoning models' thoughts (markers included)
     thoughts_forced: int = 0  # thoughts whose end marker the engine forced (budget, a stop)
+    # jump-forward (jump_forward.py): tokens appended without a decode step, the steps
+    # that did, those that re-split the sampled token, trailing tokens left to the model
+    jump_forward_tokens: int = 0
+    jump_forward_jumps: int = 0
+    jump_forward_retokenized: int = 0
+    jump_forward_held_back: int = 0
+    sampled_tokens: int = 0  # tokens sampled (one per sampling row and step)
 
 
 class LLMEngine:
@@ -139,6 +147,8 @@ class LLMEngine:
             "input_ids"] if self.reasoning is not None else []
         self._answer_room: dict[str, int] = {}
         self.thinking_tokens = self.thoughts_forced = 0
+        self._jumper: JumpForward | None = None  # built on first use (reads the vocabulary)
+        self.num_sampled = 0
 
     # requests ---------------------------------------------------------------------------
 
@@ -328,6 +338,7 @@ class LLMEngine:
             if self.policy is not None:
                 self.policy.steer(sampling, result.token_ids, result.logprobs)
             status = proc.accept_token(result.token_ids)
+            self.num_sampled += len(sampling)
             outputs += [self._append_token(seq, tok, lp, status.get(i))
                         for i, (seq, tok, lp) in enumerate(
                             zip(sampling, result.token_ids, result.logprobs))]
@@ -420,6 +431,36 @@ class LLMEngine:
         th = seq.thinking
         th.limit = max(th.tokens, min(th.limit, seq.num_output + max(room, 0)))
 
+    @property
+    def jumper(self) -> JumpForward | None:
+        """Jump-forward decoding (None when off or unguided)."""
+        if self.guided is None or not self.config.jump_forward:
+            return None
+        if self._jumper is None:
+            self._jumper = JumpForward(self.guided.closer.vocab, lambda text: self.tokenizer(
+                text, add_special_tokens=False)["input_ids"])
+        return self._jumper
+
+    def _jump(self, seq: Sequence) -> int:
+        """Appends the text the row's grammar forces after its sampled token (see
+        jump_forward.py); returns how many output tokens that added."""
+        if seq.ending is None or seq.ending.forced_path or self.jumper is None:
+            return 0
+        matcher = self.guided.matchers.get(seq.matcher_key)
+        if matcher is None:
+            return 0
+        jump = self.jumper.extend(matcher, seq.token_ids[-1], self._remaining(seq))
+        if jump is None:
+            return 0
+        if jump.replaces_last:
+            seq.token_ids.pop()
+            seq.held_logprobs[-1:] = [None]
+            seq.held_logprobs.extend([None] * (len(jump.tokens) - 1))
+        else:
+            seq.held_logprobs.extend([None] * len(jump.tokens))
+        seq.token_ids.extend(jump.tokens)
+        return jump.added
+
     def _append_token(self, seq: Sequence, token: int, logprob,
                       status: RowStatus | None = None) -> RequestOutput:
         if seq.thinking_now:
@@ -440,11 +481,12 @@ class LLMEngine:
             reason = "stop"
         if reason is not None:
             return self._finish(seq, reason)
+        jumped = self._jump(seq) if seq.grammar is not None else 0
         new_tokens, lps, text = self._release(seq, final=False)
         if seq.detokenizer.stopped is not None:
             return self._finish(seq, "stop", text=text, new_tokens=new_tokens, logprobs=lps)
         if seq.ending is not None:
-            closed = self.policy.after_token(seq)
+            closed = self.policy.after_token(seq, 1 + jumped)
             if closed is not None:
                 reason = closed[1]
         if reason is None and self._remaining(seq) <= 0:
@@ -607,6 +649,8 @@ class LLMEngine:
             thinking_tokens=self.thinking_tokens,
             thoughts_forced=self.thoughts_forced,
             **(self.policy.stats if self.policy else PolicyStats()).as_dict(),
+            **(self._jumper.stats if self._jumper else JumpStats()).as_dict(),
+            sampled_tokens=self.num_sampled,
         )
 
 

@@ -183,14 +183,16 @@ class OutputPolicy:
                 if logprobs:
                     logprobs[i] = None
 
-    def after_token(self, seq: Sequence) -> tuple[list[int], str] | None:
-        """After a guided row's token was accepted (and the request goes on): a repeating
+    def after_token(self, seq: Sequence, new: int = 1) -> tuple[list[int], str] | None:
+        """After a guided row's ``new`` newest tokens were accepted (its sampled one, and
+        any jump-forward appended after it) and the request goes on: a repeating
         value is cut and closed (the output is rewritten, None is returned: it goes on);
         then near the budget's end the closing path is forced: (its tokens, appended to
         the output already, and the finish reason)."""
         st = seq.ending
         if st.loop is not None:
-            st.loop.push(seq.token_ids[-1])
+            for token in seq.token_ids[len(seq.token_ids) - new:]:
+                st.loop.push(token)
             if st.loop.active:
                 cut = st.loop.find(lambda keep, closers: self._may_cut(seq, keep, closers))
                 if cut is not None:
