@@ -1,6 +1,6 @@
 """Cost of guided decoding in the engine: guided (JSON schema) vs unguided, batch 1/8/32.
 
-Same prompts, greedy. Guided and unguided outputs differ in length, so decode steps are
+Same prompts, greedy, jump-forward off (decode steps only). Guided and unguided outputs differ in length, so decode steps are
 compared pairwise at the same step index (same context length) while every sequence of
 both runs is still decoding (equal batch occupancy). Rounds alternate between the two
 sides. Per guided step: bitmask fill time (on its thread, overlapping the forward), how
@@ -143,6 +143,9 @@ def main() -> None:
                          "bench's budget every guided step is inside the window, so the "
                          "closing search's steering is measured with the mask; 0 measures "
                          "the mask alone")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of the engine (default: torch's; 1 on a busy "
+                         "machine, where 2 threads wait on each other)")
     ap.add_argument("--no-jump-bench", action="store_true",
                     help="skip the jump-forward workloads")
     ap.add_argument("--jump-only", action="store_true",
@@ -156,6 +159,8 @@ def main() -> None:
     rounds = 1 if args.smoke else 2 if args.quick else 8
 
     extra = {} if args.closing_window is None else {"closing_window": args.closing_window}
+    if args.threads:
+        extra["num_threads"] = args.threads
     if args.smoke:
         extra["model"] = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
     engine = LLMEngine(EngineConfig(progress=False, dtype=args.dtype, **extra))
@@ -167,6 +172,9 @@ def main() -> None:
     if args.jump_only:
         finish("guided_jump_forward", jump_body, jump_figures, args)
         return
+    # the mask's cost per decode step: paired decode steps need rows that decode one
+    # token a step, so this part runs without jumping (as it did before it existed)
+    engine.config.jump_forward = False
     figures, rows = {}, []
     for batch in batches:
         run_side(engine, batch, new_tokens, guided=True)  # warm: compile, size buffers
@@ -277,9 +285,11 @@ def jump_workloads(smoke: bool):
             "Flights to Lima?", "A recipe for soup."]
     tools = [(with_tool_prompt([{"role": "user", "content": a}], functions, mode, "required"),
               spec, 24 if smoke else 96) for a in asks]
+    schemas = ([conformance.SCHEMAS[k] for k in ("planet", "tags")] if smoke
+               else list(conformance.SCHEMAS.values()))
     conf = [([{"role": "user", "content": f"{p} Schema: {json.dumps(schema)}"}],
              GrammarSpec.json_schema(schema), 24 if smoke else 96)
-            for p in conformance.PROMPTS for schema in conformance.SCHEMAS.values()]
+            for p in conformance.PROMPTS for schema in schemas]
     conf = conf[::5] + [c for i, c in enumerate(conf) if i % 5]  # schemas mixed early
     return {"keys": keys, "tools": tools, "conformance": conf}
 
