@@ -10,7 +10,7 @@ import pytest
 
 from deploy import openai_api as api
 from deploy.errors import APIError
-from deploy.settings import Limits
+from deploy.settings import AppSettings, Limits
 from grammar_cache.spec import GrammarSpec
 from worker.engine.validation import validate_json
 
@@ -120,7 +120,7 @@ def test_a_body_with_a_huge_integer_is_a_400():
         async def stream(self):
             yield body
 
-    fake = SimpleNamespace(limits=Limits())
+    fake = SimpleNamespace(limits=Limits(), settings=AppSettings())
     with pytest.raises(APIError) as err:
         asyncio.run(server._body(fake, FakeRequest()))
     assert err.value.status == 400 and "not valid JSON" in str(err.value)
@@ -146,11 +146,11 @@ def test_a_lone_surrogate_in_the_body_is_a_400(raw, says):
             yield raw
 
     with pytest.raises(APIError) as err:
-        asyncio.run(server._body(SimpleNamespace(limits=Limits()), FakeRequest()))
+        asyncio.run(server._body(SimpleNamespace(limits=Limits(), settings=AppSettings()), FakeRequest()))
     assert err.value.status == 400 and says in str(err.value)
     ok = '{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'.encode()
     FakeRequest.stream = lambda self: _once(ok)  # a surrogate pair is one character
-    body = asyncio.run(server._body(SimpleNamespace(limits=Limits()), FakeRequest()))
+    body = asyncio.run(server._body(SimpleNamespace(limits=Limits(), settings=AppSettings()), FakeRequest()))
     assert body["messages"][0]["content"] == "\U0001F600"
 
 
