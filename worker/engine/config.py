@@ -64,8 +64,10 @@ class EngineConfig:
     thinking_token_budget: int | None = None
     # jump-forward decoding (jump_forward.py): text a guided row's grammar forces is
     # appended without sampling and computed in the row's next forward. Off by default
-    # until the whole test suite has run with it on (it was measured, not yet run suite-wide)
-    jump_forward: bool = False
+    # until the whole test suite has run with it on (it was measured, not yet run suite-wide);
+    # $RAYGUIDE_JUMP_FORWARD=1 sets the default (what runs the suite with it on)
+    jump_forward: bool = field(
+        default_factory=lambda: os.environ.get("RAYGUIDE_JUMP_FORWARD", "0") == "1")
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
