@@ -309,10 +309,7 @@ def main_sweep(args) -> None:
     cfg = dict(progress=False, num_threads=args.threads, seed=0)
     settings = SWEEP
     if args.smoke:
-        import tempfile
-
-        from worker.models.tiny_model import build_tiny_model
-        cfg["model"] = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
+        cfg["model"] = report.smoke_model()
         settings = {k: SWEEP[k] for k in ("off", "defaults")}
     engine = LLMEngine(EngineConfig(**cfg))
     rows = sweep(engine, cases(args.quick, args.smoke), settings,
@@ -334,29 +331,9 @@ def main(argv=None) -> None:
         main_sweep(args)
         return
 
-    import socket
-
-    from cluster.config import ClusterConfig
-    from deploy import service
-
-    model = None
-    if args.smoke:
-        import tempfile
-
-        from worker.models.tiny_model import build_tiny_model
-        model = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    svc = service.start(ClusterConfig(model=model, num_workers=1,
-                                      worker={"num_threads": args.threads}), port=port)
-    try:
-        global MODEL_NAME
-        MODEL_NAME = httpx.get(svc.url + "/v1/models", timeout=60).json()["data"][0]["id"]
-        figures = run(svc.url + "/v1", cases(args.quick, args.smoke),
-                      concurrency=args.concurrency)
-    finally:
-        service.stop(svc)
+    global MODEL_NAME
+    with report.served(args) as (url, MODEL_NAME):
+        figures = run(url + "/v1", cases(args.quick, args.smoke), concurrency=args.concurrency)
     rows = [[path, figures[f"parsed_share_{path}"], ", ".join(figures["failures"][path]) or "-"]
             for path in PATHS]
     body = (report.table(["path", "parsed share", "what the failures raised"], rows) + "\n\n"

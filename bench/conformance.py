@@ -245,10 +245,8 @@ def main(argv=None) -> None:
 
     cfg = dict(progress=False, num_threads=args.threads, seed=0)
     if args.smoke:
-        import tempfile
-
-        from worker.models.tiny_model import build_tiny_model
-        cfg["model"] = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
+        from bench.report import smoke_model
+        cfg["model"] = smoke_model()
     if args.closing_window is not None:
         cfg["closing_window"] = args.closing_window
     engine = LLMEngine(EngineConfig(**cfg))

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,8 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import finish, parser, table  # noqa: E402
-from worker.models.tiny_model import build_tiny_model  # noqa: E402
+from bench.report import finish, parser, smoke_model, table  # noqa: E402
 from grammar_cache.spec import GrammarSpec  # noqa: E402
 from worker.engine import bitmask  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
@@ -162,7 +160,7 @@ def main() -> None:
     if args.threads:
         extra["num_threads"] = args.threads
     if args.smoke:
-        extra["model"] = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
+        extra["model"] = smoke_model()
     engine = LLMEngine(EngineConfig(progress=False, dtype=args.dtype, **extra))
     window = engine.config.closing_window
     bitmask.warmup()

@@ -131,31 +131,9 @@ def main(argv=None) -> None:
     if args.smoke:
         items = items[:2]
 
-    import socket
-
-    import httpx
-
-    from cluster.config import ClusterConfig
-    from deploy import service
-
-    model = None
-    if args.smoke:
-        import tempfile
-
-        from worker.models.tiny_model import build_tiny_model
-        model = str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    svc = service.start(ClusterConfig(model=model, num_workers=1,
-                                      worker={"num_threads": args.threads}), port=port)
-    try:
-        name = httpx.get(svc.url + "/v1/models", timeout=60).json()["data"][0]["id"]
-        figures = run(svc.url + "/v1", name, items,
-                      max_tokens=8 if args.smoke else args.max_tokens,
+    with report.served(args) as (url, name):
+        figures = run(url + "/v1", name, items, max_tokens=8 if args.smoke else args.max_tokens,
                       concurrency=args.concurrency)
-    finally:
-        service.stop(svc)
     figures["schemas"] = str(args.schemas) if args.schemas and not args.smoke else "built-in"
     body = report.table(
         ["schemas", "requests", "refused", "length share", "invalid", "invalid at budget",

@@ -9,6 +9,7 @@ same code path, figures meaningless; tests/test_bench_smoke.py runs it), neither
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -18,6 +19,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -103,3 +105,35 @@ def finish(name: str, body: str, figures: dict, args) -> None:
     if args.json:
         emit_json(figures)
 
+
+
+def smoke_model() -> str:
+    """The tiny random-weight model (the real tokenizer) of a --smoke run, in a new folder."""
+    import tempfile
+
+    from worker.models.tiny_model import build_tiny_model
+    return str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
+
+
+@contextlib.contextmanager
+def served(args) -> Iterator[tuple[str, str]]:
+    """`rayguide serve` with one worker of ``args.threads`` threads on a free port (the
+    tiny model with --smoke, else the default model): yields its URL and model name, and
+    stops it."""
+    import socket
+
+    import httpx
+
+    from cluster.config import ClusterConfig
+    from deploy import service
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    svc = service.start(ClusterConfig(model=smoke_model() if args.smoke else None,
+                                      num_workers=1, worker={"num_threads": args.threads}),
+                        port=port)
+    try:
+        yield svc.url, httpx.get(svc.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    finally:
+        service.stop(svc)

