@@ -113,13 +113,13 @@ class Result:
 
 def build(kind: str, rng: random.Random, cfg: LoadConfig) -> tuple[dict, Callable]:
     """(request kwargs, validator(message) -> bool) for one request of this kind."""
+    import jsonschema
     prompt = rng.choice(PROMPTS).format(x=rng.choice(TOPICS))
     kw: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}],
                           "max_tokens": cfg.max_tokens, "temperature": cfg.temperature}
     if kind == "unguided":
         return kw, lambda m: True
     if kind == "json_schema":
-        import jsonschema
         name = rng.choice(list(SCHEMAS))
         schema = SCHEMAS[name]
         kw["max_tokens"] = max(cfg.max_tokens, 96)
@@ -142,7 +142,6 @@ def build(kind: str, rng: random.Random, cfg: LoadConfig) -> tuple[dict, Callabl
         kw["extra_body"] = {"guided_choice": options}
         return kw, lambda m: m["content"] in options
     if kind == "tools":
-        import jsonschema
         kw["tools"] = TOOLS
         kw["tool_choice"] = "required"
         kw["max_tokens"] = max(cfg.max_tokens, 96)
@@ -166,7 +165,7 @@ async def one_request(client, model: str, kind: str, kw: dict, check, stream: bo
                       session: str = "") -> tuple[Result, dict | None]:
     import openai
     res = Result(kind, stream, session=session)
-    res.sent_at = sent_at = time.monotonic() - started
+    res.sent_at = time.monotonic() - started
     t0 = time.perf_counter()
     message: dict | None = None
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grammar_cache.errors import ErrorKind, GrammarError
+from grammar_cache.errors import ErrorKind
 from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig

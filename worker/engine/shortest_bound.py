@@ -28,7 +28,6 @@ object gets a loose bound, and the search decides it.
 from __future__ import annotations
 
 import json
-import re
 from typing import Iterable
 
 import numpy as np
