@@ -90,6 +90,10 @@ from grammar_cache.backoff import backoff
 FORMAT_KEYS = ("schema", "response_format", "regex", "choice")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 JSON_KINDS = ("json_schema", "json_object")
+# the job's requests are one client of the grammar cache's compile queue (each HTTP client
+# has its own line: deploy/openai_api.client_identity), so a job with many new grammars
+# takes its round-robin turn beside the endpoint's users rather than ahead of them
+BATCH_CLIENT = "batch"
 
 
 class LineError(ValueError):
@@ -188,7 +192,8 @@ def parse_line(text: str | None, line: int, *, defaults: dict,
             raise LineError("`id` must be a string or an integer")
         grammar = grammar_of(obj, default_grammar)
         item.request = GenerationRequest(prompt_of(obj), params_of(obj, defaults),
-                                         request_id=f"batch-{run_tag}-{line}", grammar=grammar)
+                                         request_id=f"batch-{run_tag}-{line}", grammar=grammar,
+                                         client=BATCH_CLIENT)
         item.is_json = grammar is not None and grammar.kind in JSON_KINDS
     except LineError as exc:
         item.error = str(exc)

@@ -11,6 +11,7 @@ names it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -130,6 +131,24 @@ def check_session_id(session_id: str, limits: Limits) -> str:
     return session_id
 
 
+def client_identity(user: str | None, address: str | None, api_key: str | None) -> str:
+    """Who a request is for, as the grammar cache's compile queue sees it (each client its
+    own line, served round robin: grammar_cache/actor.py CompileQueue): the OpenAI ``user``
+    field when given, else the client's address, under a hash of the API key it was let in
+    with (``api_key``: the checked key, None when the server has none), so two keys never
+    share a line. Short and opaque: ``<key hash>.<u|a><hash>``, no raw key, user or address
+    in it. A fairness hint, not authentication: a client that invents new ``user`` values
+    gets a line for each."""
+    def digest(text: str, size: int) -> str:
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=size,
+                               person=b"rayguide-client").hexdigest()
+
+    key = digest(api_key, 4) if api_key else "open"
+    if user:
+        return f"{key}.u{digest(user, 6)}"
+    return f"{key}.a{digest(address or 'unknown', 6)}"
+
+
 # plans ----------------------------------------------------------------------------------
 
 @dataclass
@@ -158,11 +177,14 @@ class Plan:
     validation: Validation = "flag"
     loop_guard: LoopGuardParams | None = None  # None: the engine's default
     thinking_token_budget: int | None = None  # None: the server's default
+    client: str | None = None  # client_identity(): the grammar cache's fair-share line
     # tokens in the prompt of each choice (completions with several prompts differ)
     prompt_index: list[int] = field(default_factory=list)
 
 
-def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None = None) -> Plan:
+def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None = None,
+              client: str | None = None) -> Plan:
+    """The chat request's plan; ``client``: its client_identity() (None: the shared line)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -202,13 +224,14 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None 
                 logprobs=req.logprobs, tools=functions, tool_mode=mode,
                 session_id=req.session_id, model=req.model,
                 validation=req.validation or "flag", loop_guard=_loop_guard(req),
-                thinking_token_budget=_thinking_budget(req))
+                thinking_token_budget=_thinking_budget(req), client=client)
     _fill(plan, [messages], req, params)
     return plan
 
 
-def plan_completion(req: CompletionRequest, limits: Limits,
-                    served: Served | None = None) -> Plan:
+def plan_completion(req: CompletionRequest, limits: Limits, served: Served | None = None,
+                    client: str | None = None) -> Plan:
+    """The completion request's plan; ``client`` as for plan_chat."""
     if req.echo:
         raise bad_request("echo is not supported; leave it false", "echo")
     if req.suffix:
@@ -236,7 +259,7 @@ def plan_completion(req: CompletionRequest, limits: Limits,
                 include_usage=_include_usage(req), logprobs=req.logprobs is not None,
                 session_id=req.session_id, model=req.model,
                 validation=req.validation or "flag", loop_guard=_loop_guard(req),
-                thinking_token_budget=_thinking_budget(req))
+                thinking_token_budget=_thinking_budget(req), client=client)
     _fill(plan, list(prompts), req, params)
     return plan
 
@@ -260,7 +283,8 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> N
             plan.requests.append(GenerationRequest(
                 prompt=prompt, params=p, request_id=uuid.uuid4().hex, session_id=sid,
                 grammar=plan.grammar, seq_id=i, validation=plan.validation,
-                loop_guard=plan.loop_guard, thinking_token_budget=plan.thinking_token_budget))
+                loop_guard=plan.loop_guard, thinking_token_budget=plan.thinking_token_budget,
+                client=plan.client))
             plan.prompt_index.append(p_index)
 
 

@@ -55,6 +55,12 @@ def _body_schema(model) -> dict:
         "application/json": {"schema": model.model_json_schema()}}}}
 
 
+def _bearer(request: Request) -> str:
+    """The API key the request presents (``Authorization: Bearer <key>``), or ''."""
+    header = request.headers.get("authorization", "")
+    return header[7:] if header.lower().startswith("bearer ") else ""
+
+
 async def _answer_within(call, timeout_s: float):
     """What ``call()`` answers within ``timeout_s``; None when it fails or is late."""
     try:
@@ -208,7 +214,7 @@ class OpenAIServer:
             body = await self._body(request)
             parsed = api.parse_request(model_cls, body)
             await self._check_model(parsed.model)
-            plan = planner(parsed, self.limits, self._served)
+            plan = planner(parsed, self.limits, self._served, self._client(request, parsed))
             if plan.stream:
                 response = await self._stream(plan, started)
             else:
@@ -226,11 +232,19 @@ class OpenAIServer:
         key = self.settings.api_key
         if not key:
             return
-        header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not hmac.compare_digest(_bearer(request).encode(), key.encode()):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            type_="authentication_error", code="invalid_api_key")
+
+    def _client(self, request: Request, parsed) -> str:
+        """The request's client identity (openai_api.client_identity): its ``user``, else
+        its address (Serve's proxy passes the connection's peer: behind a reverse proxy,
+        the proxy's), under the hash of the API key it was checked against (a presented
+        key the server does not check counts for nothing: it would make a new client for
+        every made-up key)."""
+        key = _bearer(request) if self.settings.api_key else None
+        host = request.client.host if request.client is not None else None
+        return api.client_identity(parsed.user, host, key)
 
     async def _body(self, request: Request) -> Any:
         """The JSON body, read at most ``max_body_bytes`` (a chunked body is counted as it

@@ -389,7 +389,7 @@ def test_failed_fetch_does_not_poison_the_spec():
     compiler = xgr.GrammarCompiler(info)
     calls = []
 
-    def flaky_fetch(spec):
+    def flaky_fetch(spec, client):
         calls.append(spec)
         if len(calls) == 1:
             raise OSError("compile service unavailable")
@@ -401,4 +401,29 @@ def test_failed_fetch_does_not_poison_the_spec():
         m.get_grammar(spec).result(timeout=30)
     assert m.get_grammar(spec).result(timeout=30) is not None
     assert len(calls) == 2
+
+
+def test_the_fetch_is_for_the_client_whose_request_started_the_compile():
+    """The request's client (GenerationRequest.client) reaches the fetch, so the shared
+    cache can share its compiles fairly; a request that joins a compile in flight adds no
+    fetch of its own."""
+    import threading
+
+    info = xgr.TokenizerInfo(VOCAB, vocab_size=40, stop_token_ids=[EOS])
+    compiler = xgr.GrammarCompiler(info)
+    asked, release = [], threading.Event()
+
+    def fetch(spec, client):
+        asked.append((spec.source, client))
+        release.wait(30)
+        return compiler.compile_regex(spec.source)
+
+    m = GuidedDecodingManager(info, max_batch_size=2, fetch=fetch)
+    first = m.get_grammar(GrammarSpec.regex("a+"), "alice")
+    joined = m.get_grammar(GrammarSpec.regex("a+"), "bob")
+    release.set()
+    assert first.result(timeout=30) is joined.result(timeout=30)
+    m.get_grammar(GrammarSpec.regex("b+"), "bob").result(timeout=30)
+    m.get_grammar(GrammarSpec.regex("x+")).result(timeout=30)  # no client: the shared line
+    assert asked == [("a+", "alice"), ("b+", "bob"), ("x+", None)]
 

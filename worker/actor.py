@@ -157,7 +157,7 @@ class WorkerActor:
                 c.grammar_request_waits += 1
                 c.grammar_request_wait_s += wait
                 c.grammar_request_wait_max_s = max(c.grammar_request_wait_max_s, wait)
-        guided.get_grammar(spec).add_done_callback(done)
+        guided.get_grammar(spec, request.client).add_done_callback(done)
 
     def grammar_requests(self) -> list:
         """The last guided requests here: [request_id, family, arrival (epoch s), waited,

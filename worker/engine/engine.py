@@ -193,7 +193,7 @@ class LLMEngine:
         seq.resumed_text = already  # what the caller has, for validating the whole output
         self.seqs[seq.request_id] = seq
         if seq.grammar is not None:
-            seq.grammar_future = self.guided.get_grammar(seq.grammar)
+            seq.grammar_future = self.guided.get_grammar(seq.grammar, request.client)
             seq.status = SeqStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar.append(seq)
         else:

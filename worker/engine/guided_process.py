@@ -47,7 +47,9 @@ from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, LLGUIDANCE
 logger = logging.getLogger(__name__)
 
 MatcherKey = tuple[str, int]  # Sequence.matcher_key: (request_id, engine-wide counter)
-GrammarFetch = Callable[[GrammarSpec], "xgr.CompiledGrammar"]
+# fetch(spec, client): ``client`` is the asking request's GenerationRequest.client (an
+# opaque string or None), for the shared cache's fair share of compiles between clients
+GrammarFetch = Callable[[GrammarSpec, "str | None"], "xgr.CompiledGrammar"]
 # what a worker injects: given the engine's tokenizer info, a fetch for compiled grammars
 GrammarFetchFactory = Callable[["xgr.TokenizerInfo"], GrammarFetch]
 _ERROR_BYTES = 1024  # what a cached failure counts against the byte bound
@@ -115,7 +117,7 @@ class GuidedDecodingManager:
         # slow answer does not hold every other new grammar behind it
         self._pool = ThreadPoolExecutor(max_workers=compile_threads if fetch is None else 8,
                                         thread_name_prefix="grammar-compile")
-        self._fetch = fetch or (lambda spec: compile_spec(self.compiler, spec))
+        self._fetch = fetch or (lambda spec, _client: compile_spec(self.compiler, spec))
         self.cache_bytes = cache_bytes
         self.error_ttl_s = error_ttl_s
         self.stats = GuidedStats()
@@ -172,10 +174,11 @@ class GuidedDecodingManager:
 
     # grammars ---------------------------------------------------------------------------
 
-    def get_grammar(self, spec: GrammarSpec) -> Future:
+    def get_grammar(self, spec: GrammarSpec, client: str | None = None) -> Future:
         """A future of the CompiledGrammar (or of the GrammarError; EngineRefused names
         the engine). Cached grammars and cached failures resolve at once; concurrent asks
-        for one spec share one compile."""
+        for one spec share one compile, fetched for the ``client`` (the request's
+        GenerationRequest.client) of the ask that started it."""
         key = spec.key(self.fingerprint)
         with self._lock:
             cached = self._grammars.get(key)
@@ -192,7 +195,7 @@ class GuidedDecodingManager:
                 self.stats.hits += 1
                 return self._inflight[key]
             self.stats.misses += 1
-            fut = self._pool.submit(self._compile, key, spec)
+            fut = self._pool.submit(self._compile, key, spec, client)
             self._inflight[key] = fut
             return fut
 
@@ -217,7 +220,7 @@ class GuidedDecodingManager:
                     self._llguidance = self._llguidance_factory()
         return self._llguidance
 
-    def _build(self, spec: GrammarSpec) -> CompiledGrammar:
+    def _build(self, spec: GrammarSpec, client: str | None = None) -> CompiledGrammar:
         """Compiles ``spec`` on the engine it resolves to; raises GrammarError."""
         asked = self.resolve(spec)
         # a spec that names llguidance gets it or its refusal; a server default of
@@ -242,14 +245,14 @@ class GuidedDecodingManager:
         # xgrammar's grammars go through the fetch (the shared cache in a cluster) under the
         # request's key, which the cache's hot lists and replication count by
         t = time.perf_counter()
-        artifact = self._fetch(spec)
+        artifact = self._fetch(spec, client)
         self.stats.xgrammar_grammars += 1
         return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - t)
 
-    def _compile(self, key: str, spec: GrammarSpec):
+    def _compile(self, key: str, spec: GrammarSpec, client: str | None):
         t = time.perf_counter()
         try:
-            result = self._build(spec)
+            result = self._build(spec, client)
         except GrammarError as exc:
             result = exc
         except BaseException:

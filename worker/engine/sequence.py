@@ -51,6 +51,11 @@ class GenerationRequest:
     # reasoning models (worker/engine/reasoning.py): the thought's cap in tokens; None:
     # the engine's default. Ignored by an engine without reasoning markers
     thinking_token_budget: int | None = None
+    # who the request is for, as an opaque short string the front end derives (an API
+    # key's hash and a user or address, deploy/openai_api.client_identity): the grammar
+    # cache shares its compile processes fairly between clients. A fairness hint, never
+    # authentication; None: the one shared line
+    client: str | None = None
 
     def __post_init__(self):
         if self.validation not in VALIDATION_MODES:

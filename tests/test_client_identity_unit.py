@@ -1,0 +1,129 @@
+"""The client identity the edge gives every request (deploy/openai_api.client_identity),
+for the grammar cache's fair share of compiles: the OpenAI ``user`` when given, else the
+connection's address, under a hash of the checked API key; short and opaque. Through the
+server's request path (fakes, no Ray) it reaches every GenerationRequest of the plan."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import deploy.serve_app as serve_app
+from cluster.client import RequestOutput
+from deploy import openai_api as api
+from deploy.settings import AppSettings
+
+pytestmark = pytest.mark.unit
+
+identity = api.client_identity
+SERVER = getattr(serve_app.OpenAIServer, "func_or_class", serve_app.OpenAIServer)
+
+
+def test_the_user_field_names_the_client_else_the_address():
+    assert identity("alice", "10.0.0.1", "k") == identity("alice", "10.0.0.2", "k")
+    assert identity("alice", "10.0.0.1", "k") != identity("bob", "10.0.0.1", "k")
+    assert identity(None, "10.0.0.1", "k") != identity(None, "10.0.0.2", "k")
+    assert identity("", "10.0.0.1", "k") == identity(None, "10.0.0.1", "k")
+    # a user named like an address is not that address's client
+    assert identity("10.0.0.1", "10.0.0.9", "k") != identity(None, "10.0.0.1", "k")
+    assert identity(None, None, None) == identity(None, None, None)
+
+
+def test_two_keys_never_share_a_line():
+    assert identity("alice", "h", "key-one") != identity("alice", "h", "key-two")
+    assert identity(None, "h", "key-one") != identity(None, "h", "key-two")
+    assert identity("alice", "h", None) != identity("alice", "h", "key-one")
+    # the key's hash is the prefix: one key's clients are recognisable as one key's
+    assert (identity("alice", "h", "key-one").split(".")[0]
+            == identity("bob", "g", "key-one").split(".")[0])
+
+
+@pytest.mark.parametrize("user", ["alice", "x" * 10_000, "\U0001F600 \ud800 émile"])
+def test_the_identity_is_short_and_opaque(user):
+    key = "sk-secret-api-key-123"
+    got = identity(user, "192.168.1.20", key)
+    assert len(got) <= 24 and got.isascii()
+    for raw in (user[:8], key, "secret", "192.168"):
+        assert raw not in got
+    assert identity(user, "192.168.1.20", key) == got  # stable: one client, one line
+
+
+class FakeRuntime:
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, request):
+        self.requests.append(request)
+        yield RequestOutput(request.request_id, text="ok", token_ids=[1], finished=True,
+                            finish_reason="stop", prompt_tokens=3, completion_tokens=1)
+
+
+class NoMetrics:
+    def request(self, *_a):
+        pass
+
+    def ttft(self, *_a):
+        pass
+
+    def tokens(self, *_a):
+        pass
+
+
+class _Server(SERVER):
+    def __del__(self):  # Serve's ingress wrapper ends a replica's ASGI app here: none here
+        pass
+
+
+def server(**settings):
+    inst = object.__new__(_Server)
+    inst.settings = AppSettings(start_runtime=False, **settings)
+    inst.limits = inst.settings.limits
+    inst.runtime = FakeRuntime()
+    inst._models, inst._served, inst._metrics = ["m"], api.Served(), NoMetrics()
+    return inst
+
+
+def request(body: dict, host="10.1.2.3", key=None, path="/v1/chat/completions"):
+    raw = json.dumps(body).encode()
+
+    async def stream():
+        yield raw
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return SimpleNamespace(headers=headers, client=SimpleNamespace(host=host),
+                           url=SimpleNamespace(path=path), stream=stream)
+
+
+def serve(srv, body, planner=api.plan_chat, cls=api.ChatCompletionRequest, **kw):
+    return asyncio.run(srv._serve(request(body, **kw), cls, planner))
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a", "b"]}
+
+
+def test_every_request_of_a_plan_carries_the_client_identity():
+    srv = server(api_key="the-key")
+    serve(srv, {**CHAT, "user": "polite", "n": 3}, key="the-key")
+    assert [r.client for r in srv.runtime.requests] == [
+        identity("polite", "10.1.2.3", "the-key")] * 3
+    serve(srv, {"prompt": ["one", "two"], "max_tokens": 2}, api.plan_completion,
+          api.CompletionRequest, host="10.9.9.9", key="the-key", path="/v1/completions")
+    assert [r.client for r in srv.runtime.requests[3:]] == [
+        identity(None, "10.9.9.9", "the-key")] * 2
+
+
+def test_a_key_the_server_does_not_check_makes_no_new_client():
+    srv = server()  # no API key: any bearer passes, so it must not split the address's line
+    serve(srv, CHAT, key="made-up-1")
+    serve(srv, CHAT, key="made-up-2")
+    first, second = (r.client for r in srv.runtime.requests)
+    assert first == second == identity(None, "10.1.2.3", None)
+
+
+def test_a_batch_jobs_requests_are_one_client_of_their_own():
+    from deploy import batch_job
+
+    item = batch_job.parse_line('{"prompt": "hi", "regex": "a+"}', 1, defaults={},
+                                default_grammar=None, run_tag="t")
+    assert item.error is None and item.request.client == batch_job.BATCH_CLIENT
+    assert item.request.client != identity(None, None, None)
