@@ -1,4 +1,4 @@
-"""The runtime's configuration: one dataclass, loadable from YAML, overridable by CLI flags.
+"""The runtime's configuration: one pydantic model, loadable from YAML, overridable by CLI flags.
 
     model: null                # default model; or an HF dir, a .gguf file, hf:org/name@rev
     num_workers: 2
