@@ -194,7 +194,7 @@ def _known_at(known, loc: tuple) -> list[str] | None:
     """The key names of the model at ``loc`` (a path of field names from ``known``), or
     None where it is not a model we can name (a list item, a dict)."""
     if not isinstance(known, type):
-        return list(known) if not loc else None
+        return (list(known) or None) if not loc else None
     model = known
     for name in loc:
         field = model.model_fields.get(name) if isinstance(name, str) else None

@@ -161,3 +161,18 @@ def test_every_config_class_is_a_pydantic_model_that_forbids_unknown_keys():
                 and cls.model_config.get("extra") == "forbid"):
             wrong.append(f"{module}.{name}")
     assert not wrong, f"configs that are not pydantic models with extra='forbid': {wrong}"
+
+
+def test_a_request_body_error_is_the_same_message_naming_the_field():
+    from deploy import openai_api as api
+    from deploy.errors import APIError
+
+    with pytest.raises(APIError) as err:
+        api.parse_request(api.ChatCompletionRequest, {"messages": [], "max_tokns": 5})
+    assert err.value.status == 400 and err.value.param == "max_tokns"
+    assert err.value.message.startswith("invalid request: max_tokns: unknown key; known keys:")
+    assert "max_tokens" in err.value.message
+    with pytest.raises(APIError) as err:
+        api.parse_request(api.ChatCompletionRequest, {"messages": "x" * 100_000})
+    assert err.value.message.startswith("invalid request: messages: Input should be a valid list")
+    assert len(err.value.message) < 300  # the value given is cut short
