@@ -87,6 +87,9 @@ class ClusterConfig(ConfigModel):
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping")
+        odd = [k for k in data if not isinstance(k, str)]
+        if odd:
+            raise ValueError(f"{path}: keys are names, got {odd[0]!r}")
         data.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**data)

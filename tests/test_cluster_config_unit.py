@@ -176,3 +176,10 @@ def test_a_request_body_error_is_the_same_message_naming_the_field():
         api.parse_request(api.ChatCompletionRequest, {"messages": "x" * 100_000})
     assert err.value.message.startswith("invalid request: messages: Input should be a valid list")
     assert len(err.value.message) < 300  # the value given is cut short
+
+
+def test_a_key_that_is_not_a_name_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("1: 2\n")
+    with pytest.raises(ValueError, match=r"c\.yaml: keys are names, got 1"):
+        ClusterConfig.from_yaml(path)
