@@ -4,16 +4,18 @@ and its in-process compiles) all read them from here, so a limit set in the clus
 (``grammar_cache: {compile_timeout_s: 30}``) holds on every path a grammar can take.
 
 A pydantic model: unknown keys and bad values are refused with a message naming the key.
-Built once (``ClusterConfig`` checks it, ``cluster.launch.up`` builds it) and passed as the
-object: it crosses Ray pickled, never as a dict to validate again.
+Built once (``ClusterConfig.grammar_cache``) and passed as the object: it crosses Ray
+pickled, never as a dict to validate again. ``ConfigModel``, the base of every layer's
+config, and ``config_error_message``, the one formatter of their errors, live here: this
+module is a leaf (pydantic only) that every layer may import.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from contextvars import ContextVar
+from pathlib import Path
 from typing import ClassVar, Iterable, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
