@@ -53,6 +53,12 @@ class ConfigModel(BaseModel):
         finally:
             _building.reset(token)
 
+    def __setattr__(self, name, value):
+        try:  # checked where the model says validate_assignment
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ValueError(config_error_message(exc, self.section, type(self))) from None
+
 
 class GrammarCacheConfig(ConfigModel):
     # not strict (numbers given as strings are read as numbers), but its switches are

@@ -112,7 +112,8 @@ def test_an_assignment_is_checked_and_keeps_working():
     engine.jump_forward = True  # what bench/guided_overhead.py does between runs
     engine.closing_window = 0
     assert engine.jump_forward is True and engine.closing_window == 0
-    with pytest.raises(ValueError, match="closing_window"):
+    with pytest.raises(ValueError, match=r"^engine\.closing_window: Input should be a valid "
+                                         r"integer \(got '0'\)"):
         engine.closing_window = "0"
     engine.dtype = "bf16"
     assert str(engine.dtype) == "torch.bfloat16"
