@@ -421,20 +421,17 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, size: Clust
 def warm_worker(config, handles, mix, schedule, size: ClusterSize) -> dict:
     """A new worker joins the warm cluster: once its background replication is done, its
     first request for each known (hot) grammar, time to the first chunk."""
-    import dataclasses
-
     import ray
 
     from cluster.client import GenerationRequest, SamplingParams
-    from grammar_cache.actor import ACTOR_NAME, GrammarCacheConfig
+    from grammar_cache.actor import ACTOR_NAME
     from scheduler.actor import NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX
     from worker.actor import WorkerActor
     t0 = time.perf_counter()
     new = WorkerActor.options(name=f"{WORKER_PREFIX}{size.workers}", namespace=NAMESPACE,
                               num_cpus=0.25).remote(
-        dataclasses.asdict(config.engine_config()), f"w{size.workers}",
-        (SCHEDULER_NAME, NAMESPACE),
-        (ACTOR_NAME, NAMESPACE, GrammarCacheConfig(**config.grammar_cache)))
+        config.engine, f"w{size.workers}", (SCHEDULER_NAME, NAMESPACE),
+        (ACTOR_NAME, NAMESPACE, config.grammar_cache))
     ray.get(new.health.remote())
     started = time.perf_counter() - t0
     hot = ray.get(handles["cache"].stats.remote())["hot"]

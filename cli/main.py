@@ -4,7 +4,6 @@ foreground), generate (local, no Ray), up / down / status (the runtime on a Ray 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -80,7 +79,9 @@ def _with_dtype(config, dtype):
     """The config with ``engine.dtype`` set from --dtype (YAML's other engine keys kept)."""
     if dtype is None:
         return config
-    return dataclasses.replace(config, engine={**config.engine, "dtype": dtype})
+    engine = config.engine.model_copy()
+    engine.dtype = dtype  # checked on assignment
+    return config.model_copy(update={"engine": engine})
 
 
 def run_cluster_command(args) -> int:
@@ -102,7 +103,7 @@ def run_cluster_command(args) -> int:
                           file=sys.stderr, flush=True)
                     record = launch.start_ray_head(listen=args.listen, port=args.port)
                 launch.use_head_token(record)
-                config = dataclasses.replace(config, address=record["address"])
+                config = config.model_copy(update={"address": record["address"]})
             launch.up(config, detached=True)
             print(launch.status_table(launch.status()))
             if args.address is None:

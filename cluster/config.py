@@ -1,4 +1,4 @@
-"""The runtime's configuration: one dataclass, loadable from YAML, overridable by CLI flags.
+"""The runtime's configuration: one pydantic model, loadable from YAML, overridable by CLI flags.
 
     model: null                # default model; or an HF dir, a .gguf file, hf:org/name@rev
     num_workers: 2
@@ -11,101 +11,87 @@
                                # grammar cache need, to keep them on some nodes
     serve: {host: 127.0.0.1, port: 8000}
 
-Unknown keys are errors that name the key (``section.key: unknown key; known keys: ...``,
-grammar_cache.config's one formatter), so a typo never passes silently. The sections are
-checked once, here; the built grammar cache and scheduler configs are kept
-(``grammar_cache_config``, ``scheduler_config``) and passed on as objects.
+Every section is a pydantic model (extra="forbid", strict), checked once, here, into typed
+objects: ``engine`` an EngineConfig (its model, threads, progress and device default from
+the top level), ``grammar_cache`` a GrammarCacheConfig, ``scheduler`` a SchedulerConfig.
+They are passed on as those objects (pickled through Ray), never as dicts to validate
+again. Unknown keys and bad values are errors naming the key (``engine.max_num_seqs: Input
+should be a valid integer (got '8')``; ``section.key: unknown key; known keys: ...``),
+grammar_cache.config's one formatter, so a typo never passes silently.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
+from pydantic import Field, model_validator
 
-from grammar_cache.actor import GrammarCacheConfig
-from grammar_cache.config import config_error_message
+from grammar_cache.config import ConfigModel, GrammarCacheConfig
 from scheduler.actor import SchedulerConfig
 from worker.engine.config import EngineConfig
 
 
-@dataclass
-class WorkerResources:
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0  # 1 per worker on a GPU cluster: one worker actor per GPU
+class WorkerResources(ConfigModel):
+    section = "worker"
+
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)  # 1 per worker on a GPU cluster: one worker actor per GPU
     num_threads: int | None = 1  # torch CPU threads per worker
 
 
-@dataclass
-class ServeConfig:
+class ServeConfig(ConfigModel):
+    section = "serve"
+
     host: str = "127.0.0.1"
     port: int = 8000
 
 
-@dataclass
-class ClusterConfig:
+class ClusterConfig(ConfigModel):
     model: str | None = None
-    num_workers: int = 2
+    num_workers: int = Field(2, ge=1)
     address: str | None = None
-    worker: WorkerResources = field(default_factory=WorkerResources)
-    engine: dict = field(default_factory=dict)
-    grammar_cache: dict = field(default_factory=dict)
-    scheduler: dict = field(default_factory=dict)
-    serve: ServeConfig = field(default_factory=ServeConfig)
-    control_resources: dict | None = None  # custom Ray resources of scheduler and cache
-    # built from the sections above in __post_init__ (again by dataclasses.replace)
-    grammar_cache_config: GrammarCacheConfig = field(init=False, repr=False, compare=False)
-    scheduler_config: SchedulerConfig = field(init=False, repr=False, compare=False)
+    worker: WorkerResources = Field(default_factory=WorkerResources)
+    # built with the defaults _engine_defaults gives it from the fields above
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    grammar_cache: GrammarCacheConfig = Field(default_factory=GrammarCacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    control_resources: dict[str, float] | None = None  # Ray resources of scheduler and cache
 
-    def __post_init__(self):
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if isinstance(self.worker, dict):
-            self.worker = _build(WorkerResources, self.worker, "worker")
-        if isinstance(self.serve, dict):
-            self.serve = _build(ServeConfig, self.serve, "serve")
-        # check the nested sections now, not when an actor starts on some node
-        self.engine_config()
-        self.grammar_cache_config = _build(GrammarCacheConfig, self.grammar_cache,
-                                           "grammar_cache")
-        self.scheduler_config = _build(SchedulerConfig, self.scheduler, "scheduler")
-
-    def engine_config(self) -> EngineConfig:
-        values = dict(self.engine)
-        values.setdefault("model", self.model)
-        values.setdefault("num_threads", self.worker.num_threads)
-        values.setdefault("progress", False)
-        if self.worker.num_gpus > 0:
-            values.setdefault("device", "cuda")
-        return _build(EngineConfig, values, "engine")
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, values):
+        """The engine's model, threads, progress bars and device follow the top level
+        unless the engine section names them."""
+        if not isinstance(values, dict):
+            return values  # refused by pydantic, naming what it got
+        engine, worker = values.get("engine") or {}, values.get("worker") or {}
+        if isinstance(engine, EngineConfig):  # given built: what it was given, and defaults
+            engine = {k: getattr(engine, k) for k in engine.model_fields_set}
+        if isinstance(worker, WorkerResources):
+            worker = worker.model_dump()
+        if not isinstance(engine, dict) or not isinstance(worker, dict):
+            return values
+        engine = dict(engine)
+        engine.setdefault("model", values.get("model"))
+        engine.setdefault("num_threads", worker.get("num_threads", 1))
+        engine.setdefault("progress", False)
+        num_gpus = worker.get("num_gpus", 0.0)
+        if isinstance(num_gpus, (int, float)) and num_gpus > 0:
+            engine.setdefault("device", "cuda")
+        return {**values, "engine": engine}
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> "ClusterConfig":
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: the top level must be a mapping")
+        odd = [k for k in data if not isinstance(k, str)]
+        if odd:
+            raise ValueError(f"{path}: keys are names, got {odd[0]!r}")
         data.update({k: v for k, v in overrides.items() if v is not None})
-        return _build(cls, data, None, where=str(path))
-
-
-def _build(cls, values: dict, section: str | None, where: str | None = None):
-    """One validation pattern for every section: unknown keys are errors naming the key
-    (dataclass sections: config_error_message, as pydantic sections' own check does with
-    extra="forbid"). ``section``: the key's prefix (None at the top level); ``where``:
-    what the message starts with (the YAML file)."""
-    if not isinstance(values, dict):
-        raise ValueError(f"{section or where} must be a mapping, got {type(values).__name__}")
-    if hasattr(cls, "model_validate"):
-        return cls(**values)  # a pydantic section: its own errors name the key
-    known = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = [key for key in values if key not in known]
-    if unknown:
-        exc = ValidationError.from_exception_data(cls.__name__, [
-            {"type": "extra_forbidden", "loc": (key,), "input": values[key]}
-            for key in unknown])
-        message = config_error_message(exc, section, known)
-        raise ValueError(f"{where}: {message}" if where else message)
-    return cls(**values)
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None

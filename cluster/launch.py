@@ -8,7 +8,6 @@ it outlives the process that started it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -305,12 +304,11 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
     existing = set(_named_actors())
     _created_here.update(n for n in names if n not in existing)
     lifetime = "detached" if detached else None
-    cache_config = config.grammar_cache_config
+    cache_config = config.grammar_cache
     cache = get_or_create_actor(cache_config, detached=detached,
                                 resources=config.control_resources)
-    scheduler = get_or_create_scheduler(config.scheduler_config, detached=detached,
+    scheduler = get_or_create_scheduler(config.scheduler, detached=detached,
                                         resources=config.control_resources)
-    engine = dataclasses.asdict(config.engine_config())
     # workers compile through the cache actor with the cluster's compile limits (their
     # fallback compiles too)
     # (grammar_cache: {shared: false}: each worker compiles by itself, the baseline)
@@ -321,7 +319,7 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
             name=f"{WORKER_PREFIX}{i}", namespace=NAMESPACE, get_if_exists=True,
             lifetime=lifetime, scheduling_strategy="SPREAD",
             num_cpus=config.worker.num_cpus, num_gpus=config.worker.num_gpus,
-        ).remote(engine, f"w{i}", (SCHEDULER_NAME, NAMESPACE), cache_link))
+        ).remote(config.engine, f"w{i}", (SCHEDULER_NAME, NAMESPACE), cache_link))
     if wait:
         ray.get([w.health.remote() for w in workers])
         wait_ready(cache)  # its compile processes are up (workers' first fetches wait for it)

@@ -29,6 +29,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from pydantic import ConfigDict, Field
+
+from grammar_cache.config import ConfigModel  # a leaf: pydantic only
 from grammar_cache.percentile import percentile
 
 SCHEMAS = {
@@ -65,8 +68,9 @@ TOPICS = ["the Moon", "a customer order", "a book review", "Paris", "a new phone
 KINDS = ("unguided", "json_schema", "regex", "choice", "tools")
 
 
-@dataclass
-class LoadConfig:
+class LoadConfig(ConfigModel):
+    model_config = ConfigDict(validate_assignment=True)
+
     url: str = "http://127.0.0.1:8000"
     api_key: str | None = None
     model: str | None = None  # default: the first of /v1/models
@@ -78,7 +82,7 @@ class LoadConfig:
     stream_share: float = 0.5
     session_share: float = 0.2  # the share of work units that are multi-turn sessions
     turns: int = 2
-    mix: dict[str, float] = field(default_factory=lambda: {
+    mix: dict[str, float] = Field(default_factory=lambda: {
         "unguided": 0.2, "json_schema": 0.35, "regex": 0.15, "choice": 0.15, "tools": 0.15})
     request_timeout_s: float = 120.0
     check_leaks: bool = True

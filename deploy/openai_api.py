@@ -24,6 +24,7 @@ from cluster.client import GenerationRequest, GrammarSpec, LoopGuardParams, Samp
 from deploy import dialects, tools
 from deploy.errors import APIError, bad_request, for_kind
 from deploy.settings import Limits
+from grammar_cache.config import config_error_message  # a leaf: pydantic only
 
 Validation = Literal["flag", "retry", "off"]
 
@@ -109,14 +110,9 @@ def parse_request(cls: type[_Request], body: Any) -> _Request:
         return cls.model_validate(body)
     except ValidationError as exc:
         errors = exc.errors()
-        problems = []
-        for err in errors[:5]:
-            where = ".".join(str(p) for p in err["loc"]) or "body"
-            msg = ("unknown field; remove it" if err["type"] == "extra_forbidden"
-                   else err["msg"])
-            problems.append(f"'{where}': {msg}")
         first = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
-        raise bad_request("invalid request: " + "; ".join(problems), param=first) from None
+        raise bad_request("invalid request: " + config_error_message(exc, None, cls),
+                          param=first) from None
 
 
 def check_session_id(session_id: str, limits: Limits) -> str:

@@ -44,6 +44,7 @@ from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_
 from deploy.metrics import Metrics
 from deploy.openai_api import Plan
 from deploy.settings import AppSettings
+from grammar_cache.config import config_error_message  # a leaf: pydantic only
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,8 @@ async def _api_error(_request: Request, exc: APIError):
 
 @fastapi_app.exception_handler(RequestValidationError)
 async def _validation_error(_request: Request, exc: RequestValidationError):
-    return _error_response(bad_request(f"invalid request: {exc.errors()[:3]}"))
+    message = config_error_message(exc, None, ())  # FastAPI's errors have pydantic's shape
+    return _error_response(bad_request(f"invalid request: {message}"))
 
 
 @fastapi_app.exception_handler(404)

@@ -98,7 +98,7 @@ class AppSettings(BaseModel):
             settings = cls.model_validate(dict(args or {}))
         except ValidationError as exc:
             raise ValueError("invalid app arguments: " + config_error_message(
-                exc, None, cls.model_fields)) from None
+                exc, None, cls)) from None
         if settings.api_key is None:
             settings.api_key = os.environ.get("RAYGUIDE_API_KEY") or None
         settings.cluster_config()

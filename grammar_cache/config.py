@@ -4,16 +4,19 @@ and its in-process compiles) all read them from here, so a limit set in the clus
 (``grammar_cache: {compile_timeout_s: 30}``) holds on every path a grammar can take.
 
 A pydantic model: unknown keys and bad values are refused with a message naming the key.
-Built once (``ClusterConfig`` checks it, ``cluster.launch.up`` builds it) and passed as the
-object: it crosses Ray pickled, never as a dict to validate again.
+Built once (``ClusterConfig.grammar_cache``) and passed as the object: it crosses Ray
+pickled, never as a dict to validate again. ``ConfigModel``, the base of every layer's
+config, and ``config_error_message``, the one formatter of their errors, live here: this
+module is a leaf (pydantic only) that every layer may import.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Iterable
+from typing import ClassVar, Iterable, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -25,8 +28,42 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_REPETITION = 10_000
 
 
-class GrammarCacheConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+# set while a config model is being built: a section built inside another leaves the
+# message to the outermost, which names the key with its whole path (engine.max_num_seqs)
+_building: ContextVar[bool] = ContextVar("rayguide_config_building", default=False)
+
+
+class ConfigModel(BaseModel):
+    """The base of every layer's config: unknown keys are refused (extra="forbid"), values
+    are strict (a YAML ``loop_guard: "yes"`` is an error, not True), and a failed build
+    raises ValueError with config_error_message's text, keys prefixed with ``section``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    section: ClassVar[str | None] = None
+
+    def __init__(self, **values):
+        if _building.get():  # inside another config: its errors carry our path
+            super().__init__(**values)
+            return
+        token = _building.set(True)
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ValueError(config_error_message(exc, self.section, type(self))) from None
+        finally:
+            _building.reset(token)
+
+    def __setattr__(self, name, value):
+        try:  # checked where the model says validate_assignment
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ValueError(config_error_message(exc, self.section, type(self))) from None
+
+
+class GrammarCacheConfig(ConfigModel):
+    # not strict (numbers given as strings are read as numbers), but its switches are
+    model_config = ConfigDict(strict=False, validate_assignment=True)
+    section = "grammar_cache"
 
     max_bytes: int = Field(512 * 2**20, ge=0, description="LRU budget for compiled grammars")
     error_ttl_s: float = Field(60.0, ge=0, description="grammar errors are remembered this long")
@@ -57,7 +94,7 @@ class GrammarCacheConfig(BaseModel):
     # sources up to worker_compile_max_source_bytes with no number of worker_compile_max_digits
     # digits or more (long length bounds and repetitions are what make compiles slow and
     # big); the others compile in the actor's killable child processes, as do all when off
-    worker_first_compile: bool = False
+    worker_first_compile: bool = Field(False, strict=True)
     worker_compile_max_source_bytes: int = Field(32 * 1024, ge=0)
     worker_compile_max_digits: int = Field(4, ge=1)
     # ... and the worker publishes xgrammar's serialization only for grammars up to this
@@ -69,10 +106,10 @@ class GrammarCacheConfig(BaseModel):
     ready_timeout_s: float = Field(60.0, gt=0)
     # workers compile through the shared actor; False: each worker compiles by itself (no
     # actor, no replication: the baseline bench/grammar_cache.py compares against)
-    shared: bool = True
+    shared: bool = Field(True, strict=True)
     # warm replication: a grammar requested this many times anywhere in the cluster (or
     # listed in hot_specs) is fetched by every worker of the model in the background
-    replicate: bool = True
+    replicate: bool = Field(True, strict=True)
     replicate_after_requests: int = Field(2, ge=1)
     replicate_interval_s: float = Field(1.0, gt=0, le=60)
     # a worker stops prefetching while its local grammar LRU holds more than this; what
@@ -92,16 +129,10 @@ class GrammarCacheConfig(BaseModel):
     # version, tokenizer fingerprint and spec key; oldest evicted past disk_max_bytes
     # ($RAYGUIDE_GRAMMAR_CACHE_DIR, when set, is the folder itself; RAYGUIDE_GRAMMAR_DISK=0
     # makes off the default, for processes that must start cold: tests of the actor path)
-    disk: bool = Field(default_factory=lambda: os.environ.get("RAYGUIDE_GRAMMAR_DISK") != "0")
+    disk: bool = Field(default_factory=lambda: os.environ.get("RAYGUIDE_GRAMMAR_DISK") != "0",
+                       strict=True)
     disk_dir: str | None = None
     disk_max_bytes: int = Field(2 * 2**30, ge=0)
-
-    def __init__(self, **values):
-        try:
-            super().__init__(**values)
-        except ValidationError as exc:
-            raise ValueError(config_error_message(exc, "grammar_cache",
-                                                  type(self).model_fields)) from None
 
     @field_validator("hot_specs")
     @classmethod
@@ -147,18 +178,45 @@ def hot_spec(d: dict):
 
 
 def config_error_message(exc: ValidationError, section: str | None,
-                         known: Iterable[str], most: int = 5) -> str:
-    """The one "message naming the key" of the settings (the grammar cache's config, the
-    app's arguments): one part per problem (the first ``most``), each naming the key as
-    ``section.key``: ``unknown key; known keys: a, b`` for a key the model does not have,
-    else pydantic's reason and the value given."""
+                         known: Iterable[str] | type[BaseModel], most: int = 5) -> str:
+    """The one "message naming the key" of every config (the runtime's sections, the
+    grammar cache's, the engine's, the app's arguments): one part per problem (the first
+    ``most``), each naming the key as ``section.key``: ``unknown key; known keys: a, b``
+    for a key the model does not have, else pydantic's reason and the value given (cut
+    short). ``known``: the model class (its nested models' keys are listed too) or the
+    top level's key names."""
     parts = []
     for err in exc.errors()[:most]:
         key = ".".join(str(p) for p in (section, *err["loc"]) if p is not None) or "(config)"
-        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
-            parts.append(f"{key}: unknown key; known keys: {', '.join(sorted(known))}")
-        elif err["type"] == "extra_forbidden":  # in a nested model: ``known`` is not its
-            parts.append(f"{key}: unknown key")
+        if err["type"] == "extra_forbidden":
+            names = _known_at(known, err["loc"][:-1])
+            parts.append(f"{key}: unknown key" + (
+                f"; known keys: {', '.join(sorted(names))}" if names is not None else ""))
         else:
-            parts.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
+            reason = err["msg"].removeprefix("Value error, ")
+            parts.append(f"{key}: {reason} (got {_short(err.get('input'))})")
     return "; ".join(parts)
+
+
+def _known_at(known, loc: tuple) -> list[str] | None:
+    """The key names of the model at ``loc`` (a path of field names from ``known``), or
+    None where it is not a model we can name (a list item, a dict)."""
+    if not isinstance(known, type):
+        return (list(known) or None) if not loc else None
+    model = known
+    for name in loc:
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            return None
+        model = next((t for t in (field.annotation, *get_args(field.annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+        if model is None:
+            return None
+    return list(model.model_fields)
+
+
+def _short(value, limit: int = 80) -> str:
+    """A value as the message shows it: its repr, cut to ``limit`` characters (a request's
+    prompt or a hot spec's schema may be long)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

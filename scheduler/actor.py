@@ -20,8 +20,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 import ray
+from pydantic import Field
 from ray.exceptions import ActorDiedError
 
+from grammar_cache.config import ConfigModel  # a leaf: pydantic only
 from scheduler.routing import RoutingTable
 
 logger = logging.getLogger(__name__)
@@ -32,9 +34,12 @@ NAMESPACE = "rayguide"
 MAX_UNDELIVERED = 100_000  # session ends kept per worker for a resend
 
 
-@dataclass
-class SchedulerConfig:
-    max_queued_tokens: int = 65536  # per worker; beyond it on every worker: overloaded
+class SchedulerConfig(ConfigModel):
+    """Strict: a cap given as "10", 1.5 or true is an error naming ``scheduler.<key>``."""
+
+    section = "scheduler"
+
+    max_queued_tokens: int = Field(65536, ge=1)  # per worker; past it on every worker: overloaded
     session_idle_timeout_s: float = 600.0
     broadcast_interval_s: float = 0.005  # session ends are batched this long
     load_poll_interval_s: float = 0.5
@@ -44,14 +49,8 @@ class SchedulerConfig:
     affinity_margin_tokens: int = 2048
     # live sessions (each holds KV on its worker and rides every load report): a new
     # session past either cap is refused with a 429 naming session_id
-    max_sessions_per_worker: int = 1024
-    max_sessions: int = 16384
-
-    def __post_init__(self):
-        for name in ("max_queued_tokens", "max_sessions_per_worker", "max_sessions"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"scheduler.{name} must be a positive integer, got {value!r}")
+    max_sessions_per_worker: int = Field(1024, ge=1)
+    max_sessions: int = Field(16384, ge=1)
 
 
 @dataclass
@@ -73,8 +72,8 @@ class SchedulerStats:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)
 class SchedulerActor:
-    def __init__(self, config: dict | None = None):
-        self.config = SchedulerConfig(**(config or {}))
+    def __init__(self, config: SchedulerConfig | None = None):
+        self.config = config or SchedulerConfig()
         self.table = RoutingTable(self.config.max_queued_tokens,
                                   self.config.session_idle_timeout_s,
                                   self.config.affinity_margin_tokens,
@@ -202,7 +201,7 @@ class SchedulerActor:
         counts = replace(self.counts, sessions=len(self.table.sessions),
                          affinity_routes=self.table.affinity_routes)
         return {**asdict(counts), "rebuild_s": self.rebuild_s,
-                "config": asdict(self.config),
+                "config": self.config.model_dump(),
                 "workers": {w.worker_id: _shown(w) for w in self.table.workers.values()}}
 
     async def flush(self) -> None:
@@ -290,4 +289,4 @@ def get_or_create_scheduler(config: SchedulerConfig | None = None, *, detached: 
     return SchedulerActor.options(
         name=SCHEDULER_NAME, namespace=NAMESPACE, get_if_exists=True,
         lifetime="detached" if detached else None, resources=resources or {},
-    ).remote(asdict(config or SchedulerConfig()))
+    ).remote(config or SchedulerConfig())

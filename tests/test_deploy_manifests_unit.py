@@ -53,7 +53,7 @@ def test_rayservice_manifest():
     (container,) = group["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
     config = s.cluster_config()
-    assert config.worker.num_gpus == 1 and config.engine_config().device == "cuda"
+    assert config.worker.num_gpus == 1 and config.engine.device == "cuda"
     assert config.num_workers == group["replicas"]  # one worker actor per GPU pod
 
 

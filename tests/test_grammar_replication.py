@@ -314,8 +314,8 @@ def test_new_worker_serves_known_grammars_without_fetching(cluster):
     # a new worker joins the warm cluster
     new = WorkerActor.options(name=f"{WORKER_PREFIX}new-{uuid.uuid4().hex[:4]}",
                               namespace=NAMESPACE, num_cpus=0.25).remote(
-        _engine(config), "w-new", (SCHEDULER_NAME, NAMESPACE),
-        (ACTOR_NAME, NAMESPACE, GrammarCacheConfig(**config.grammar_cache)))
+        config.engine, "w-new", (SCHEDULER_NAME, NAMESPACE),
+        (ACTOR_NAME, NAMESPACE, config.grammar_cache))
     # both hot grammars (the configured one and the requested one), in the background
     wait_for(lambda: grammar_stats(new).get("prefetches", 0) >= 2, "the new worker's prefetch")
     before = grammar_stats(new)
@@ -353,8 +353,3 @@ def test_metrics_show_replication_and_waits(cluster):
     for name in ("prefetches", "grammar_request_waits", "disk_hits", "local_fallbacks"):
         assert f"rayguide_worker_grammar_client_{name}{{" in text, name
     assert "rayguide_worker_grammar_local_hits{" in text
-
-
-def _engine(config):
-    import dataclasses
-    return dataclasses.asdict(config.engine_config())

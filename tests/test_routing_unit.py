@@ -96,7 +96,7 @@ def test_cluster_config_checks_keys(tmp_path):
     path.write_text("num_workers: 3\nworker: {num_cpus: 0.5}\nengine: {max_num_seqs: 8}\n")
     config = ClusterConfig.from_yaml(path, model="/m")
     assert config.num_workers == 3 and config.worker.num_cpus == 0.5
-    assert config.engine_config().max_num_seqs == 8 and config.engine_config().model == "/m"
+    assert config.engine.max_num_seqs == 8 and config.engine.model == "/m"
     path.write_text("num_wrokers: 3\n")
     with pytest.raises(ValueError, match="num_wrokers"):
         ClusterConfig.from_yaml(path)

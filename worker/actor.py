@@ -27,6 +27,7 @@ from worker.engine.sequence import GenerationRequest
 
 if TYPE_CHECKING:
     from grammar_cache.config import GrammarCacheConfig
+    from worker.engine.config import EngineConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
@@ -51,10 +52,11 @@ def served_model_name(model: str | None) -> str:
 
 @ray.remote(max_restarts=-1)
 class WorkerActor:
-    def __init__(self, engine_config: dict | None = None, worker_id: str | None = None,
+    def __init__(self, engine_config: EngineConfig | None = None, worker_id: str | None = None,
                  scheduler: tuple[str, str] | None = None,
                  grammar_cache: tuple[str, str, "GrammarCacheConfig"] | None = None):
-        """scheduler: (name, namespace) of the scheduler actor to register with, at start
+        """engine_config: the engine's config, built once (ClusterConfig.engine) and passed
+        as the object. scheduler: (name, namespace) of the scheduler actor to register with, at start
         and again whenever Ray restarts this actor. grammar_cache: (name, namespace,
         GrammarCacheConfig) of the shared cache actor to compile through; None:
         compile in-process."""
@@ -63,7 +65,7 @@ class WorkerActor:
         from worker.engine.engine import LLMEngine
         from worker.models import loader
 
-        config = EngineConfig(**(engine_config or {}))
+        config = engine_config or EngineConfig()
         self.worker_id = worker_id or f"worker-{os.getpid()}"
         self.grammar_client = None
         self.replicator = None

@@ -42,17 +42,17 @@ class ReasoningMarkers:
         if isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError("engine.reasoning must be a mapping like "
+            raise ValueError("must be a mapping like "
                              "{start: '<think>', end: '</think>'}, true, or null")
         unknown = set(value) - {"start", "end"}
         if unknown:
-            raise ValueError(f"engine.reasoning has unknown key(s) {sorted(unknown)}; "
+            raise ValueError(f"unknown key(s) {sorted(unknown)}; "
                              "use start and end")
         markers = cls(**value)
         for name in ("start", "end"):
             text = getattr(markers, name)
             if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"engine.reasoning.{name} must be a non-empty string")
+                raise ValueError(f"{name} must be a non-empty string")
         return markers
 
 
