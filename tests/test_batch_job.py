@@ -63,7 +63,7 @@ def test_parse_prompt_messages_sampling():
     assert item.error is None and item.id == "a" and item.line == 4 and not item.is_json
     assert item.request == GenerationRequest("Hi", SamplingParams(
         max_new_tokens=5, temperature=0.7, top_p=0.9, seed=3, stop=("\n",)),
-        request_id="batch-t-4")
+        request_id="batch-t-4", client="batch")  # the job is one client of the compile queue
     msgs = [{"role": "user", "content": "Hi"}]
     item = parse({"messages": msgs}, line=7)
     assert item.id == 7 and item.request.prompt == msgs
