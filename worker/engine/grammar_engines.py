@@ -566,7 +566,10 @@ def auto_engine(spec: GrammarSpec, llguidance_refusal: EngineRefused | None) -> 
     """The ``auto`` rule: llguidance for a JSON grammar (json_schema, json_object) it
     compiles, since it compiles only what it enforces exactly, and in well under a
     millisecond; xgrammar for one it refuses (xgrammar approximates it) and for every
-    other kind. ``llguidance_refusal``: what llguidance said of ``spec`` (None: it compiled)."""
+    other kind. ``llguidance_refusal``: what llguidance said of ``spec`` (None: it compiled).
+    No schema class is sent to xgrammar for closing's sake: fixed-width formats (uuid,
+    date, ``{n}`` patterns), which once broke budget-aware closing on llguidance, close
+    there since its state key tells the places of a run apart (``LLGuidanceMatcher.state_key``)."""
     if spec.kind in LLGUIDANCE_AUTO_KINDS and llguidance_refusal is None:
         return LLGUIDANCE
     return XGRAMMAR
