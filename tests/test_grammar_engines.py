@@ -172,6 +172,37 @@ def test_strict_is_optional_on_llguidance(engines, tokenizer):
     assert feed(lax, ids(tokenizer, text)) and lax.is_completed()
 
 
+def test_llguidance_state_key_tells_the_places_of_a_fixed_width_run_apart(engines, tokenizer):
+    # llguidance exposes no parser state: inside a uuid's hex groups the mask and the
+    # forced bytes repeat, and only the probe runs tell the places (and the groups) apart,
+    # which the closing search needs to close a uuid (closing.py merges equal keys)
+    engine = engines[LLGUIDANCE]
+    compiled = engine.compile(GrammarSpec.json_schema(
+        {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"},
+                                          "s": {"type": "string"}},
+         "required": ["id", "s"]}))
+
+    def matcher(text):
+        m = engine.matcher(compiled)
+        assert m.accept_string(text), text
+        return m
+
+    head = '{"id": "12345678-1234-1234-1234-'
+    places = [matcher(head + "1" * n).state_key() for n in range(12)]
+    assert len(set(places)) == 12
+    # the 12-digit group's place 3 before its end is not the 4-digit group's (that one
+    # ends in "-", this one in a quote)
+    assert matcher(head + "1" * 9).state_key() != matcher('{"id": "12345678-1').state_key()
+    # free text: every place is one place
+    tail = head + "1" * 12 + '", "s": "'
+    assert matcher(tail + "ab").state_key() == matcher(tail + "abcdef").state_key()
+    # asking moves nothing: the matcher goes on (and is keyed) as before
+    m = matcher(head + "1" * 11)
+    m.state_key()
+    assert not feed(m, ids(tokenizer, "z")) and m.state_key() == places[11]
+    assert feed(m, ids(tokenizer, '1", "s": ""}')) and m.is_completed()
+
+
 def test_strict_schema_closes_only_what_stands_alone():
     closed = strict_schema({"properties": {"a": {"properties": {"b": {}}}},
                             "prefixItems": [{}]})

@@ -25,11 +25,12 @@ and rolled back (microseconds) and one token is kept per distinct next parser st
 ``@``). And states are merged by a key: the next-token mask, xgrammar's parser state at
 the last step without positions (``matcher.state_key()``, grammar_engines.py: xgrammar's
 parser state, where a repetition such as ``[0-9a-f]{8}`` or ``ws{0,12}`` is unrolled, so
-each place in it is its own state; llguidance's forced bytes), the mask before the
-current run of equal masks, and (for a closing edge, where nesting repeats mask and state
-at every level) the depth. That merge is a heuristic, so a found path is always replayed
-on the real matcher token by token before it is emitted, and "no path" is only ever taken
-as "cannot close", never as a reason to emit anything.
+each place in it is its own state; llguidance's forced bytes and how many of a few
+probe characters may come in a row, which tells the places of such a run apart), the
+mask before the current run of equal masks, and (for a closing edge, where nesting
+repeats mask and state at every level) the depth. That merge is a heuristic, so a found
+path is always replayed on the real matcher token by token before it is emitted, and "no
+path" is only ever taken as "cannot close", never as a reason to emit anything.
 
 Order: a greedy dive first (closers first; in text, where letters may come, only a quote
 closes and characters leading to new states go first), then the uniform-cost search

@@ -36,14 +36,12 @@ class EngineConfig(ConfigModel):
     seed: int | None = None  # seeds the per-request generators of unseeded requests
     progress: bool = True  # progress bars for conversion and loading
     guided: bool = True  # grammar-constrained decoding
-    # the grammar engine of a spec that asks for none ("auto" in the spec): "xgrammar",
-    # "auto" (per grammar: llguidance for a JSON grammar it compiles, xgrammar elsewhere;
-    # see worker/engine/grammar_engines.py) or "llguidance". xgrammar stays the default
-    # until the whole suite passes with auto (three engine tests failed with it, not yet
-    # looked into). $RAYGUIDE_GRAMMAR_ENGINE sets the default (what runs every engine test
-    # on one engine)
+    # the grammar engine of a spec that asks for none ("auto" in the spec): "auto" (per
+    # grammar: llguidance for a JSON grammar it compiles, xgrammar elsewhere; see
+    # worker/engine/grammar_engines.py), "xgrammar" or "llguidance".
+    # $RAYGUIDE_GRAMMAR_ENGINE sets the default (what runs every engine test on one engine)
     grammar_engine: str = Field(
-        default_factory=lambda: os.environ.get("RAYGUIDE_GRAMMAR_ENGINE", "xgrammar"),
+        default_factory=lambda: os.environ.get("RAYGUIDE_GRAMMAR_ENGINE", "auto"),
         validate_default=True)
     # a request whose grammar is not ready this long after it arrived fails (a backstop
     # above the compile limit: a compile over its limit fails sooner, as a bad grammar)

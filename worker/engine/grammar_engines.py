@@ -28,12 +28,19 @@ invalid: every closing path is replayed on the real matcher before it is emitted
   from its debug text: xgrammar 0.2.8 has no public form), ``step_state()`` that state
   with positions, ``rule_start()`` the earliest position of an open rule.
 - llguidance exposes no parser state. ``state_key()`` is what it does expose that is a
-  function of the state: whether it may end and its forced bytes; ``step_state()`` adds
-  the next-token mask (so two tokens count as one next state only where everything that
-  may follow them is the same); ``rule_start()`` is None (unknown: a closing edge always
-  keeps its depth, which merges less). ``has_parser_state()`` is False, so a search that
-  finds nothing searches again with states told apart by depth too (as xgrammar's does
-  when its debug text cannot be read) before it calls a grammar unclosable.
+  function of the state: whether it may end, its forced bytes, and for each of a few
+  probe characters (``0``, ``a``, ``A``) how many may come in a row from here
+  (``validate_tokens``, which consumes nothing) and, for a bounded run, the bytes forced
+  right after it. The runs stand in for xgrammar's unrolled positions: inside a uuid's
+  ``[0-9a-f]{12}`` mask and forced bytes repeat at every place, and without them the
+  search merged the places and could not close a uuid or a date (it then neither
+  refused a budget too small for such a schema nor closed the output). ``step_state()``
+  adds the next-token mask (so two tokens count as one next state only where everything
+  that may follow them is the same); ``rule_start()`` is None (unknown: a closing edge
+  always keeps its depth, which merges less). ``has_parser_state()`` is False, so a
+  search that finds nothing searches again with states told apart by depth too (as
+  xgrammar's does when its debug text cannot be read) before it calls a grammar
+  unclosable.
 
 Both engines write the same bitmask layout (xgrammar's: bit ``t % 32`` of word ``t // 32``),
 so worker/engine/bitmask.py applies either. Their masks differ slightly: llguidance
@@ -272,6 +279,7 @@ class LLGuidanceEngine(GrammarEngine):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.stop_token_ids = frozenset(tokenizer.eos_tokens)
+        self.probes = _run_probes(tokenizer)
 
     @classmethod
     def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -295,7 +303,23 @@ class LLGuidanceEngine(GrammarEngine):
 
     def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.artifact.deep_copy(), self.stop_token_ids,
-                                 self.tokenizer)
+                                 self.tokenizer, self.probes)
+
+
+# the characters whose runs tell places apart in llguidance's state key (see
+# LLGuidanceMatcher.state_key): a fixed-width field's digits, hex digits or letters
+_PROBE_TEXTS = ("0", "a", "A")
+_PROBE_RUN = 64  # a run this long counts as unbounded
+
+
+def _run_probes(tokenizer: "llguidance.LLTokenizer") -> tuple[int, ...]:
+    """The token of each probe character the tokenizer spells as one token."""
+    probes = []
+    for text in _PROBE_TEXTS:
+        tokens = tokenizer.tokenize_str(text)
+        if len(tokens) == 1:
+            probes.append(tokens[0])
+    return tuple(probes)
 
 
 def _llguidance_grammar(spec: GrammarSpec) -> str:
@@ -410,12 +434,15 @@ class LLGuidanceMatcher(GrammarMatcher):
     engine = LLGUIDANCE
 
     def __init__(self, inner: "llguidance.LLMatcher", stop_token_ids: frozenset[int],
-                 tokenizer: "llguidance.LLTokenizer | None" = None):
+                 tokenizer: "llguidance.LLTokenizer | None" = None,
+                 probes: tuple[int, ...] = ()):
         self.inner = inner
         self.stop_token_ids = stop_token_ids
         self.tokenizer = tokenizer
+        self.probes = probes
         self.terminated = False
         self._steps: list[int] = []  # inner tokens per accepted step (0: the stop token)
+        self._key: tuple | None = None  # state_key() of the state as it is (None: unknown)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         # llguidance.torch's helpers are torch.compile'd at import (seconds, and a
@@ -433,10 +460,12 @@ class LLGuidanceMatcher(GrammarMatcher):
             self.terminated = self.inner.is_accepting()
             if self.terminated:
                 self._steps.append(0)
+                self._key = None
             return self.terminated
         if self.inner.try_consume_tokens([token]) != 1:
             return False
         self._steps.append(1)
+        self._key = None
         return True
 
     def accept_string(self, text: str) -> bool:
@@ -449,6 +478,7 @@ class LLGuidanceMatcher(GrammarMatcher):
                 self.inner.rollback(done)
             return False
         self._steps.append(len(tokens))
+        self._key = None
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -459,12 +489,14 @@ class LLGuidanceMatcher(GrammarMatcher):
         for _ in range(num_tokens):
             inner += self._steps.pop()
         self.terminated = False
+        self._key = None
         if inner and not self.inner.rollback(inner):
             raise ValueError(f"llguidance could not roll back {inner} tokens: "
                              f"{self.inner.get_error()}")
 
     def fork(self) -> "LLGuidanceMatcher":
-        twin = LLGuidanceMatcher(self.inner.deep_copy(), self.stop_token_ids, self.tokenizer)
+        twin = LLGuidanceMatcher(self.inner.deep_copy(), self.stop_token_ids, self.tokenizer,
+                                 self.probes)
         twin.terminated = self.terminated
         twin._steps = list(self._steps)
         return twin
@@ -489,12 +521,37 @@ class LLGuidanceMatcher(GrammarMatcher):
     def state_key(self) -> tuple:
         if self.terminated:
             return (True, b"")
-        return (self.inner.is_accepting(), self.inner.compute_ff_bytes())
+        if self._key is None:  # (a search asks again for the same state: once is enough)
+            self._key = self.step_state() + (self._runs(),)
+        return self._key
+
+    def _runs(self) -> tuple:
+        """For each probe character, how many may come in a row from here, and (for a
+        bounded run) the bytes forced right after it: the place in a fixed-width run
+        such as a uuid's ``[0-9a-f]{12}``, where mask and forced bytes repeat at every
+        place, and which run it is (a uuid's last 4-digit group ends in "-", its
+        12-digit group in a quote). Microseconds: validate_tokens consumes nothing; a
+        bounded run is consumed and rolled back."""
+        runs, inner = [], self.inner
+        for probe in self.probes:
+            n = inner.validate_tokens([probe] * _PROBE_RUN)
+            after = b""
+            if 0 < n < _PROBE_RUN:
+                done = inner.try_consume_tokens([probe] * n)
+                if done == n:
+                    after = inner.compute_ff_bytes()
+                if done:
+                    inner.rollback(done)
+            runs.append((n, after))
+        return tuple(runs)
 
     def step_state(self) -> tuple:
+        # without the runs (the costly part): the next mask tells next states apart
+        # well enough to keep one token per next state
         if self.terminated:
-            return self.state_key()
-        return self.state_key() + (hash(self.inner.compute_bitmask()),)
+            return (True, b"")
+        return (self.inner.is_accepting(), self.inner.compute_ff_bytes(),
+                hash(self.inner.compute_bitmask()))
 
     def rule_start(self) -> None:
         return None
@@ -509,7 +566,10 @@ def auto_engine(spec: GrammarSpec, llguidance_refusal: EngineRefused | None) -> 
     """The ``auto`` rule: llguidance for a JSON grammar (json_schema, json_object) it
     compiles, since it compiles only what it enforces exactly, and in well under a
     millisecond; xgrammar for one it refuses (xgrammar approximates it) and for every
-    other kind. ``llguidance_refusal``: what llguidance said of ``spec`` (None: it compiled)."""
+    other kind. ``llguidance_refusal``: what llguidance said of ``spec`` (None: it compiled).
+    No schema class is sent to xgrammar for closing's sake: fixed-width formats (uuid,
+    date, ``{n}`` patterns), which once broke budget-aware closing on llguidance, close
+    there since its state key tells the places of a run apart (``LLGuidanceMatcher.state_key``)."""
     if spec.kind in LLGUIDANCE_AUTO_KINDS and llguidance_refusal is None:
         return LLGUIDANCE
     return XGRAMMAR
