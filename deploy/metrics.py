@@ -49,7 +49,8 @@ class Metrics:
         self.first_token.observe(seconds)
 
     def tokens(self, n: int) -> None:
-        self.generated.inc(n)
+        if n > 0:  # Ray's Counter refuses 0 (an answer with no tokens: aborted, refused)
+            self.generated.inc(n)
         self.local.generated_tokens += n
 
     def render(self, status: dict | None, client=None, cache: dict | None = None) -> str:

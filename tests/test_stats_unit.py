@@ -212,3 +212,13 @@ def test_the_load_tools_percentile_is_the_trees_rounded():
     assert _pct([], 50) is None and _pct([0.123456], 99) == 0.1235
     xs = [0.3, 0.1, 0.2, 0.9]
     assert _pct(xs, 50) == round(percentile(xs, 50), 4) and _pct(xs, 100) == 0.9
+
+
+def test_an_answer_of_no_tokens_is_counted_without_error():
+    # Ray's Counter.inc(0) raises; a request that ended with no tokens (an abort, a session
+    # flood's cut) was answered 500 from this line
+    from deploy.metrics import Metrics
+    metrics = Metrics()
+    metrics.tokens(0)
+    metrics.tokens(3)
+    assert metrics.local.generated_tokens == 3
