@@ -53,8 +53,8 @@ def test_the_engine_follows_the_top_level_unless_its_section_says():
 
 def test_env_defaults_of_the_engine_are_read_when_built(monkeypatch):
     monkeypatch.setenv("RAYGUIDE_GRAMMAR_ENGINE", "llguidance")
-    monkeypatch.setenv("RAYGUIDE_JUMP_FORWARD", "1")
-    assert (EngineConfig().grammar_engine, EngineConfig().jump_forward) == ("llguidance", True)
+    monkeypatch.setenv("RAYGUIDE_JUMP_FORWARD", "0")
+    assert (EngineConfig().grammar_engine, EngineConfig().jump_forward) == ("llguidance", False)
     monkeypatch.setenv("RAYGUIDE_GRAMMAR_ENGINE", "nope")  # a bad default is refused too
     with pytest.raises(ValueError, match=r"^engine\.grammar_engine: must be one of"):
         EngineConfig()
@@ -184,3 +184,10 @@ def test_a_key_that_is_not_a_name_is_refused(tmp_path):
     path.write_text("1: 2\n")
     with pytest.raises(ValueError, match=r"c\.yaml: keys are names, got 1"):
         ClusterConfig.from_yaml(path)
+
+
+def test_the_engine_defaults(monkeypatch):
+    # what a server runs with when its config names neither: auto engines, jump-forward on
+    monkeypatch.delenv("RAYGUIDE_GRAMMAR_ENGINE", raising=False)
+    monkeypatch.delenv("RAYGUIDE_JUMP_FORWARD", raising=False)
+    assert (EngineConfig().grammar_engine, EngineConfig().jump_forward) == ("auto", True)

@@ -70,11 +70,10 @@ class EngineConfig(ConfigModel):
     # (None: only max_tokens, less the room the answer needs, bounds it)
     thinking_token_budget: int | None = Field(None, ge=0)
     # jump-forward decoding (jump_forward.py): text a guided row's grammar forces is
-    # appended without sampling and computed in the row's next forward. Off by default
-    # until the whole test suite has run with it on (it was measured, not yet run suite-wide);
-    # $RAYGUIDE_JUMP_FORWARD=1 sets the default (what runs the suite with it on)
+    # appended without sampling and computed in the row's next forward. On by default;
+    # $RAYGUIDE_JUMP_FORWARD=0 sets the default off (what runs the suite without it)
     jump_forward: bool = Field(
-        default_factory=lambda: os.environ.get("RAYGUIDE_JUMP_FORWARD", "0") == "1")
+        default_factory=lambda: os.environ.get("RAYGUIDE_JUMP_FORWARD", "1") == "1")
 
     @field_validator("model", mode="before")
     @classmethod
