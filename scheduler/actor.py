@@ -279,7 +279,8 @@ class SchedulerActor:
 def _shown(entry) -> dict:
     """A worker's row in stats(): its last load report, with the grammar families it holds
     as a count (plain data for JSON and metrics)."""
-    load = {k: v for k, v in entry.load.items() if k != "grammar_families"}
+    load = {k: v for k, v in entry.load.items()
+            if k not in ("grammar_families", "cheap_grammar_families")}
     load["grammars_held"] = len(entry.load.get("grammar_families", ()))
     return {"node_id": entry.node_id, "suspect": entry.suspect, **load}
 

@@ -16,7 +16,9 @@ Grammar affinity: a new guided request names its grammar's family (the tokenizer
 part of its key). After session stickiness, a worker that holds that grammar (it reports its
 families in its load; the table also remembers where it sent a family since that report) is
 chosen when its load is within ``affinity_margin_tokens`` of the least-loaded worker, so a
-request does not wait for a grammar another worker already has compiled.
+request does not wait for a grammar another worker already has compiled. Not for a grammar
+a worker reports as cheap (llguidance serves it: a compile of about a millisecond, where
+affinity would only put every request of a popular grammar into one worker's batch).
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ class RoutingTable:
     def update_load(self, worker_id: str, load: dict) -> None:
         entry = self.workers.get(worker_id)
         if entry is not None:
-            if "grammar_families" in load:  # a set: membership tests on every route
-                load = {**load, "grammar_families": frozenset(load["grammar_families"])}
+            for k in ("grammar_families", "cheap_grammar_families"):  # sets: membership
+                if k in load:  # tests on every route
+                    load = {**load, k: frozenset(load[k])}
             entry.load = load
             entry.suspect = False
             entry.routed_since_report = 0
@@ -145,7 +148,8 @@ class RoutingTable:
                     f"worker holds {self.max_sessions_per_worker} live sessions; end one "
                     "(DELETE /v1/sessions/{id}), send without session_id, or retry later")
         best = min(live, key=lambda w: (w.queued_tokens, w.worker_id))
-        if grammar_family is not None and not best.holds(grammar_family):
+        if grammar_family is not None and not best.holds(grammar_family) \
+                and not self._cheap(grammar_family, live):
             holders = [w for w in live if w.holds(grammar_family)
                        and w.queued_tokens <= best.queued_tokens + self.affinity_margin_tokens]
             if holders:
@@ -161,6 +165,12 @@ class RoutingTable:
             self._unpin(session_id)  # a session moving off a dead or slow worker
             self._pin(session_id, best.worker_id, now)
         return best
+
+    @staticmethod
+    def _cheap(family: str, workers: list[WorkerEntry]) -> bool:
+        """A worker reported that llguidance serves this grammar there (it compiles in
+        about a millisecond): affinity would only pile its requests onto one batch."""
+        return any(family in w.load.get("cheap_grammar_families", ()) for w in workers)
 
     def _over_limit(self, entry: WorkerEntry, expected_tokens: int) -> bool:
         # an idle worker takes any request: a large max_tokens is a budget, not a queue,

@@ -2,6 +2,8 @@
 
 import time
 
+from collections import Counter
+
 import pytest
 
 from cluster.config import ClusterConfig
@@ -120,6 +122,24 @@ def test_grammar_affinity_within_the_margin():
     # ... which from then on counts as holding it (before its next load report)
     assert t.route(None, 10, grammar_family="g").worker_id == "w0"
     assert t.route(None, 10, grammar_family="other").worker_id == "w0"
+
+
+def test_a_cheap_grammar_is_routed_by_load_alone():
+    """A grammar llguidance serves (a worker reports it cheap: compiled in a millisecond)
+    gets no affinity: a burst of its requests spreads over the workers by load instead of
+    piling into the batch of the first worker that saw it."""
+    t = table(2, affinity_margin_tokens=2048)
+    t.update_load("w0", {"grammar_families": [], "cheap_grammar_families": ["g"]})
+    t.update_load("w1", {})
+    routed = Counter(t.route(None, 24, grammar_family="g").worker_id for _ in range(16))
+    assert routed == {"w0": 8, "w1": 8}
+    assert t.affinity_routes == 0
+    # the same burst of a grammar nobody reports cheap: the first worker to get it keeps it
+    t2 = table(2, affinity_margin_tokens=2048)
+    t2.update_load("w0", {})
+    t2.update_load("w1", {})
+    routed = Counter(t2.route(None, 24, grammar_family="g").worker_id for _ in range(16))
+    assert routed == {"w0": 16}
 
 
 def test_sessions_stick_before_grammar_affinity():

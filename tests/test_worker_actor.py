@@ -59,6 +59,23 @@ def test_guided_request(worker):
     assert "".join(c.text for c in chunks) in ("yes", "no")
 
 
+def test_load_reports_llguidance_grammars_as_cheap(worker):
+    """Grammar-affinity routing reads these: a grammar llguidance serves is reported cheap
+    (no affinity: it compiles here in a millisecond), an xgrammar one as held."""
+    schema = {"type": "object", "properties": {"cheap": {"type": "boolean"}},
+              "required": ["cheap"]}
+    ll = GrammarSpec.json_schema(schema, engine="llguidance")
+    xg = GrammarSpec.json_schema({**schema, "title": "held"}, engine="xgrammar")
+    for spec in (ll, xg):
+        chunks = stream(worker, req(chat("Is it cheap?"), 16, grammar=spec))
+        assert chunks[-1].finished and chunks[-1].error is None
+    load = ray.get(worker.load.remote())
+    assert ll.family in load["cheap_grammar_families"]
+    assert ll.family not in load["grammar_families"]
+    assert xg.family in load["grammar_families"]
+    assert xg.family not in load["cheap_grammar_families"]
+
+
 def test_bad_request_raises(worker):
     with pytest.raises(ValueError, match="prompt is empty"):
         stream(worker, req(""))

@@ -81,8 +81,12 @@ class WorkerActor:
             engine.model_dir) if engine.model_dir else {})
         self.started = time.time()
         # grammar families (GrammarSpec.family) this worker compiled or fetched, most recent
-        # last: reported in load() for the scheduler's grammar-affinity routing
+        # last: reported in load() for the scheduler's grammar-affinity routing. Families
+        # served by llguidance (a compile of about a millisecond, in this worker) are
+        # reported apart, as cheap: sending every request of a popular grammar to the one
+        # worker that holds it would only pile them onto one batch
         self.families: OrderedDict[str, None] = OrderedDict()
+        self.cheap_families: OrderedDict[str, None] = OrderedDict()
         # per guided request: did its grammar have to be fetched / compiled (a wait), and
         # for how long; the last ones kept for benchmarks (grammar_requests())
         self._grammar_counts = GrammarRequestStats()
@@ -175,9 +179,11 @@ class WorkerActor:
         tokenizer = self.engine.engine.tokenizer
         self._replicating()
         if request.grammar is not None:
-            self._hold(request.grammar.family)
+            self._note_family(request.grammar)
             self._count_grammar_request(request)
         async for out in self.engine.generate(request):
+            if request.grammar is not None and out.finished:
+                self._note_family(request.grammar)  # its engine is known by now
             out.worker_id = self.worker_id
             if out.logprobs:  # front ends show tokens as text; only the worker has the vocab
                 # a token the engine forced to close the output early has no logprobs
@@ -188,10 +194,17 @@ class WorkerActor:
             yield out
 
     def _hold(self, family: str) -> None:
-        self.families[family] = None
-        self.families.move_to_end(family)
-        while len(self.families) > MAX_REPORTED_FAMILIES:
-            self.families.popitem(last=False)
+        _remember(self.families, family)
+
+    def _note_family(self, spec) -> None:
+        """Held, or cheap when llguidance serves ``spec`` here (unknown before its first
+        compile: held until then)."""
+        guided = self.engine.engine.guided
+        if guided is not None and guided.cheap(spec):
+            self.families.pop(spec.family, None)
+            _remember(self.cheap_families, spec.family)
+        else:
+            self._hold(spec.family)
 
     def end_sessions(self, session_ids: list[str]) -> int:
         for sid in session_ids:
@@ -208,6 +221,7 @@ class WorkerActor:
                      device=self.device, host=socket.gethostname(), pid=os.getpid(),
                      max_model_len=self.engine.engine.max_model_len,
                      grammar_families=list(self.families),
+                     cheap_grammar_families=list(self.cheap_families),
                      generation_defaults=self.generation_defaults,
                      uptime_s=time.time() - self.started,
                      grammar_client=self._grammar_stats())
@@ -224,3 +238,11 @@ class WorkerActor:
         self._replicating()
         await self.engine.stats()  # answered by the engine thread: the loop is alive
         return True
+
+
+def _remember(families: OrderedDict, family: str) -> None:
+    """Most recent last, at most MAX_REPORTED_FAMILIES."""
+    families[family] = None
+    families.move_to_end(family)
+    while len(families) > MAX_REPORTED_FAMILIES:
+        families.popitem(last=False)

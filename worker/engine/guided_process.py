@@ -206,6 +206,14 @@ class GuidedDecodingManager:
             cached = self._grammars.get(spec.key(self.fingerprint))
             return cached is not None and not isinstance(cached, GrammarError)
 
+    def cheap(self, spec: GrammarSpec) -> bool:
+        """Whether ``spec``'s grammar here is llguidance's (``auto`` resolved): compiled in
+        this process in about a millisecond, so another worker gains next to nothing by
+        sending its requests here (False before its compile ends, or when it failed)."""
+        with self._lock:
+            cached = self._grammars.get(spec.key(self.fingerprint))
+        return isinstance(cached, CompiledGrammar) and cached.engine == LLGUIDANCE
+
     def resolve(self, spec: GrammarSpec) -> str:
         """The engine asked for ``spec``: its own, else the default (maybe ``auto``)."""
         return spec.engine if spec.engine != AUTO else self.default_engine
