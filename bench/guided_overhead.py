@@ -4,7 +4,10 @@ Same prompts, greedy, jump-forward off (decode steps only). Guided and unguided 
 compared pairwise at the same step index (same context length) while every sequence of
 both runs is still decoding (equal batch occupancy). Rounds alternate between the two
 sides. Per guided step: bitmask fill time (on its thread, overlapping the forward), how
-long the step still waited for it after the forward, mask apply time and accept time.
+long the step still waited for it after the forward, mask apply time and accept time. Each
+grammar engine has its rows (the schema forced onto xgrammar, then llguidance); the unkeyed
+``--json`` figures are the rows of the engine ``auto`` picks, keys with the engine's name
+(``fill_us_xgrammar_b8``, ``ratio_guided_llguidance_b32``...) are each engine's.
 Also, at batch 1: HF transformers generate() with xgrammar's HF logits processor on the
 same schema, what a user would otherwise run.
 
@@ -52,6 +55,7 @@ from grammar_cache.spec import GrammarSpec  # noqa: E402
 from worker.engine import bitmask  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
+from worker.engine.grammar_engines import LLGUIDANCE, XGRAMMAR  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
 from worker.engine.sequence import GenerationRequest, RequestOutput  # noqa: E402
 
@@ -74,10 +78,11 @@ def prompts(n: int):
               "as a JSON object with a long biography."}] for i in range(n)]
 
 
-def run_side(engine: LLMEngine, batch: int, new_tokens: int, guided: bool):
+def run_side(engine: LLMEngine, batch: int, new_tokens: int, guided: bool,
+             grammar_engine: str = "auto"):
     """Returns per decode step (index -> seconds) while all ``batch`` sequences decode,
     and the guided timings of those steps."""
-    spec = GrammarSpec.json_schema(SCHEMA) if guided else None
+    spec = GrammarSpec.json_schema(SCHEMA, engine=grammar_engine) if guided else None
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=not guided)
     for p in prompts(batch):
         engine.add_request(GenerationRequest(p, params, grammar=spec))
@@ -107,6 +112,45 @@ def run_side(engine: LLMEngine, batch: int, new_tokens: int, guided: bool):
     while engine.has_work():
         step()
     return steps, timings
+
+
+def auto_choice(engine: LLMEngine) -> str:
+    """The engine ``auto`` picks for SCHEMA in this engine."""
+    grammar = engine.guided.get_grammar(GrammarSpec.json_schema(SCHEMA)).result()
+    return grammar.engine
+
+
+def mask_cost(engine: LLMEngine, batch: int, new_tokens: int, rounds: int,
+              grammar_engine: str) -> tuple[dict, list]:
+    """Paired decode steps, guided on ``grammar_engine`` vs unguided: (figures, table row)."""
+    run_side(engine, batch, new_tokens, True, grammar_engine)  # warm: compile, size buffers
+    pairs, fill, wait, apply, accept = [], [], [], [], []
+    for r in range(rounds):
+        # alternate which side goes first, so drift within a round cancels out
+        if r % 2 == 0:
+            plain, _ = run_side(engine, batch, new_tokens, guided=False)
+            guided, timings = run_side(engine, batch, new_tokens, True, grammar_engine)
+        else:
+            guided, timings = run_side(engine, batch, new_tokens, True, grammar_engine)
+            plain, _ = run_side(engine, batch, new_tokens, guided=False)
+        pairs += list(zip(plain, guided))
+        fill += [t.fill_us for t in timings]
+        wait += [t.fill_wait_us for t in timings]
+        apply += [t.apply_us for t in timings]
+        accept += [t.accept_us for t in timings]
+    if not pairs:
+        raise SystemExit(f"batch {batch} ({grammar_engine}): no decode step had every "
+                         "sequence of both sides decoding (all outputs ended too early)")
+    plain_s = statistics.median(p for p, _ in pairs)
+    guided_s = statistics.median(g for _, g in pairs)
+    hidden = 1 - statistics.mean(wait) / max(statistics.mean(fill), 1e-9)
+    fig = {"ratio_guided": plain_s / guided_s, "unguided_tok_s": batch / plain_s,
+           "guided_tok_s": batch / guided_s, "fill_us": statistics.mean(fill),
+           "apply_us": statistics.mean(apply), "accept_us": statistics.mean(accept),
+           "fill_hidden": hidden}
+    return fig, [batch, len(pairs), batch / plain_s, batch / guided_s, plain_s / guided_s,
+                 fig["fill_us"], statistics.mean(wait), f"{100 * hidden:.0f}%",
+                 fig["apply_us"], fig["accept_us"]]
 
 
 @torch.no_grad()
@@ -174,39 +218,16 @@ def main() -> None:
     # token a step, so this part runs without jumping (as it did before it existed)
     engine.config.jump_forward = False
     figures, rows = {}, []
-    for batch in batches:
-        run_side(engine, batch, new_tokens, guided=True)  # warm: compile, size buffers
-        pairs, fill, wait, apply, accept = [], [], [], [], []
-        for r in range(rounds):
-            # alternate which side goes first, so drift within a round cancels out
-            if r % 2 == 0:
-                plain, _ = run_side(engine, batch, new_tokens, guided=False)
-                guided, timings = run_side(engine, batch, new_tokens, guided=True)
-            else:
-                guided, timings = run_side(engine, batch, new_tokens, guided=True)
-                plain, _ = run_side(engine, batch, new_tokens, guided=False)
-            pairs += list(zip(plain, guided))
-            fill += [t.fill_us for t in timings]
-            wait += [t.fill_wait_us for t in timings]
-            apply += [t.apply_us for t in timings]
-            accept += [t.accept_us for t in timings]
-        if not pairs:
-            raise SystemExit(f"batch {batch}: no decode step had every sequence of both "
-                             "sides decoding (all outputs ended too early to compare)")
-        plain_s = statistics.median(p for p, _ in pairs)
-        guided_s = statistics.median(g for _, g in pairs)
-        ratio = plain_s / guided_s
-        hidden = 1 - statistics.mean(wait) / max(statistics.mean(fill), 1e-9)
-        figures[f"ratio_guided_b{batch}"] = ratio
-        figures[f"unguided_tok_s_b{batch}"] = batch / plain_s
-        figures[f"guided_tok_s_b{batch}"] = batch / guided_s
-        figures[f"fill_us_b{batch}"] = statistics.mean(fill)
-        figures[f"apply_us_b{batch}"] = statistics.mean(apply)
-        figures[f"accept_us_b{batch}"] = statistics.mean(accept)
-        figures[f"fill_hidden_b{batch}"] = hidden
-        rows.append([batch, len(pairs), batch / plain_s, batch / guided_s, ratio,
-                     statistics.mean(fill), statistics.mean(wait), f"{100 * hidden:.0f}%",
-                     statistics.mean(apply), statistics.mean(accept)])
+    # the mask's cost on each engine; the unkeyed figures are auto's (what the server
+    # runs: llguidance compiles this schema)
+    served = auto_choice(engine)
+    for grammar_engine in (XGRAMMAR, LLGUIDANCE):
+        for batch in batches:
+            fig, row = mask_cost(engine, batch, new_tokens, rounds, grammar_engine)
+            rows.append([grammar_engine] + row)
+            figures.update({f"{k}_{grammar_engine}_b{batch}": v for k, v in fig.items()})
+            if grammar_engine == served:
+                figures.update({f"{k}_b{batch}": v for k, v in fig.items()})
     figures["apply_us_per_row_b32"] = figures[f"apply_us_b{batches[-1]}"] / batches[-1]
 
     from transformers import AutoModelForCausalLM
@@ -218,8 +239,11 @@ def main() -> None:
     figures["hf_xgrammar_tok_s_b1"] = 1 / hf_s
     figures["ratio_guided_b1_vs_hf_xgrammar"] = hf_s / ours_b1
 
-    body = table(["batch", "paired steps", "unguided tok/s", "guided tok/s", "ratio",
+    body = table(["engine", "batch", "paired steps", "unguided tok/s", "guided tok/s", "ratio",
                   "fill us", "fill wait us", "fill hidden", "apply us", "accept us"], rows)
+    body += (f"\n\n`auto` serves this schema with {served} (the unkeyed --json figures are "
+             "its rows); fill us: the batch's bitmask fill per step (xgrammar's batch "
+             "matcher, llguidance's parallel fill), on its thread beside the forward.")
     body += (f"\n\nBatch 1 guided vs HF generate() + xgrammar HF logits processor (same schema):"
              f" rayguide {1 / ours_b1:.1f} tok/s, HF {1 / hf_s:.1f} tok/s, ratio "
              f"{figures['ratio_guided_b1_vs_hf_xgrammar']:.2f}. Mask apply at batch "
