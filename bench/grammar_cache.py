@@ -444,7 +444,8 @@ def warm_worker(config, handles, mix, schedule, size: ClusterSize) -> dict:
     want = {mix[i][1].family for i in known}
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:  # its background replication has fetched them
-        if want <= set(ray.get(new.load.remote())["grammar_families"]):
+        load = ray.get(new.load.remote())  # held, or cheap: llguidance's (compiled here)
+        if want <= set(load["grammar_families"]) | set(load.get("cheap_grammar_families", ())):
             break
         time.sleep(0.5)
     replicated = time.perf_counter() - t0

@@ -128,7 +128,7 @@ class WorkerActor:
             actor=lambda: ray.get_actor(name, namespace=namespace),
             prefetch=guided.get_grammar, holds=guided.holds,
             held_bytes=lambda: guided.cached_bytes,
-            on_held=lambda spec: self._hold(spec.family),
+            on_held=self._note_family,
             # requests waiting for their grammars go first (a list read: no lock needed)
             busy=lambda: bool(self.engine.engine.waiting_for_grammar),
             register=self.grammar_client.register)
