@@ -3,7 +3,8 @@
 A guided request that runs out of tokens mid-output returns text its grammar does not
 accept (an unclosed string, a missing required property). The engine avoids that by
 measuring, near the end of the budget, how many tokens the grammar still needs, and by
-emitting that completion once the budget is down to it (engine.py, ``_maybe_close``).
+emitting that completion once the budget is down to it (output_policy.py,
+``OutputPolicy._maybe_close``).
 
 The search works for every grammar kind because it only uses the matcher:
 
@@ -14,13 +15,15 @@ The search works for every grammar kind because it only uses the matcher:
     search  = uniform-cost (Dijkstra) up to ``limit`` tokens and ``max_expansions`` nodes
 
 Every search is bounded twice: by ``max_expansions`` nodes and by ``time_limit_s`` of wall
-time (a mask fill costs 50 us in most states, but 4 ms deep inside free-form JSON, where 400
-nodes once took 90 s on the engine thread). A search cut short answers "not found, not
-exhausted", which the engine treats as "do not know" (engine.py retries it a few tokens
-later, a few times). Two reductions keep it to a few milliseconds. Candidates are the
-single-byte tokens, the short structural tokens of JSON (``"}``, ``", "``, ``": ``...) and
-JSON's literals; where many of one class are allowed, each is tried on one scratch matcher
-and rolled back (microseconds) and one token is kept per distinct next parser state
+time, since it runs on the engine thread and stalls the whole batch, and a mask fill that
+is cheap in most states is costly deep inside free-form JSON, so a node cap alone does
+not bound the time. A search cut short answers "not found, not exhausted", which the
+output policy treats as "do not know" (it retries a few tokens later, a few times).
+
+Two reductions keep a search small. Candidates are the single-byte tokens, the short
+structural tokens of JSON (``"}``, ``", "``, ``": ``...) and JSON's literals; where many of
+one class are allowed, each is tried on one scratch matcher and rolled back
+(microseconds) and one token is kept per distinct next parser state
 (inside free text every letter leads to the same state; an e-mail's local part needs its
 ``@``). And states are merged by a key: the next-token mask, xgrammar's parser state at
 the last step without positions (``matcher.state_key()``, grammar_engines.py: xgrammar's
@@ -34,8 +37,8 @@ path" is only ever taken as "cannot close", never as a reason to emit anything.
 
 Order: a greedy dive first (closers first; in text, where letters may come, only a quote
 closes and characters leading to new states go first), then the uniform-cost search
-without blank-only tokens, then with them. ``fitting`` is what the engine calls: the dive,
-and where its answer does not fit the budget, the exact search's when shorter.
+without blank-only tokens, then with them. ``fitting`` is what the output policy calls:
+the dive, and where its answer does not fit the budget, the exact search's when shorter.
 
 The token count is that of the path found; the path's text is also re-encoded with the
 tokenizer and the shorter accepted version kept, so free text ("aaaa") is not charged one
@@ -456,7 +459,7 @@ class CompletionSearch:
         """One token for each parser state that ``toks`` lead to from ``m`` (inside a free
         string every letter leads to the same state; an e-mail's local part needs "@" and
         a regex ``[a-z]*q`` needs "q", which sampling a class would miss). Each token is
-        tried on one scratch matcher and rolled back (microseconds; a fork costs 100 us),
+        tried on one scratch matcher and rolled back (far cheaper than a fork per token),
         and the answer is remembered per (mask, parser state) for the search."""
         key = (hash(row.numpy().tobytes()), m.state_key(), tuple(toks))
         got = self._reps_memo.get(key)

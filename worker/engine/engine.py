@@ -4,18 +4,19 @@
         scheduled = self.scheduler.schedule()
         proc = FusedLogitsProcessor(inputs, self.guided); proc.prepare()  # mask fill starts
         logits, rows = self.runner.run(scheduled)                         # ... under the forward
-        tokens = self.sampler(logits, inputs.rows, proc); proc.accept_token(tokens)
+        result = self.sampler(logits, inputs.rows, proc)      # penalties, mask, draw
+        self.policy.steer(...); proc.accept_token(result.token_ids)  # then _append_token
 
 A guided request first waits (WAITING_FOR_GRAMMAR) while its grammar compiles on the
 manager's thread pool; the batch goes on without it. ``AsyncEngine`` (async_engine.py)
 drives ``step()`` from a thread for the Ray actor. The engine imports no Ray: a worker
 injects how grammars are fetched (``grammar_fetch``).
 
-Conformance (issue 12): each guided request has its own matcher; near the end of its
-token budget the engine steers it to the grammar's shortest completion (closing.py), so a
-response cut by its budget still parses; a stop string or stop token id ends a guided
-request only where its grammar may end; each finished JSON output is validated against
-its full schema (validation.py).
+Conformance: each guided request has its own matcher; near the end of its token budget
+the output policy steers it to the grammar's shortest completion (output_policy.py,
+closing.py), so a response cut by its budget still parses; a stop string or stop token id
+ends a guided request only where its grammar may end; each finished JSON output is
+validated against its full schema (validation.py).
 """
 
 from __future__ import annotations
