@@ -204,8 +204,8 @@ class GrammarCacheClient:
 
     def _unpack(self, data: bytes, key: str):
         """``envelope.unpack`` for this worker; after loading a big grammar, the heap's
-        free memory goes back to the system (see ``_trim_heap``: parsing a 38 MB grammar
-        left 120-320 MB behind in the loading thread's arena, 30 MB with the trim)."""
+        free memory goes back to the system (``_trim_heap``), since parsing leaves many
+        times the grammar's size behind in the loading thread's arena."""
         try:
             return envelope.unpack(data, self.info, self.fingerprint, key)
         except GrammarUnavailable as exc:  # the envelope's kind (overloaded) rides along

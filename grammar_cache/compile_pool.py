@@ -16,9 +16,8 @@ large envelope only to read them. Outcomes:
 - past the time limit: the child is killed and replaced; COMPILE_TIMEOUT, with a message
   that gives the limit and the config key that raises it (the grammar is not invalid).
   The limit is the child's CPU time, read from /proc (wall time where that cannot be
-  read): on a busy machine a grammar that compiles in 1 s alone took over 10 s of wall
-  time, and a client must not be told its valid grammar is too slow because the cores were
-  decoding. A compile that is given less than the limit's CPU time within
+  read): on a busy machine a compile's wall time can be many times its CPU time, and a
+  client must not be told its valid grammar is too slow because the cores were decoding. A compile that is given less than the limit's CPU time within
   ``WALL_FACTOR`` times the limit is stopped too, as GRAMMAR_UNAVAILABLE (transient,
   never cached: the machine, not the grammar);
 - the child died without an answer (killed from outside, the kernel's OOM killer, a crash):

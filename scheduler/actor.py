@@ -7,9 +7,10 @@ few milliseconds and sent as one ``end_sessions([...])`` message per live worker
 burst of ends costs a handful of messages, not one per session and worker. A background
 loop polls each worker's load and ends sessions idle past the timeout. A worker Ray reports
 dead is dropped at once; one that is only slow to answer (a long step, a busy machine) is
-marked suspect and routed around until it answers again, never dropped: dropping live
-workers on a slow poll once turned a busy cluster into "no worker is alive". After a restart the scheduler finds the workers by name
-and rebuilds its tables from their reports.
+marked suspect and routed around until it answers again, never dropped: on a busy cluster
+every worker can be slow to answer at once, and dropping them would leave "no worker is
+alive" while all of them are. After a restart the scheduler finds the workers by name and
+rebuilds its tables from their reports.
 """
 
 from __future__ import annotations

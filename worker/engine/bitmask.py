@@ -5,12 +5,13 @@ Semantics (for every backend):
     logits: [B, V] float, bitmask: [B, ceil(V / 32)] int32 (on CPU or the logits' device)
     for b, t: if not (bitmask[b, t // 32] >> (t % 32)) & 1: logits[b, t] = -inf
 
-On CUDA this is xgrammar's own kernel. On CPU, xgrammar's kernel costs about 130 us a row
-at this vocabulary (49152) and a fused torch.compile version about 30 us on cache-cold
-logits, so fp32 CPU logits go through a 30-line C kernel (kernels/bitmask_cpu.c) that skips
-all-allowed words and writes disallowed ones without reading them. It is compiled once per
-machine with the system C compiler into the rayguide cache (worker/models/native.py) and loaded with ctypes (which
-releases the GIL). Without a compiler, the plain-torch reference below is used.
+On CUDA this is xgrammar's own kernel. On CPU, fp32 logits go through a 30-line C kernel
+(kernels/bitmask_cpu.c) that skips all-allowed words and writes disallowed ones without
+reading them, which beats both xgrammar's CPU kernel and a torch.compile version on
+cache-cold logits (per-row figures in docs/benchmarks.md). It is compiled once per machine
+with the system C compiler into the rayguide cache (worker/models/native.py) and loaded
+with ctypes (which releases the GIL). Without a compiler, the plain-torch reference below
+is used.
 """
 
 from __future__ import annotations

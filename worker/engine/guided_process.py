@@ -15,9 +15,9 @@ in grammar_engines.py (llguidance for a JSON grammar it compiles, xgrammar elsew
 Where an xgrammar compile happens is pluggable: by default in-process on the manager's
 thread pool; with ``fetch`` (for a worker in a cluster, ``GrammarCacheClient(info,
 ...).fetch``, injected by the worker actor: the engine imports no Ray) through the shared
-cache actor. llguidance grammars always compile here (well under a millisecond, less than
-an actor round trip; docs/architecture.md). The manager's cache is the worker's local LRU
-of both, and of their errors.
+cache actor. llguidance grammars always compile here: compiling one costs less than an
+actor round trip (figures in README.md and docs/benchmarks.md). The manager's cache is the
+worker's local LRU of both, and of their errors.
 """
 
 from __future__ import annotations

@@ -100,9 +100,9 @@ class Sampler:
 def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of ``probs`` [R, V], drawn by inverting the row's cumulative
     distribution at one uniform number from the row's own generator. The cumulative sums
-    run in float64 over the whole batch at once; the earlier per-row exponential race
-    (argmax p / E) drew V random numbers per row, 2 ms a row on one core at V = 49152,
-    and was most of a sampled step's time under load (docs/benchmarks.md). A token of
+    run in float64 over the whole batch at once, and each row costs one random number,
+    not the V of an exponential race (argmax p / E), whose per-row draws dominated a
+    sampled step on CPU (figures in docs/benchmarks.md). A token of
     zero probability (masked, filtered) is never drawn: its cumulative sum equals its
     predecessor's, and the search takes the first sum strictly above u, where u lies in
     [0, total)."""
