@@ -115,7 +115,7 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
     if started_runtime:
         # the runtime's actors are created now and load while Serve starts beside them
         # (the front end needs only their names; /health answers 200 once a worker has
-        # registered): 2-3 s sooner to /health than one after the other (docs/benchmarks.md)
+        # registered), so /health is ready sooner than if they started one after the other
         runtime = launch.up(config, wait=False)
     else:
         stages.done("runtime", "using the rayguide runtime already on this cluster")

@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config)
         # weights come from the checkpoint: no random init (on the meta device, Embedding's
-        # normal_ goes through torch's reference ops, which import torch._dynamo: ~2 s)
+        # normal_ goes through torch's reference ops, which import torch._dynamo: seconds)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size,
                                                              config.hidden_size))

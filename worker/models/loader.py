@@ -102,7 +102,7 @@ class ModelConfig(types.SimpleNamespace):
 
 def load_config(model_dir: Path):
     """The model's configuration. transformers' config classes import much of transformers
-    (about 1.5 s of CPU for Llama's, paid at every worker start), so a config.json that
+    (seconds of CPU for Llama's, paid at every worker start), so a config.json that
     states every field our model reads and uses plain RoPE is read as it is; any other goes
     through AutoConfig, whose defaults and RoPE-scaling helpers it then needs."""
     try:
