@@ -339,24 +339,7 @@ class GrammarCacheClient:
         limit = self.config.compile_timeout_s
         if self._stuck or not self._slot.acquire(timeout=limit):
             return self._give_back(spec, key)
-        done = threading.Event()
-        box: dict = {}
-
-        def run():
-            try:
-                t = time.perf_counter()
-                box["grammar"] = compile_spec(self._compiler(), spec)
-                box["compile_s"] = time.perf_counter() - t
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                box["error"] = exc
-            finally:
-                with self._lock:
-                    self._stuck = False
-                    self._slot.release()
-                    done.set()
-
-        thread = threading.Thread(target=run, name="grammar-first-compile", daemon=True)
-        thread.start()
+        thread, done, box = self._compile_on_slot(spec, "grammar-first-compile")
         try:
             clock = time.pthread_getcpuclockid(thread.ident)
         except (AttributeError, OSError):  # no per-thread CPU clock: wall time only
@@ -482,21 +465,7 @@ class GrammarCacheClient:
             with self._lock:
                 self.counts.verdicts_in_child += 1
             return self._compile_in_child(spec, spec.key(self.fingerprint))
-        done = threading.Event()
-        box: dict = {}
-
-        def run():
-            try:
-                box["grammar"] = compile_spec(self._compiler(), spec)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                box["error"] = exc
-            finally:
-                with self._lock:
-                    self._stuck = False
-                    self._slot.release()
-                    done.set()
-
-        threading.Thread(target=run, name="grammar-verdict-compile", daemon=True).start()
+        _, done, box = self._compile_on_slot(spec, "grammar-verdict-compile")
         limit = self.config.compile_timeout_s
         if not done.wait(limit):
             with self._lock:
@@ -513,6 +482,32 @@ class GrammarCacheClient:
         if "error" in box:
             raise box["error"]
         return box["grammar"]
+
+    def _compile_on_slot(self, spec: GrammarSpec, name: str):
+        """Compiles ``spec`` in this process on a new daemon thread that owns the in-process
+        slot (the caller has acquired it) and gives it back, clearing ``_stuck``, however
+        the compile ends. Returns (thread, done, box): once ``done`` is set, ``box`` holds
+        ``grammar`` and ``compile_s``, or ``error``. A caller that stops waiting leaves the
+        thread running (xgrammar cannot stop a compile) and the slot taken until it ends."""
+        done = threading.Event()
+        box: dict = {}
+
+        def run():
+            try:
+                t = time.perf_counter()
+                box["grammar"] = compile_spec(self._compiler(), spec)
+                box["compile_s"] = time.perf_counter() - t
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                box["error"] = exc
+            finally:
+                with self._lock:
+                    self._stuck = False
+                    self._slot.release()
+                    done.set()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        return thread, done, box
 
     def _compile_in_child(self, spec: GrammarSpec, key: str):
         result = self._local_pool().compile(spec, self.fingerprint, self._tokenizer_json, key)
