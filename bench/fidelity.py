@@ -16,9 +16,13 @@ Both engines compile through grammar_engines, so with the served options: a
 ``GrammarSpec.json_schema(schema)`` at its defaults (strict, the "spaced" layout, the digit
 guards; ``--lax``: strict off), xgrammar through grammar_cache/compile.py's path. Each
 instance is fed as ``json.dumps(data, ensure_ascii=False)`` (the spaced layout: ", " and
-": ", keys in the instance's order), token by token with the default model's tokenizer,
-then the stop token: accepted means every token and the stop were. A compile runs in a
-child process with a time limit (``--compile-limit-s``, 10 s): one over it counts as not
+": "), token by token with the default model's tokenizer, then the stop token: accepted
+means every token and the stop were. It is fed with its keys as given and, where that
+differs, in the schema's order (the order the server generates, ``any_order`` being
+off; ``in_schema_order``): accepted if either is (the two are one JSON value). Under
+strict mode a valid instance with a property or item the schema does not declare is
+expected rejected (``strict_excludes``; ``strict_excluded_instances``). A compile runs
+in a child process with a time limit (``--compile-limit-s``, 10 s): one over it counts as not
 compiled. ``auto``'s compile time is llguidance's attempt plus xgrammar's compile where
 it falls back.
 
@@ -47,7 +51,9 @@ if __package__ in (None, ""):  # run as a file: the repository's packages, not b
 from bench import report  # noqa: E402
 from grammar_cache.spec import GrammarSpec  # noqa: E402
 from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,  # noqa: E402
-                                           EngineRefused, auto_engine, engines_for)
+                                           EngineRefused, auto_engine, engines_for,
+                                           strict_schema)
+from worker.engine.validation import validate_json  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer", "minimum": 0}},
@@ -117,10 +123,15 @@ def _child(conn, engines, tokenizer, eos: int) -> None:
             continue
         conn.send(("compiled", compiled.compile_s * 1e3, ""))
         verdicts = []
-        for text in texts:
-            m = engines[name].matcher(compiled)
-            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-            verdicts.append(all(m.accept_token(t) for t in tokens) and m.accept_token(eos))
+        for layouts in texts:  # one instance's layouts: accepted if any is
+            accepted = False
+            for text in layouts:
+                m = engines[name].matcher(compiled)
+                tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+                accepted = all(m.accept_token(t) for t in tokens) and m.accept_token(eos)
+                if accepted:
+                    break
+            verdicts.append(accepted)
         conn.send(verdicts)
 
 
@@ -137,7 +148,8 @@ class Compiler:
         self.proc = ctx.Process(target=_child, args=(child, *self.args), daemon=True)
         self.proc.start()
 
-    def run(self, name: str, spec: GrammarSpec, instances: list[tuple[str, bool]]) -> Outcome:
+    def run(self, name: str, spec: GrammarSpec,
+            instances: list[tuple[tuple[str, ...], bool]]) -> Outcome:
         if self.proc is None or not self.proc.is_alive():
             self._start()
         self.conn.send((name, spec, [text for text, _ in instances]))
@@ -162,6 +174,85 @@ class Compiler:
             self.proc.kill()
             self.proc.join()
             self.proc = None
+
+
+# --- what the served grammar should accept -----------------------------------------------
+
+def strict_excludes(schema, data) -> bool:
+    """A valid instance that strict mode forbids by design (a property or item the schema
+    does not declare): valid against ``schema`` and invalid against ``strict_schema(schema)``
+    (both checked by jsonschema-rs, the post-validation's validator). A strict grammar
+    is right to reject it."""
+    text = json.dumps(data)
+    return validate_json(schema, text) is None and validate_json(
+        strict_schema(schema), text) is not None
+
+
+def in_schema_order(data, schema, root=None, depth: int = 0):
+    """``data`` with each object's keys in the order its schema declares them (the order
+    the served grammar generates: ``any_order`` is off by default), undeclared keys after,
+    as given. Best effort: a local ``$ref`` is followed; the properties of allOf / anyOf /
+    oneOf members count in the order met."""
+    root = schema if root is None else root
+    if depth > 32 or not isinstance(schema, dict):
+        return data
+    nodes = _members(schema, root, depth)
+    if isinstance(data, dict):
+        props: dict = {}
+        for node in nodes:
+            for name, sub in (node.get("properties") or {}).items():
+                props.setdefault(name, sub)
+        keys = [k for k in props if k in data] + [k for k in data if k not in props]
+        return {k: in_schema_order(data[k], props.get(k), root, depth + 1) for k in keys}
+    if isinstance(data, list):
+        out = []
+        for i, item in enumerate(data):
+            sub = next((n["prefixItems"][i] for n in nodes
+                        if isinstance(n.get("prefixItems"), list) and i < len(n["prefixItems"])),
+                       next((n["items"] for n in nodes if isinstance(n.get("items"), dict)),
+                            None))
+            out.append(in_schema_order(item, sub, root, depth + 1))
+        return out
+    return data
+
+
+def _members(schema: dict, root, depth: int) -> list[dict]:
+    """``schema`` and the schemas merged into it ($ref, allOf / anyOf / oneOf), in order."""
+    out, todo = [], [schema]
+    while todo and len(out) < 64:
+        node = todo.pop(0)
+        if not isinstance(node, dict):
+            continue
+        out.append(node)
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            target = root
+            for part in ref[1:].split("/")[1:]:
+                part = part.replace("~1", "/").replace("~0", "~")
+                target = target.get(part) if isinstance(target, dict) else None
+            todo.append(target)
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(key), list):
+                todo.extend(node[key])
+    return out
+
+
+def instances_for(schema, tests, strict: bool) -> tuple[list[tuple[tuple[str, ...], bool]],
+                                                        int]:
+    """Per instance its layouts to feed (keys as given, and in the schema's order where
+    that differs) with whether the served grammar should accept it, and how many valid
+    instances strict mode forbids."""
+    out, excluded = [], 0
+    for data, valid in tests:
+        try:
+            ordered = in_schema_order(data, schema)
+        except (TypeError, AttributeError, IndexError, KeyError):  # a schema too odd to follow
+            ordered = data
+        if valid and strict and strict_excludes(schema, data):
+            valid, excluded = False, excluded + 1
+        texts = dict.fromkeys(json.dumps(d, ensure_ascii=False) for d in (data, ordered))
+        out.append((tuple(texts), valid))
+    return out, excluded
 
 
 # --- schemas ------------------------------------------------------------------------------
@@ -211,17 +302,20 @@ def main() -> None:
     tallies = {name: Tally() for name in (*ENGINES, AUTO)}
     served = Tally()  # auto's outcomes on the schemas it sends to llguidance
     reasons: Counter = Counter()
+    strict_excluded = [0, 0]  # valid instances strict mode forbids, and on how many schemas
     compiler = Compiler(engines, tokenizer, eos, args.compile_limit_s)
     start = time.perf_counter()
     try:
         for name, schema, tests in cases:
-            instances = [(json.dumps(data, ensure_ascii=False), valid) for data, valid in tests]
             try:
                 spec = GrammarSpec.json_schema(schema, strict=not args.lax)
             except ValueError as exc:  # refused before any engine sees it
                 for tally in tallies.values():
                     tally.outcomes.append(Outcome(False, 0.0, str(exc)))
                 continue
+            instances, excluded = instances_for(schema, tests, not args.lax)
+            strict_excluded[0] += excluded
+            strict_excluded[1] += bool(excluded)
             got = {engine: compiler.run(engine, spec, instances) for engine in ENGINES}
             for engine, outcome in got.items():
                 tallies[engine].outcomes.append(outcome)
@@ -246,7 +340,9 @@ def main() -> None:
     top = ", ".join(f"{why} ({n})" for why, n in reasons.most_common(6))
     body = (f"{len(cases)} schemas: {source}; {'lax' if args.lax else 'strict'} specs, "
             f"compile limit {args.compile_limit_s:g} s, {time.perf_counter() - start:.0f} s "
-            f"in all.\n\n{report.table(headers, rows)}\n\nllguidance's refusals, most "
+            f"in all; {strict_excluded[0]} valid instances on {strict_excluded[1]} schemas "
+            f"carry a property or item the schema does not declare, which strict mode "
+            f"forbids: expected rejected.\n\n{report.table(headers, rows)}\n\nllguidance's refusals, most "
             f"common: {top or 'none'}\n")
     ll_served = [o.compile_ms for o in served.outcomes]
     figures = {
@@ -261,6 +357,7 @@ def main() -> None:
         "compile_p99_ms_xgrammar": report.percentile(
             [o.compile_ms for o in tallies[XGRAMMAR].outcomes], 99),
         "schemas": len(cases),
+        "strict_excluded_instances": strict_excluded[0],
     }
     report.finish("fidelity", body, figures, args)
 

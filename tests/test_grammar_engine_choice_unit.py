@@ -91,3 +91,35 @@ def test_the_family_is_the_same_for_every_engine():
     assert len({s.family for s in specs}) == 1
     assert len({s.key("fp") for s in specs}) == 3
     assert GrammarSpec.regex("a+").family != specs[0].family
+
+
+# --- bench/fidelity.py's judging: the layout the server generates, strict mode's verdicts --
+
+def test_fidelity_feeds_an_instance_in_the_schema_order_too():
+    from bench.fidelity import in_schema_order, instances_for
+
+    schema = {"$defs": {"p": {"properties": {"x": {}, "y": {}}}},
+              "properties": {"b": {"$ref": "#/$defs/p"}, "a": {"type": "array",
+                                                             "items": {"$ref": "#/$defs/p"}}},
+              "allOf": [{"properties": {"c": {}}}]}
+    data = {"z": 0, "a": [{"y": 1, "x": 2}], "c": 3, "b": {"y": 1, "x": 2}}
+    ordered = in_schema_order(data, schema)
+    assert list(ordered) == ["b", "a", "c", "z"]  # declared first, in order; the rest after
+    assert list(ordered["b"]) == list(ordered["a"][0]) == ["x", "y"]
+    (texts, valid), = instances_for(schema, [(data, True)], strict=False)[0]
+    assert valid and len(texts) == 2 and texts[1].startswith('{"b": {"x": 2')
+    (texts, _), = instances_for(schema, [(ordered, True)], strict=False)[0]
+    assert len(texts) == 1  # already in order: fed once
+
+
+def test_fidelity_expects_strict_mode_to_reject_undeclared_properties():
+    from bench.fidelity import instances_for, strict_excludes
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert strict_excludes(schema, {"a": 1, "extra": 2})
+    assert not strict_excludes(schema, {"a": 1})
+    assert not strict_excludes(schema, {"a": "x"})  # invalid anyway: not strict's doing
+    tests = [({"a": 1, "extra": 2}, True), ({"a": 1}, True)]
+    assert [v for _, v in instances_for(schema, tests, strict=True)[0]] == [False, True]
+    assert instances_for(schema, tests, strict=True)[1] == 1
+    assert [v for _, v in instances_for(schema, tests, strict=False)[0]] == [True, True]

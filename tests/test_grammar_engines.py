@@ -14,7 +14,7 @@ from grammar_cache.errors import ErrorKind, GrammarError
 from grammar_cache.spec import GrammarSpec
 from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,
                                            EngineRefused, auto_engine, compile_auto,
-                                           engines_for, strict_schema)
+                                           engines_for, exact_rewrites, strict_schema)
 
 pytestmark = pytest.mark.integration  # the tokenizer comes from the converted default model
 
@@ -215,12 +215,54 @@ def test_strict_schema_closes_only_what_stands_alone():
         "additionalProperties" not in beside["anyOf"][0]
     union = strict_schema({"anyOf": [{"properties": {"b": {}}}]})
     assert union["anyOf"][0]["additionalProperties"] is False
+    # a union inside a merged schema describes the value the merge does: it stays open
+    nested = strict_schema({"properties": {"a": {}}, "allOf": [{"anyOf": [{"required": ["a"]},
+                                                                          {"properties": {"b": {}}}]}]})
+    assert "additionalProperties" not in nested["allOf"][0]["anyOf"][1]
     assert "additionalProperties" not in strict_schema(
         {"properties": {"a": {}}, "required": ["a", "b"]})
     assert strict_schema({"not": {"properties": {"a": {}}}}) == {
         "not": {"properties": {"a": {}}}}
     assert strict_schema({"properties": {"a": {}}, "additionalProperties": True})[
         "additionalProperties"] is True
+
+
+def accepts(engines, tokenizer, spec, value) -> bool:
+    engine = engines[LLGUIDANCE]
+    m = engine.matcher(engine.compile(spec))
+    return feed(m, ids(tokenizer, json.dumps(value))) and m.accept_token(
+        tokenizer.eos_token_id)
+
+
+def test_llguidance_ignores_a_custom_format_as_the_drafts_do(engines, tokenizer):
+    custom = {"type": "object", "properties": {"body": {"type": "string", "format": "textarea"},
+                                               "format": {"enum": ["byte"]}}}
+    assert exact_rewrites(custom)["properties"] == {"body": {"type": "string"},
+                                                    "format": {"enum": ["byte"]}}
+    spec = GrammarSpec.json_schema(custom)
+    assert accepts(engines, tokenizer, spec, {"body": "any text", "format": "byte"})
+    assert not accepts(engines, tokenizer, spec, {"body": 1})
+    # a format the drafts define and llguidance lacks stays refused (xgrammar checks it)
+    with pytest.raises(EngineRefused, match="uri-reference"):
+        engines[LLGUIDANCE].compile(GrammarSpec.json_schema(
+            {"type": "string", "format": "uri-reference"}))
+
+
+@pytest.mark.parametrize("keyword", ["dependencies", "dependentRequired", "dependentSchemas"])
+def test_llguidance_enforces_dependencies_exactly(engines, tokenizer, keyword):
+    props = {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {"type": "integer"}}
+    dep = {"required": ["b"]} if keyword == "dependentSchemas" else ["b"]
+    schema = {"type": "object", "properties": props, keyword: {"a": dep}}
+    spec = GrammarSpec.json_schema(schema)
+    assert engines[LLGUIDANCE].compile(spec).engine == LLGUIDANCE  # refused before
+    for value, valid in [({"a": 1, "b": 2}, True), ({"b": 2, "c": 3}, True), ({}, True),
+                         ({"a": 1}, False), ({"a": 1, "c": 3}, False),
+                         # strict closes the object where the dependency is a list of
+                         # names (a schema may declare more properties: left open)
+                         ({"a": 1, "b": 2, "d": 4}, keyword == "dependentSchemas")]:
+        assert accepts(engines, tokenizer, spec, value) is valid, value
+    assert accepts(engines, tokenizer, GrammarSpec.json_schema(schema, strict=False),
+                   {"a": 1, "b": 2, "d": 4})
 
 
 def test_auto_rule():

@@ -50,7 +50,10 @@ stop token is accepted only where the grammar may end, and ends the match.
 
 The two differ in what they enforce for a JSON schema: xgrammar approximates what it
 cannot express (``not``, ``uniqueItems``, ``allOf`` ...: it accepts instances the schema
-forbids), llguidance refuses such a schema (``EngineRefused``). llguidance also has no
+forbids), llguidance refuses such a schema (``EngineRefused``). Before llguidance sees a
+schema, ``exact_rewrites`` turns what it lacks but can express exactly into what it has
+(``dependencies`` as an ``anyOf`` per key; a custom ``format``, which constrains nothing,
+dropped). llguidance also has no
 ``indent`` layout, no ``any_order`` and no runaway digit guards (``max_*_digits``): it
 refuses the first two and leaves numbers unbounded where the schema does.
 """
@@ -339,8 +342,9 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         raise EngineRefused(LLGUIDANCE, "llguidance keeps a schema's property order; "
                             "any_order needs xgrammar")
     schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
-    if spec.strict:
+    if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
         schema = strict_schema(schema)
+    schema = exact_rewrites(schema)
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema), overrides=_json_options(spec))
@@ -364,10 +368,81 @@ def _first_line(text: str) -> str:
     return (text.strip().splitlines() or ["no reason given"])[0]
 
 
+# formats the JSON Schema drafts (3 to 2020-12) name. One llguidance lacks (uri-reference,
+# regex ...) is refused, so xgrammar checks or approximates it; any other format is a
+# custom annotation (OpenAPI's "byte", a form's "textarea"), which the drafts say a
+# validator ignores (and jsonschema-rs, the post-validation, does): it constrains nothing
+_DRAFT_FORMATS = frozenset((
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+    "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
+    "uri-template", "json-pointer", "relative-json-pointer", "regex", "host-name",
+    "ip-address", "color", "style", "phone", "utc-millisec"))
+# dependencies written as an anyOf per key: with more keys than this, llguidance's
+# expansion of the branches may cost more than xgrammar's approximation
+_MAX_DEPENDENCIES = 8
+# where subschemas sit: name -> schema maps, single schemas (``items`` may be a list),
+# lists of schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas")
+_SCHEMA_VALUES = ("items", "prefixItems", "additionalProperties", "additionalItems",
+                  "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems",
+                  "not", "if", "then", "else")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf")
+
+
+def exact_rewrites(node):
+    """``node`` rewritten, without changing which instances it allows, into keywords
+    llguidance enforces, where it would refuse the original: a custom ``format`` (not one
+    of the drafts': an annotation that constrains nothing) is dropped, and
+    ``dependencies`` / ``dependentRequired`` / ``dependentSchemas`` become, per key ``k``,
+    an ``allOf`` member ``{"anyOf": [{"properties": {"k": false}}, <k present and what it
+    requires>]}``. What it does not rewrite stays as written (llguidance then refuses it
+    and ``auto`` sends the schema to xgrammar)."""
+    if isinstance(node, list):
+        return [exact_rewrites(sub) for sub in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: exact_rewrites(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_VALUES and isinstance(value, (dict, list)) or (
+                key in _SCHEMA_LISTS and isinstance(value, list)):
+            value = exact_rewrites(value)
+        elif key == "dependencies" and isinstance(value, dict):
+            value = {name: exact_rewrites(sub) for name, sub in value.items()}
+        out[key] = value
+    if isinstance(out.get("format"), str) and out["format"] not in _DRAFT_FORMATS:
+        del out["format"]
+    return _dependencies_as_any_of(out)
+
+
+def _dependencies_as_any_of(node: dict) -> dict:
+    keys = [k for k in ("dependencies", "dependentRequired", "dependentSchemas")
+            if isinstance(node.get(k), dict)]
+    if not keys or not isinstance(node.get("allOf", []), list):
+        return node
+    members = []
+    for key in keys:
+        for name, dep in node[key].items():
+            if isinstance(dep, list) and all(isinstance(n, str) for n in dep):
+                present = {"required": [name, *dep]}
+            elif isinstance(dep, (dict, bool)) and key != "dependentRequired":
+                present = {"allOf": [{"required": [name]}, dep]}
+            else:  # malformed: leave it to the engines' verdicts
+                return node
+            members.append({"anyOf": [{"properties": {name: False}}, present]})
+    if len(members) > _MAX_DEPENDENCIES:
+        return node
+    out = {k: v for k, v in node.items() if k not in keys}
+    out["allOf"] = [*node.get("allOf", []), *members]
+    return out
+
+
 # keywords whose presence beside "properties" / "prefixItems" makes closing the node wrong
 # (the extra properties / items may be declared there) or a no-op
 _OPEN_OBJECT = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf",
-                "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies")
+                "anyOf", "oneOf", "$ref", "if", "dependentSchemas")
 _OPEN_ARRAY = ("items", "additionalItems", "unevaluatedItems", "allOf", "anyOf", "oneOf",
                "$ref", "if")
 # subschemas by how they apply: to other values (a property's, an item's) or to this one
@@ -402,7 +477,7 @@ def strict_schema(node, merged: bool = False):
             out[key] = strict_schema(node[key])
     for key in _SAME_LISTS:
         if isinstance(node.get(key), list):
-            out[key] = [strict_schema(sub, merged=key == "allOf" or "properties" in node)
+            out[key] = [strict_schema(sub, merged=merged or key == "allOf" or "properties" in node)
                         for sub in node[key]]
     for key in _SAME_VALUES:
         if isinstance(node.get(key), dict):
@@ -414,7 +489,7 @@ def strict_schema(node, merged: bool = False):
         return out
     props = node.get("properties")
     if isinstance(props, dict) and not any(k in node for k in _OPEN_OBJECT) and all(
-            name in props for name in node.get("required", ()) if isinstance(name, str)):
+            name in props for name in _named(node)):
         out["additionalProperties"] = False  # (a required key it does not list keeps it open)
     if isinstance(node.get("prefixItems"), list) and not any(k in node for k in _OPEN_ARRAY):
         out["items"] = False
@@ -422,6 +497,18 @@ def strict_schema(node, merged: bool = False):
             k in node for k in ("additionalItems", "unevaluatedItems", "allOf", "$ref")):
         out["additionalItems"] = False
     return out
+
+
+def _named(node: dict) -> list:
+    """The property names ``node`` requires, outright or on a condition (``dependencies``,
+    ``dependentRequired``); None for a schema-valued dependency, which may declare more."""
+    names = [n for n in node.get("required", ()) if isinstance(n, str)]
+    for key in ("dependencies", "dependentRequired"):
+        if isinstance(node.get(key), dict):
+            for name, dep in node[key].items():
+                names += [name, *(n if isinstance(n, str) else None for n in dep)] if (
+                    isinstance(dep, list)) else [None]
+    return names
 
 
 class LLGuidanceMatcher(GrammarMatcher):
