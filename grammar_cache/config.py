@@ -189,13 +189,18 @@ def config_error_message(exc: ValidationError, section: str | None,
     for err in exc.errors()[:most]:
         key = ".".join(str(p) for p in (section, *err["loc"]) if p is not None) or "(config)"
         if err["type"] == "extra_forbidden":
-            names = _known_at(known, err["loc"][:-1])
-            parts.append(f"{key}: unknown key" + (
-                f"; known keys: {', '.join(sorted(names))}" if names is not None else ""))
+            parts.append(unknown_key_message(key, _known_at(known, err["loc"][:-1])))
         else:
             reason = err["msg"].removeprefix("Value error, ")
             parts.append(f"{key}: {reason} (got {_short(err.get('input'))})")
     return "; ".join(parts)
+
+
+def unknown_key_message(key: str, known: Iterable[str] | None) -> str:
+    """``key: unknown key; known keys: a, b``: the words for a key nobody defined, shared
+    by the configs and the places that check a plain dict (SamplingParams.from_dict)."""
+    return f"{key}: unknown key" + (f"; known keys: {', '.join(sorted(known))}"
+                                    if known is not None else "")
 
 
 def _known_at(known, loc: tuple) -> list[str] | None:

@@ -202,5 +202,5 @@ def test_bad_sampling_params(kwargs, message):
 
 
 def test_unknown_sampling_param():
-    with pytest.raises(ValueError, match="unknown sampling parameter.*'foo'"):
+    with pytest.raises(ValueError, match=r"sampling\.foo: unknown key; known keys: .*max_new_tokens"):
         SamplingParams.from_dict({"foo": 1})

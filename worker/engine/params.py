@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from grammar_cache.config import unknown_key_message  # a leaf: pydantic only
+
 MAX_LOGPROBS = 20
 TEMPERATURE_FLOOR = 1e-5  # below this, sampling is greedy (see module doc)
 
@@ -63,11 +65,13 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
-        """Builds params from a plain dict; an unknown key is an error that lists the known."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        """Builds params from a plain dict; an unknown key is an error that lists the known,
+        in the configs' words (``sampling.foo: unknown key; known keys: ...``)."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+            raise ValueError("; ".join(unknown_key_message(f"sampling.{k}", known)
+                                       for k in unknown))
         return cls(**values)
 
     @property
