@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import report  # noqa: E402
+from cluster.launch import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # in the order `rayguide serve` reports them
@@ -50,12 +50,6 @@ SCHEMA = {"type": "object", "properties": {"planet": {"type": "string"}},
           "required": ["planet"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rayguide() -> list[str]:
     exe = Path(sys.executable).parent / "rayguide"
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "cli.main"]
@@ -65,7 +59,7 @@ def one_start(env: dict, workers: int, timeout_s: float = 600.0,
               model: str | None = None) -> dict:
     """One `rayguide serve`: seconds to /health 200, stage times, the first request's
     latency and answer, the stop's time, and the log's alarming lines."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     proc = subprocess.Popen(_rayguide() + ["serve", "--port", str(port), "--workers",

@@ -143,7 +143,9 @@ def set_auth_mode(mode: str) -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
-def _free_port(preferred: int | None = None, host: str = "") -> int:
+def free_port(preferred: int | None = None, host: str = "") -> int:
+    """A port free on ``host`` now: ``preferred`` where it is free, else one the system
+    picks (the tests' and benches' servers take theirs here too)."""
     for candidate in ([preferred] if preferred else []) + [0]:
         with socket.socket() as s:
             try:
@@ -175,20 +177,20 @@ def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
         temp_dir = Path("/tmp") / f"rayguide-{os.getuid()}-{digest}"
     temp_dir.mkdir(parents=True, exist_ok=True)
     run_dir().mkdir(parents=True, exist_ok=True)
-    gcs_port = _free_port(port or 6379)
+    gcs_port = free_port(port or 6379)
     if port and gcs_port != port:
         raise ConnectionError(f"port {port} is in use; pick another with --port")
-    dashboard_port = _free_port(8265)
+    dashboard_port = free_port(8265)
     cmd = [ray_executable(), "start", "--head", "--disable-usage-stats",
            f"--port={gcs_port}", f"--temp-dir={temp_dir}",
            f"--dashboard-host={listen}", f"--dashboard-port={dashboard_port}",
            # Ray's fixed defaults (10001, 52365, ...) collide with any other Ray instance
            # on the machine: every port gets a free one
-           f"--ray-client-server-port={_free_port()}",
-           f"--dashboard-agent-listen-port={_free_port()}",
-           f"--dashboard-agent-grpc-port={_free_port()}",
-           f"--runtime-env-agent-port={_free_port()}",
-           f"--metrics-export-port={_free_port()}"]
+           f"--ray-client-server-port={free_port()}",
+           f"--dashboard-agent-listen-port={free_port()}",
+           f"--dashboard-agent-grpc-port={free_port()}",
+           f"--runtime-env-agent-port={free_port()}",
+           f"--metrics-export-port={free_port()}"]
     if listen not in (LOOPBACK, "localhost", "0.0.0.0", "::"):
         cmd.append(f"--node-ip-address={listen}")
     env = dict(os.environ, RAY_AUTH_MODE="token")

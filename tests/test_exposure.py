@@ -2,22 +2,16 @@
 the connection's local address and the headers the browser sent): the openai client is
 served, a rebound DNS name and a web page's Origin are refused. Tiny random-weight model."""
 
-import socket
 
 import httpx2 as httpx
 import openai
 import pytest
 
 from cluster.config import ClusterConfig
+from cluster.launch import free_port
 from deploy import service
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

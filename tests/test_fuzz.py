@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster.config import ClusterConfig
+from cluster.launch import free_port
 from deploy import service
 
 pytestmark = pytest.mark.integration
@@ -39,12 +40,6 @@ SEEN: dict[int, int] = {}  # status -> count, printed at the end
 BY_CATEGORY: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 # schemas name the local listener as http://LISTENER/...; the port is put in when sent
 LISTENER = "LISTENER"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import re
-import socket
 import time
 
 import httpx2 as httpx
@@ -20,6 +19,7 @@ import ray
 
 from cluster import launch
 from cluster.config import ClusterConfig
+from cluster.launch import free_port
 from deploy import service
 
 pytestmark = pytest.mark.integration
@@ -27,12 +27,6 @@ pytestmark = pytest.mark.integration
 KEY = "hostile-key"
 CLIENTS = int(os.environ.get("RAYGUIDE_HOSTILE_CLIENTS", "100"))
 CHAT = "/v1/chat/completions"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ import ray
 
 from cluster import launch
 from cluster.config import ClusterConfig
+from cluster.launch import free_port
 from deploy import service
 
 pytestmark = pytest.mark.integration
@@ -49,12 +50,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # flood's compiles (round robin per client in the compile queue), each about a second here
 POLITE_P99_S = 10.0
 NORMAL_S = 10.0  # a plain request beside the slow bodies
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def stack(tiny_model_dir, ray_runtime):
         engine={"num_kv_blocks": 512, "max_num_seqs": 64},
         scheduler={"load_poll_interval_s": 0.5, "rpc_timeout_s": 3.0},
         control_resources={"head": 0.01})
-    from tests.test_serve import free_port
+    from cluster.launch import free_port
     with ray_runtime(num_cpus=2, nodes=2, head_resources={"head": 1}) as cluster:
         svc = service.start(config, port=free_port(),
                             app_args={"replica_resources": {"head": 0.01}})

@@ -22,7 +22,7 @@ def test_load_default_model_multi_node(default_model_dir):
         cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
     try:
-        from tests.test_serve import free_port
+        from cluster.launch import free_port
         config = ClusterConfig(num_workers=3, worker={"num_cpus": 1, "num_threads": 1},
                                engine={"num_kv_blocks": 512})
         svc = service.start(config, port=free_port())

@@ -14,7 +14,8 @@ import openai
 import pytest
 import yaml
 
-from tests.test_serve_cli import BIN, env, free_port, interrupt, wait_healthy
+from cluster.launch import free_port
+from tests.test_serve_cli import BIN, env, interrupt, wait_healthy
 
 pytestmark = pytest.mark.integration
 

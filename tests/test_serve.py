@@ -5,7 +5,6 @@ one worker with the real default model, the shared grammar cache), driven by the
 import json
 from pathlib import Path
 import re
-import socket
 import time
 
 import httpx2 as httpx  # the HTTP client the openai package ships with
@@ -17,18 +16,13 @@ from pydantic import BaseModel
 
 from cluster import launch
 from cluster.config import ClusterConfig
+from cluster.launch import free_port
 from deploy import service
 
 pytestmark = pytest.mark.integration
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ Serve's own command; the first replica starts the runtime). Tiny random-weight m
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,12 @@ import openai
 import pytest
 import yaml
 
+from cluster.launch import free_port
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240.0) -> None:

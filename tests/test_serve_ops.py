@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from tests.test_serve_cli import free_port, guided_request, interrupt, wait_healthy
+from cluster.launch import free_port
+from tests.test_serve_cli import guided_request, interrupt, wait_healthy
 
 pytestmark = pytest.mark.integration
 
