@@ -24,7 +24,6 @@ import urllib.parse
 
 import httpx2 as httpx
 import pytest
-import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -43,19 +42,14 @@ LISTENER = "LISTENER"
 
 
 @pytest.fixture(scope="module")
-def svc(tiny_model_dir):
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+def svc(tiny_model_dir, ray_runtime):
     config = ClusterConfig(model=str(tiny_model_dir), num_workers=1,
                            worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 128, "max_model_len": 256},
                            scheduler={"load_poll_interval_s": 0.3})
-    from ray import serve
-    try:  # a start that fails must not leave Ray up for the next module
+    with ray_runtime(num_cpus=4):  # shut down also when the start fails
         yield service.start(config, port=free_port(), api_key=KEY,
                             app_args={"max_body_bytes": 200_000, "default_max_tokens": 8})
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 class Listener:
