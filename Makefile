@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 PROMPT ?= Give me three facts about the Moon.
 
-.PHONY: install run generate test test-all load-test fuzz bench clean
+.PHONY: install run generate test test-all test-xgrammar test-llguidance load-test fuzz bench clean
 
 $(STAMP): pyproject.toml
 	@echo "rayguide install [1/4]: a virtual environment in $(VENV)"
@@ -42,6 +42,10 @@ test: install
 
 test-all: install
 	$(PY) -m pytest -q
+
+# The CI suite with one grammar engine forced instead of auto (see README, Tests).
+test-xgrammar test-llguidance: install
+	RAYGUIDE_GRAMMAR_ENGINE=$(@:test-%=%) $(PY) -m pytest -m "not slow" -q
 
 # The long multi-node load and fault runs (5x the CI counts), printing each fault's cost.
 load-test: install
