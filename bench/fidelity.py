@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
+import re
 import sys
 import time
 from collections import Counter, defaultdict
@@ -192,7 +193,8 @@ def in_schema_order(data, schema, root=None, depth: int = 0):
     """``data`` with each object's keys in the order its schema declares them (the order
     the served grammar generates: ``any_order`` is off by default), undeclared keys after,
     as given. Best effort: a local ``$ref`` is followed; the properties of allOf / anyOf /
-    oneOf members count in the order met."""
+    oneOf members count in the order met; an undeclared key's value is ordered by the
+    first ``patternProperties`` schema its name matches, else ``additionalProperties``."""
     root = schema if root is None else root
     if depth > 32 or not isinstance(schema, dict):
         return data
@@ -203,7 +205,8 @@ def in_schema_order(data, schema, root=None, depth: int = 0):
             for name, sub in (node.get("properties") or {}).items():
                 props.setdefault(name, sub)
         keys = [k for k in props if k in data] + [k for k in data if k not in props]
-        return {k: in_schema_order(data[k], props.get(k), root, depth + 1) for k in keys}
+        return {k: in_schema_order(data[k], props[k] if k in props else _other_property(
+            nodes, k), root, depth + 1) for k in keys}
     if isinstance(data, list):
         out = []
         for i, item in enumerate(data):
@@ -214,6 +217,20 @@ def in_schema_order(data, schema, root=None, depth: int = 0):
             out.append(in_schema_order(item, sub, root, depth + 1))
         return out
     return data
+
+
+def _other_property(nodes: list[dict], name: str):
+    """The schema of an undeclared property ``name``: the first ``patternProperties``
+    pattern it matches (Python's regex reading), else ``additionalProperties``."""
+    for node in nodes:
+        for pattern, sub in (node.get("patternProperties") or {}).items():
+            try:
+                if re.search(pattern, name):
+                    return sub
+            except re.error:
+                continue
+    return next((n["additionalProperties"] for n in nodes
+                 if isinstance(n.get("additionalProperties"), dict)), None)
 
 
 def _members(schema: dict, root, depth: int) -> list[dict]:

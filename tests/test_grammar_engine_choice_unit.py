@@ -112,6 +112,18 @@ def test_fidelity_feeds_an_instance_in_the_schema_order_too():
     assert len(texts) == 1  # already in order: fed once
 
 
+
+def test_fidelity_orders_values_under_pattern_and_additional_properties():
+    from bench.fidelity import in_schema_order
+
+    item = {"properties": {"x": {}, "y": {}}}
+    schema = {"properties": {"m": {"patternProperties": {"^n": item},
+                                   "additionalProperties": {"properties": {"q": {}, "p": {}}}}}}
+    data = {"m": {"n1": {"y": 1, "x": 2}, "o": {"p": 1, "q": 2}}}
+    ordered = in_schema_order(data, schema)
+    assert list(ordered["m"]["n1"]) == ["x", "y"]  # the pattern's schema orders it
+    assert list(ordered["m"]["o"]) == ["q", "p"]  # else additionalProperties' does
+
 def test_fidelity_expects_strict_mode_to_reject_undeclared_properties():
     from bench.fidelity import instances_for, strict_excludes
 
