@@ -147,6 +147,21 @@ def test_one_of_with_a_required_discriminator_is_any_of():
     check(kinds, [{"kind": "a", "x": 1}, {"kind": "c"}], [{"kind": "d"}, {"kind": "a", "x": "s"}])
 
 
+def test_one_of_of_strings_anchored_on_different_literal_starts_is_any_of():
+    schema = {"type": "object", "properties": {"href": {"oneOf": [
+        {"type": "string", "pattern": "^https?://.+$"},
+        {"type": "string", "pattern": "^\\./.+$"}]}}}
+    assert "anyOf" in exact_rewrites(schema)["properties"]["href"]
+    check(schema, [{"href": "https://a"}, {"href": "./a"}], [{"href": "a"}, {"href": 1}])
+    for first, second in (("^ab", "^a"),  # one start inside the other
+                          ("^a|b", "^b"),  # an alternation: "b" matches both
+                          ("a", "^b"),  # not anchored
+                          ("^x?y", "^y")):  # an optional character
+        overlap = {"oneOf": [{"type": "string", "pattern": first},
+                             {"type": "string", "pattern": second}]}
+        assert exact_rewrites(overlap) == overlap, (first, second)
+
+
 def test_one_of_that_may_overlap_is_left_for_xgrammar():
     # a value that is no object matches both: required and properties say nothing of it
     schema = {"oneOf": [{"required": ["a"], "properties": {"a": {"const": 1}}},

@@ -682,8 +682,9 @@ def _one_of_rewritten(node: dict, out: dict, root) -> dict:
     if not isinstance(out.get("allOf", []), list):
         return out
     rest = {k: v for k, v in node.items() if k != "oneOf"}  # (applies beside every branch)
-    if all(_disjoint(a, b, root, 0, rest) for i, a in enumerate(members)
-           for b in members[i + 1:]):
+    facts = [_Facts(m, root, 0, rest) for m in members]
+    if all(_facts_disjoint(fa, fb, root, 0) for i, fa in enumerate(facts)
+           for fb in facts[i + 1:]):
         union = out["oneOf"]
     else:
         union = _exclusive_required(members)
@@ -743,7 +744,8 @@ class _Facts:
         self.types, self.values, self.required = None, None, set()
         self.props: dict[str, list] = {}
         self.closed: list[dict] = []  # conjuncts whose additionalProperties is false
-        self.known = True
+        self.prefixes: list[str] = []  # literal starts every string must have (patterns)
+        self.known, self.never = True, schema is False
         self._read(schema, root, depth)
         if beside is not None:  # a schema that applies with it (the node around a oneOf)
             self._read(beside, root, depth)
@@ -777,6 +779,8 @@ class _Facts:
                 self.props.setdefault(name, []).append(sub)
         if schema.get("additionalProperties") is False:
             self.closed.append(schema)
+        if isinstance(schema.get("pattern"), str):
+            self.prefixes.append(_literal_start(schema["pattern"]))
         for sub in schema.get("allOf", ()) if isinstance(schema.get("allOf"), list) else ():
             self._read(sub, root, depth + 1)
 
@@ -791,6 +795,29 @@ class _Facts:
             return True
         return any(name not in (c.get("properties") or {}) and not c.get("patternProperties")
                    for c in self.closed)
+
+
+def _literal_start(pattern: str) -> str:
+    """The text every string a ``pattern`` matches starts with: the literal characters
+    after a leading ``^`` up to the first that is not plainly literal (a metacharacter, an
+    escape other than of punctuation, or a character a quantifier follows); "" when the
+    pattern is not anchored or has an alternation (``^a|b`` anchors ``a`` only)."""
+    if not pattern.startswith("^") or "|" in pattern:
+        return ""
+    out, i = [], 1
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            char, step = pattern[i + 1], 2
+        elif char.isalnum() or char in " -_/:@#%&=,;'\"<>~`!":
+            step = 1
+        else:
+            break
+        if i + step < len(pattern) and pattern[i + step] in "?*{+":
+            break  # (the character may repeat or be absent: "+" keeps it, kept simple)
+        out.append(char)
+        i += step
+    return "".join(out)
 
 
 def _types_of(value) -> set:
@@ -817,13 +844,17 @@ def _canonical(value) -> str:
     return json.dumps(norm(value), sort_keys=True)
 
 
-def _disjoint(a, b, root, depth: int, beside=None) -> bool:
-    """Provably no instance matches both ``a`` and ``b`` (and ``beside``, which applies
-    with both: the node around a ``oneOf``). False: not shown."""
+def _disjoint(a, b, root, depth: int) -> bool:
+    """Provably no instance matches both ``a`` and ``b``. False: not shown."""
+    if a is False or b is False:
+        return True
     if depth > _MAX_REF_DEPTH:
         return False
-    fa, fb = _Facts(a, root, depth, beside), _Facts(b, root, depth, beside)
-    if a is False or b is False:
+    return _facts_disjoint(_Facts(a, root, depth), _Facts(b, root, depth), root, depth)
+
+
+def _facts_disjoint(fa: "_Facts", fb: "_Facts", root, depth: int) -> bool:
+    if fa.never or fb.never:
         return True
     if not fa.known or not fb.known:
         return False
@@ -831,6 +862,10 @@ def _disjoint(a, b, root, depth: int, beside=None) -> bool:
         fa.types & fb.types)
     if common is not None and not common:
         return True
+    if common is not None and common <= {"string"} and any(
+            not a_start.startswith(b_start) and not b_start.startswith(a_start)
+            for a_start in fa.prefixes for b_start in fb.prefixes):
+        return True  # (two strings, each pattern anchored on a different literal start)
     if fa.values is not None and fb.values is not None and not (
             {_canonical(v) for v in fa.values} & {_canonical(v) for v in fb.values}):
         return True
