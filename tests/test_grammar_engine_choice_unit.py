@@ -124,6 +124,18 @@ def test_fidelity_orders_values_under_pattern_and_additional_properties():
     assert list(ordered["m"]["n1"]) == ["x", "y"]  # the pattern's schema orders it
     assert list(ordered["m"]["o"]) == ["q", "p"]  # else additionalProperties' does
 
+
+def test_fidelity_orders_an_object_by_the_union_branch_it_fits():
+    from bench.fidelity import in_schema_order
+
+    schema = {"items": {"anyOf": [
+        {"properties": {"text": {}, "type": {}}, "required": ["text"]},
+        {"properties": {"data": {}, "mime": {}, "type": {}}, "required": ["data"]}]}}
+    data = [{"type": "t", "text": "x"}, {"type": "i", "mime": "m", "data": "d"}]
+    ordered = in_schema_order(data, schema)
+    assert list(ordered[0]) == ["text", "type"]
+    assert list(ordered[1]) == ["data", "mime", "type"]  # its branch's order, not the first's
+
 def test_fidelity_expects_strict_mode_to_reject_undeclared_properties():
     from bench.fidelity import instances_for, strict_excludes
 
