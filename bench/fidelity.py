@@ -261,15 +261,18 @@ def _members(schema: dict, root, depth: int, data=None) -> list[dict]:
     return out
 
 
-def _fit(branch, root, depth: int, data: dict) -> tuple[bool, int]:
+def _fit(branch, root, depth: int, data: dict) -> tuple[bool, int, int]:
     """How well an anyOf / oneOf branch fits an object: its required keys all present,
-    then how many of the object's keys it declares."""
+    then how many of the object's values its ``const`` / ``enum`` properties match (a
+    discriminator), then how many of the object's keys it declares."""
     if not isinstance(branch, dict):
-        return (False, 0)
+        return (False, 0, 0)
     nodes = _members(branch, root, depth + 1, data)
     required = {n for node in nodes for n in node.get("required", ()) if isinstance(n, str)}
-    declared = {n for node in nodes for n in (node.get("properties") or {})}
-    return (required <= set(data), len(declared & set(data)))
+    props = [(n, sub) for node in nodes for n, sub in (node.get("properties") or {}).items()]
+    matched = sum(1 for n, sub in props if n in data and isinstance(sub, dict) and (
+        sub.get("const", object()) == data[n] or data[n] in (sub.get("enum") or ())))
+    return (required <= set(data), matched, len({n for n, _ in props} & set(data)))
 
 
 def instances_for(schema, tests, strict: bool) -> tuple[list[tuple[tuple[str, ...], bool]],

@@ -135,6 +135,12 @@ def test_fidelity_orders_an_object_by_the_union_branch_it_fits():
     ordered = in_schema_order(data, schema)
     assert list(ordered[0]) == ["text", "type"]
     assert list(ordered[1]) == ["data", "mime", "type"]  # its branch's order, not the first's
+    tagged = {"anyOf": [  # both fit by keys: the discriminator decides
+        {"properties": {"method": {"const": "ping"}, "params": {"properties": {"a": {}}}}},
+        {"properties": {"method": {"const": "call"},
+                        "params": {"properties": {"b": {}, "a": {}}}}}]}
+    ordered = in_schema_order({"method": "call", "params": {"a": 1, "b": 2}}, tagged)
+    assert list(ordered["params"]) == ["b", "a"]
 
 def test_fidelity_expects_strict_mode_to_reject_undeclared_properties():
     from bench.fidelity import instances_for, strict_excludes
