@@ -190,3 +190,18 @@ def test_one_of_of_required_lists_is_one_list_present_and_the_others_incomplete(
     nested = {"properties": {"a": {}, "b": {}}, "oneOf": [{"required": ["a"]},
                                                           {"required": ["a", "b"]}]}
     check(nested, [{"a": 1}], [{"a": 1, "b": 2}, {"b": 2}])
+
+
+def test_const_is_no_keyword_in_draft_4():
+    # draft 4 ignores "const": the branches are not told apart by it, nor is the node
+    # bounded by it
+    draft4 = "http://json-schema.org/draft-04/schema#"
+    schema = {"$schema": draft4, "type": "object", "oneOf": [
+        {"properties": {"k": {"const": "a"}}, "required": ["k"]},
+        {"properties": {"k": {"const": "b"}}, "required": ["k"]}]}
+    assert exact_rewrites(schema) == schema
+    assert validate_json(schema, '{"k": "c"}') is not None  # (both branches match: 'c')
+    bounded = {"$schema": draft4, "const": 1, "not": {"type": "string"}}
+    assert "enum" not in exact_rewrites(bounded)
+    later = {**schema, "$schema": "http://json-schema.org/draft-07/schema#"}
+    assert "anyOf" in exact_rewrites(later)

@@ -522,11 +522,18 @@ def _walk(node, root, seen=None):
     return out
 
 
-def _enum_values(node: dict):
+def _has_const(root) -> bool:
+    """``const`` is a keyword of the document's draft (not of drafts 3 and 4, which
+    ignore it as an unknown word)."""
+    name = root.get("$schema") if isinstance(root, dict) else None
+    return not (isinstance(name, str) and any(f"draft-0{n}" in name for n in (3, 4)))
+
+
+def _enum_values(node: dict, root):
     """The values ``node`` allows at most: its ``enum`` / ``const``, else an ``allOf``
     member's; None when unbounded."""
     for sub in (node, *(m for m in node.get("allOf", ()) if isinstance(m, dict))):
-        if "const" in sub:
+        if "const" in sub and _has_const(root):
             return [sub["const"]]
         if isinstance(sub.get("enum"), list):
             return sub["enum"]
@@ -538,7 +545,7 @@ def _enum_filtered(node: dict, root):
     that uses a keyword llguidance lacks, else None. Each value is checked against the
     node by jsonschema-rs (the post-validation's validator), so the enum is exactly the
     node's set of instances."""
-    values = _enum_values(node)
+    values = _enum_values(node, root)
     if values is None or len(values) > _MAX_ENUM_FILTERED:
         return None
     reached = _walk(node, root)
@@ -767,7 +774,8 @@ class _Facts:
             names = [schema["type"]] if isinstance(schema["type"], str) else schema["type"]
             if isinstance(names, list):
                 self._narrow({t for t in names if t in _JSON_TYPES})
-        values = [schema["const"]] if "const" in schema else schema.get("enum")
+        values = [schema["const"]] if "const" in schema and _has_const(root) else schema.get(
+            "enum")
         if isinstance(values, list):
             self.values = values if self.values is None else [
                 v for v in self.values if _canonical(v) in {_canonical(w) for w in values}]
