@@ -53,7 +53,9 @@ cannot express (``not``, ``uniqueItems``, ``allOf`` ...: it accepts instances th
 forbids), llguidance refuses such a schema (``EngineRefused``). Before llguidance sees a
 schema, ``exact_rewrites`` turns what it lacks but can express exactly into what it has
 (``dependencies`` as an ``anyOf`` per key; a custom ``format``, which constrains nothing,
-dropped). llguidance also has no
+dropped; ``not`` as its negation where one exists without ``not``; ``oneOf`` as ``anyOf``
+where no instance can match two branches; a node bounded by an ``enum`` as the enum of the
+values it allows, checked by the validator). llguidance also has no
 ``indent`` layout, no ``any_order`` and no runaway digit guards (``max_*_digits``): it
 refuses the first two and leaves numbers unbounded where the schema does.
 """
