@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
+import re
 import sys
 import time
 from collections import Counter, defaultdict
@@ -191,19 +192,23 @@ def strict_excludes(schema, data) -> bool:
 def in_schema_order(data, schema, root=None, depth: int = 0):
     """``data`` with each object's keys in the order its schema declares them (the order
     the served grammar generates: ``any_order`` is off by default), undeclared keys after,
-    as given. Best effort: a local ``$ref`` is followed; the properties of allOf / anyOf /
-    oneOf members count in the order met."""
+    as given. Best effort: a local ``$ref`` is followed; the properties of allOf members
+    count in the order met, and of an anyOf / oneOf the branch that fits the object best
+    (its required keys present, the most of its keys declared); an undeclared key's value
+    is ordered by the first ``patternProperties`` schema its name matches, else
+    ``additionalProperties``."""
     root = schema if root is None else root
     if depth > 32 or not isinstance(schema, dict):
         return data
-    nodes = _members(schema, root, depth)
+    nodes = _members(schema, root, depth, data)
     if isinstance(data, dict):
         props: dict = {}
         for node in nodes:
             for name, sub in (node.get("properties") or {}).items():
                 props.setdefault(name, sub)
         keys = [k for k in props if k in data] + [k for k in data if k not in props]
-        return {k: in_schema_order(data[k], props.get(k), root, depth + 1) for k in keys}
+        return {k: in_schema_order(data[k], props[k] if k in props else _other_property(
+            nodes, k), root, depth + 1) for k in keys}
     if isinstance(data, list):
         out = []
         for i, item in enumerate(data):
@@ -216,8 +221,23 @@ def in_schema_order(data, schema, root=None, depth: int = 0):
     return data
 
 
-def _members(schema: dict, root, depth: int) -> list[dict]:
-    """``schema`` and the schemas merged into it ($ref, allOf / anyOf / oneOf), in order."""
+def _other_property(nodes: list[dict], name: str):
+    """The schema of an undeclared property ``name``: the first ``patternProperties``
+    pattern it matches (Python's regex reading), else ``additionalProperties``."""
+    for node in nodes:
+        for pattern, sub in (node.get("patternProperties") or {}).items():
+            try:
+                if re.search(pattern, name):
+                    return sub
+            except re.error:
+                continue
+    return next((n["additionalProperties"] for n in nodes
+                 if isinstance(n.get("additionalProperties"), dict)), None)
+
+
+def _members(schema: dict, root, depth: int, data=None) -> list[dict]:
+    """``schema`` and the schemas merged into it ($ref, allOf / anyOf / oneOf), in order;
+    for an object ``data``, of an anyOf / oneOf only the branch that fits it best."""
     out, todo = [], [schema]
     while todo and len(out) < 64:
         node = todo.pop(0)
@@ -233,8 +253,26 @@ def _members(schema: dict, root, depth: int) -> list[dict]:
             todo.append(target)
         for key in ("allOf", "anyOf", "oneOf"):
             if isinstance(node.get(key), list):
-                todo.extend(node[key])
+                branches = node[key]
+                if key != "allOf" and isinstance(data, dict) and len(branches) > 1 and (
+                        depth < 16):
+                    branches = [max(branches, key=lambda b: _fit(b, root, depth, data))]
+                todo.extend(branches)
     return out
+
+
+def _fit(branch, root, depth: int, data: dict) -> tuple[bool, int, int]:
+    """How well an anyOf / oneOf branch fits an object: its required keys all present,
+    then how many of the object's values its ``const`` / ``enum`` properties match (a
+    discriminator), then how many of the object's keys it declares."""
+    if not isinstance(branch, dict):
+        return (False, 0, 0)
+    nodes = _members(branch, root, depth + 1, data)
+    required = {n for node in nodes for n in node.get("required", ()) if isinstance(n, str)}
+    props = [(n, sub) for node in nodes for n, sub in (node.get("properties") or {}).items()]
+    matched = sum(1 for n, sub in props if n in data and isinstance(sub, dict) and (
+        sub.get("const", object()) == data[n] or data[n] in (sub.get("enum") or ())))
+    return (required <= set(data), matched, len({n for n, _ in props} & set(data)))
 
 
 def instances_for(schema, tests, strict: bool) -> tuple[list[tuple[tuple[str, ...], bool]],

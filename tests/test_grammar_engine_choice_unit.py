@@ -112,6 +112,36 @@ def test_fidelity_feeds_an_instance_in_the_schema_order_too():
     assert len(texts) == 1  # already in order: fed once
 
 
+
+def test_fidelity_orders_values_under_pattern_and_additional_properties():
+    from bench.fidelity import in_schema_order
+
+    item = {"properties": {"x": {}, "y": {}}}
+    schema = {"properties": {"m": {"patternProperties": {"^n": item},
+                                   "additionalProperties": {"properties": {"q": {}, "p": {}}}}}}
+    data = {"m": {"n1": {"y": 1, "x": 2}, "o": {"p": 1, "q": 2}}}
+    ordered = in_schema_order(data, schema)
+    assert list(ordered["m"]["n1"]) == ["x", "y"]  # the pattern's schema orders it
+    assert list(ordered["m"]["o"]) == ["q", "p"]  # else additionalProperties' does
+
+
+def test_fidelity_orders_an_object_by_the_union_branch_it_fits():
+    from bench.fidelity import in_schema_order
+
+    schema = {"items": {"anyOf": [
+        {"properties": {"text": {}, "type": {}}, "required": ["text"]},
+        {"properties": {"data": {}, "mime": {}, "type": {}}, "required": ["data"]}]}}
+    data = [{"type": "t", "text": "x"}, {"type": "i", "mime": "m", "data": "d"}]
+    ordered = in_schema_order(data, schema)
+    assert list(ordered[0]) == ["text", "type"]
+    assert list(ordered[1]) == ["data", "mime", "type"]  # its branch's order, not the first's
+    tagged = {"anyOf": [  # both fit by keys: the discriminator decides
+        {"properties": {"method": {"const": "ping"}, "params": {"properties": {"a": {}}}}},
+        {"properties": {"method": {"const": "call"},
+                        "params": {"properties": {"b": {}, "a": {}}}}}]}
+    ordered = in_schema_order({"method": "call", "params": {"a": 1, "b": 2}}, tagged)
+    assert list(ordered["params"]) == ["b", "a"]
+
 def test_fidelity_expects_strict_mode_to_reject_undeclared_properties():
     from bench.fidelity import instances_for, strict_excludes
 
