@@ -52,8 +52,8 @@ if __package__ in (None, ""):  # run as a file: the repository's packages, not b
 from bench import report  # noqa: E402
 from grammar_cache.spec import GrammarSpec  # noqa: E402
 from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,  # noqa: E402
-                                           EngineRefused, auto_engine, engines_for,
-                                           strict_schema)
+                                           EngineRefused, auto_engine, engines_for)
+from worker.engine.schema_rewrites import strict_schema  # noqa: E402
 from worker.engine.validation import validate_json  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},

@@ -14,7 +14,8 @@ from grammar_cache.errors import ErrorKind, GrammarError
 from grammar_cache.spec import GrammarSpec
 from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,
                                            EngineRefused, auto_engine, compile_auto,
-                                           engines_for, exact_rewrites, strict_schema)
+                                           engines_for)
+from worker.engine.schema_rewrites import exact_rewrites, strict_schema
 
 pytestmark = pytest.mark.integration  # the tokenizer comes from the converted default model
 

@@ -1,5 +1,5 @@
 """The exact rewrites that let llguidance take a JSON schema it would refuse
-(worker/engine/grammar_engines.py: ``exact_rewrites``): an enum-bounded node filtered by
+(worker/engine/schema_rewrites.py: ``exact_rewrites``): an enum-bounded node filtered by
 the validator, ``not`` negated, ``oneOf`` as ``anyOf`` where its branches cannot overlap.
 Each rule: its output, and llguidance (on a byte tokenizer, so no model) accepting a
 valid instance and rejecting an invalid one; and where a rewrite would not be exact, the
@@ -10,8 +10,8 @@ import json
 import pytest
 
 from grammar_cache.spec import GrammarSpec
-from worker.engine.grammar_engines import (EngineRefused, _llguidance_grammar,
-                                           exact_rewrites)
+from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
+from worker.engine.schema_rewrites import exact_rewrites
 from worker.engine.validation import validate_json
 
 pytestmark = pytest.mark.unit
