@@ -435,7 +435,10 @@ def test_engines_compile_through_the_shared_cache(actor_name, default_model,
         clients.append(GrammarCacheClient(info, name=actor_name))
         return clients[-1].fetch
 
-    engines = [LLMEngine(EngineConfig(progress=False, num_kv_blocks=256), model=default_model,
+    # xgrammar pinned: the shared cache serves xgrammar's artifacts (llguidance compiles
+    # in the worker, in a millisecond, and never asks the actor)
+    config = EngineConfig(progress=False, num_kv_blocks=256, grammar_engine="xgrammar")
+    engines = [LLMEngine(config, model=default_model,
                          tokenizer=default_tokenizer, model_dir=default_model_dir,
                          grammar_fetch=grammar_fetch) for _ in range(2)]
     choice = GrammarSpec.choice(["red", "green", "blue"])

@@ -335,7 +335,7 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         raise EngineRefused(LLGUIDANCE, f"llguidance does not take {spec.kind} grammars "
                             f"here (they are written in xgrammar's dialect); use xgrammar")
     if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes(spec.source))
     if spec.kind == "choice":
         return llguidance.grammar_from("choice", spec.source)
     if spec.whitespace == "indent":
@@ -354,6 +354,42 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
     except ValueError as exc:
         raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
                             f"{_first_line(str(exc))}") from None
+
+
+# xgrammar reads \d and \w in a regex as ASCII classes, as JSON Schema's patterns do
+# (ECMA-262, and llguidance's own JSON path); llguidance's regex reads them as Unicode
+# classes (hundreds of digits: a phone-number regex took U+0663). Written out in ASCII, a
+# regex means one language on either engine. (outside a class, inside one)
+_ASCII_CLASSES = {"d": ("[0-9]", "0-9"), "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"),
+                  "D": ("[^0-9]", "[:^digit:]"), "W": ("[^0-9A-Za-z_]", "[:^word:]")}
+
+
+def ascii_classes(pattern: str) -> str:
+    r"""``pattern`` with ``\d``, ``\w``, ``\D`` and ``\W`` written as the ASCII classes they
+    are in xgrammar (``[0-9]``, ``[0-9A-Za-z_]`` and their complements), in and outside
+    character classes; every other part as written."""
+    out, i, depth = [], 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            pair = _ASCII_CLASSES.get(pattern[i + 1])
+            out.append(pair[1 if depth else 0] if pair else pattern[i:i + 2])
+            i += 2
+        elif depth and pattern.startswith("[:", i) and ":]" in pattern[i + 2:]:
+            end = pattern.index(":]", i + 2) + 2  # a POSIX class inside a class
+            out.append(pattern[i:end])
+            i = end
+        elif c == "[":
+            depth += 1
+            start = i + 1 + pattern.startswith("^", i + 1)
+            start += pattern.startswith("]", start)  # a "]" first in a class is literal
+            out.append(pattern[i:start])
+            i = start
+        else:
+            depth -= c == "]" and depth > 0
+            out.append(c)
+            i += 1
+    return "".join(out)
 
 
 def _json_options(spec: GrammarSpec) -> dict:
