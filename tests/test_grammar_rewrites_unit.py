@@ -8,10 +8,12 @@ schema is left as written (llguidance refuses it, ``auto`` sends it to xgrammar)
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from grammar_cache.spec import GrammarSpec
 from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
-from worker.engine.schema_rewrites import exact_rewrites
+from worker.engine.schema_rewrites import exact_rewrites, strict_schema
 from worker.engine.validation import validate_json
 
 pytestmark = pytest.mark.unit
@@ -205,3 +207,37 @@ def test_const_is_no_keyword_in_draft_4():
     assert "enum" not in exact_rewrites(bounded)
     later = {**schema, "$schema": "http://json-schema.org/draft-07/schema#"}
     assert "anyOf" in exact_rewrites(later)
+
+
+# schema-shaped values with wrong-typed keywords, nested: what a client may send
+_KEYWORDS = ("type", "properties", "required", "items", "prefixItems", "additionalProperties",
+             "patternProperties", "enum", "const", "not", "oneOf", "anyOf", "allOf", "$ref",
+             "$defs", "definitions", "if", "then", "else", "dependencies", "dependentRequired",
+             "dependentSchemas", "contains", "uniqueItems", "minItems", "format", "pattern",
+             "$schema")
+_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False),
+                    st.sampled_from(["a", "string", "object", "#", "#/$defs/a", "#/nope",
+                                     "http://example.invalid/x", "draft-04"]))
+_SCHEMAS = st.recursive(
+    _LEAVES,
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.sampled_from(_KEYWORDS + ("a", "b")), inner,
+                                            max_size=4)),
+    max_leaves=24)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_SCHEMAS)
+def test_rewrites_read_any_schema_shaped_value(schema):
+    """The rewrites never raise on a client's schema, however its keywords are typed; and
+    llguidance's grammar is built or refused (EngineRefused), never an error of ours."""
+    exact_rewrites(strict_schema(schema))
+    exact_rewrites(schema)
+    try:
+        spec = GrammarSpec.json_schema(schema)
+    except ValueError:  # the spec refuses it itself (a 400 at the edge)
+        return
+    try:
+        _llguidance_grammar(spec)
+    except EngineRefused:
+        pass

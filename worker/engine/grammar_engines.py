@@ -345,9 +345,15 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         raise EngineRefused(LLGUIDANCE, "llguidance keeps a schema's property order; "
                             "any_order needs xgrammar")
     schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
-    if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
-        schema = strict_schema(schema)
-    schema = exact_rewrites(schema)
+    try:
+        if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
+            schema = strict_schema(schema)
+        schema = exact_rewrites(schema)
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
+        # a shape the rewrites do not read (tests/test_grammar_rewrites_unit.py fuzzes
+        # them): refused here, so auto serves it on xgrammar, which names what is wrong
+        raise EngineRefused(LLGUIDANCE, f"the schema could not be prepared for llguidance "
+                            f"({type(exc).__name__}: {_first_line(str(exc))})") from None
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             json.dumps(schema), overrides=_json_options(spec))

@@ -178,7 +178,8 @@ def _has_const(root) -> bool:
 def _enum_values(node: dict, root):
     """The values ``node`` allows at most: its ``enum`` / ``const``, else an ``allOf``
     member's; None when unbounded."""
-    for sub in (node, *(m for m in node.get("allOf", ()) if isinstance(m, dict))):
+    members = node.get("allOf") if isinstance(node.get("allOf"), list) else ()
+    for sub in (node, *(m for m in members if isinstance(m, dict))):
         if "const" in sub and _has_const(root):
             return [sub["const"]]
         if isinstance(sub.get("enum"), list):
@@ -595,7 +596,8 @@ def strict_schema(node, merged: bool = False):
 def _named(node: dict) -> list:
     """The property names ``node`` requires, outright or on a condition (``dependencies``,
     ``dependentRequired``); None for a schema-valued dependency, which may declare more."""
-    names = [n for n in node.get("required", ()) if isinstance(n, str)]
+    required = node.get("required")
+    names = [n for n in required if isinstance(n, str)] if isinstance(required, list) else []
     for key in ("dependencies", "dependentRequired"):
         if isinstance(node.get(key), dict):
             for name, dep in node[key].items():
