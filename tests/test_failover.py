@@ -45,6 +45,25 @@ def test_a_continuation_ends_like_the_uninterrupted_run(make_engine):
 
 
 @pytest.mark.integration
+def test_a_continuation_is_never_refused_for_its_budget(make_engine):
+    # resumed one token before max_tokens inside a value: the grammar needs several more
+    # to close. A fresh request in that state would be a 400 (budget too small); a
+    # continuation (a worker died under it, the client has its tokens) goes on and ends
+    # at the budget, flagged, as the uninterrupted request would have
+    engine = make_engine()
+    grammar = GrammarSpec.json_schema(SCHEMA)
+    prefix = engine.tokenizer('{"city": "Par', add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_new_tokens=len(prefix) + 1, temperature=0.0)
+    out = engine.generate([GenerationRequest("A city.", params, request_id="c",
+                                             grammar=grammar, resume_token_ids=prefix)])["c"]
+    assert out.finish_reason == "length", (out.finish_reason, out.error)
+    assert out.validation == "invalid" and len(out.token_ids) == 1
+    fresh = engine.generate([GenerationRequest("A city.", SamplingParams(max_new_tokens=1),
+                                               request_id="f", grammar=grammar)])["f"]
+    assert fresh.finish_reason == "error" and fresh.error_kind.value == "budget_too_small"
+
+
+@pytest.mark.integration
 def test_a_continuation_the_grammar_refuses_is_a_clear_error(make_engine):
     engine = make_engine()
     bad = engine.tokenizer("hello", add_special_tokens=False)["input_ids"]

@@ -294,8 +294,8 @@ class OutputPolicy:
             seq.ending.forced_path = path
 
     def _budget_too_small(self, seq: Sequence, matcher) -> str | None:
-        """A message when the grammar's shortest output needs more tokens than the
-        request's budget.
+        """A message when the grammar's shortest output needs more tokens than a fresh
+        request's budget (never for a failover's continuation: it goes on).
 
         A fresh JSON-schema request is first held against a lower bound from the schema's
         structure (shortest_bound.py: microseconds, once per grammar): a budget under it
@@ -336,7 +336,10 @@ class OutputPolicy:
             self._budget_memo[key] = (time.monotonic(), certain, verdict)
             while len(self._budget_memo) > _BUDGET_MEMO_SIZE:
                 self._budget_memo.popitem(last=False)
-        return self._budget_verdict(seq, budget, verdict)
+        refusal = self._budget_verdict(seq, budget, verdict)  # (sets up the closing path)
+        # a continuation was admitted once and its client has tokens already: a worker's
+        # death must not turn into a 400, so it goes on and closes what the budget allows
+        return refusal if fresh else None
 
     def shortest_bound(self, seq: Sequence) -> int:
         """A lower bound on the tokens of the grammar's shortest output (0: none known),
