@@ -14,6 +14,10 @@ import torch
 # this run's own, never to the user's ~/.cache (a second run would find it warm)
 os.environ["RAYGUIDE_GRAMMAR_DISK"] = "0"
 os.environ["RAYGUIDE_GRAMMAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rayguide-grammars-")
+# Without a GPU the device kernels (worker/models/triton_kernels.py) are tested on CPU
+# tensors through Triton's interpreter, which is chosen when Triton is imported
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

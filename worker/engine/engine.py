@@ -171,7 +171,9 @@ class LLMEngine:
                              "shorten the prompt or raise kv_cache_gb")
         resumed = self._check_resume(request, prompt_ids)
         seed = request.params.seed
-        generator = torch.Generator(device=self.runner.device)
+        # on the CPU whatever the device: the sampler draws each row's uniform number on the
+        # host (a seeded request gives the same tokens on every device)
+        generator = torch.Generator()
         generator.manual_seed(seed if seed is not None else self._rng.getrandbits(63))
         # a continuation's text goes on exactly after the text the caller already has
         # (never repeating it, and never losing a character split across the failover)

@@ -6,7 +6,10 @@ matcher key of a guided row, None for an unguided one). ``Sampler`` turns the ro
 logits into tokens: the logits processor (penalties, grammar mask) first, then greedy rows
 by argmax, then temperature, top-k, min-p and top-p, then one draw per row from the row's
 own generator (so a seeded request gives the same tokens whatever shares its batch), by
-inverting the row's cumulative distribution (``_draw``).
+inverting the row's cumulative distribution (``_draw``). Every tensor stays on the logits'
+device: the host's per-row choices go there as one tensor, and the step's results come
+back in one copy (``sample_on_device`` is the device part, tested for device mixing on the
+meta device by tests/test_sampling_device_unit.py).
 
 A temperature below ``TEMPERATURE_FLOOR`` is greedy: dividing logits by 1e-40 overflows
 them to inf and the softmax to NaN, which can pick any token, a masked one included.
@@ -21,7 +24,8 @@ import torch
 from worker.engine.params import MAX_LOGPROBS, TEMPERATURE_FLOOR, SamplingParams
 
 __all__ = ["MAX_LOGPROBS", "TEMPERATURE_FLOOR", "SamplingParams", "SamplingRow",
-           "SamplingInputs", "ARSamplingStrategy", "SampleResult", "Sampler", "apply_penalties"]
+           "SamplingInputs", "ARSamplingStrategy", "SampleResult", "Sampler", "SamplingPlan",
+           "sample_on_device", "apply_penalties"]
 
 
 @dataclass
@@ -59,6 +63,13 @@ class SampleResult:
 
 
 class Sampler:
+    """Turns a step's logits into tokens with every tensor on the logits' device and one
+    device-to-host copy of the step's results (tokens, chosen logprobs, top logprobs).
+
+    What the host prepares per row (temperature, top-k, top-p, min-p and the row's uniform
+    number from its own CPU generator) travels to the device as one tensor; greedy rows
+    take an argmax, sampled rows are filtered and drawn together (``sample_on_device``)."""
+
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  processor=None) -> SampleResult:
@@ -66,92 +77,168 @@ class Sampler:
         ``processor(logits)`` (penalties, grammar mask) runs after the raw logprobs are
         taken; without one, penalties alone are applied. Logprobs are of the model's raw
         distribution."""
-        want_lp = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        if processor is not None:
-            processor(logits)
-        else:
-            apply_penalties(logits, rows)
-            torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_rows:
-            idx = torch.tensor(random_rows)
-            sub = logits[idx]
-            temps = torch.tensor([rows[i].params.temperature for i in random_rows])
-            sub = _filter(sub / temps[:, None], [rows[i].params for i in random_rows])
-            tokens[idx] = _draw(torch.softmax(sub, dim=-1),
-                                [rows[i].generator for i in random_rows])
-        token_ids = tokens.tolist()
+        plan = SamplingPlan.build(rows, logits.device)
+        packed = sample_on_device(logits, plan, processor)
+        host = packed.cpu().tolist()  # the step's one device-to-host copy
+        token_ids = [int(r[0]) for r in host]
         if processor is not None and hasattr(processor, "guard"):
             token_ids = processor.guard(token_ids, logits)
-        logprobs = [None] * len(rows)
-        for i, r in enumerate(rows):
-            if want_lp[i]:
-                lp = raw_logprobs[i]
-                top = []
-                if r.params.logprobs:
-                    vals, ids = lp.topk(r.params.logprobs)
-                    top = list(zip(ids.tolist(), vals.tolist()))
-                logprobs[i] = (float(lp[token_ids[i]]), top)
+        logprobs: list = [None] * len(rows)
+        k = plan.top_logprobs
+        for i in plan.logprob_rows:
+            r = host[i]
+            n = rows[i].params.logprobs
+            chosen = r[1]
+            if token_ids[i] != int(r[0]):  # the guard replaced the token: its own logprob
+                chosen = float(plan.raw_logprobs[i, token_ids[i]])
+            top = [(int(r[2 + j]), r[2 + k + j]) for j in range(n)]
+            logprobs[i] = (chosen, top)
         return SampleResult(token_ids, logprobs)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of ``probs`` [R, V], drawn by inverting the row's cumulative
-    distribution at one uniform number from the row's own generator. The cumulative sums
-    run in float64 over the whole batch at once, and each row costs one random number,
-    not the V of an exponential race (argmax p / E), whose per-row draws dominated a
-    sampled step on CPU (figures in docs/benchmarks.md). A token of
-    zero probability (masked, filtered) is never drawn: its cumulative sum equals its
-    predecessor's, and the search takes the first sum strictly above u, where u lies in
-    [0, total)."""
+@dataclass
+class SamplingPlan:
+    """One step's sampling choices as tensors on the logits' device.
+
+    random_idx: [S] int64, the rows that sample (the others are greedy);
+    knobs: [S, 5] float64 per sampling row: temperature, top_k (0: off), top_p, min_p,
+        and u, the row's uniform number in [0, 1) from its own CPU generator;
+    filters: whether any sampling row sets top-k, top-p or min-p (host-known);
+    logprob_rows: rows that asked for logprobs; top_logprobs: the most any asked for."""
+
+    random_idx: torch.Tensor | None
+    knobs: torch.Tensor | None
+    filters: bool
+    logprob_rows: list[int]
+    top_logprobs: int
+    rows: list[SamplingRow]
+    raw_logprobs: torch.Tensor | None = None  # [R, V], set by sample_on_device
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], device) -> "SamplingPlan":
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        idx = knobs = None
+        filters = False
+        if random_rows:
+            table = []
+            for i in random_rows:
+                p = rows[i].params
+                u = torch.rand((), generator=rows[i].generator, dtype=torch.float64).item()
+                top_k = p.top_k if p.top_k > 0 else 0
+                filters = filters or top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+                table.append((float(i), p.temperature, float(top_k), p.top_p, p.min_p, u))
+            host = torch.tensor(table, dtype=torch.float64)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            on_device = host.to(device, non_blocking=True)  # the step's one host-to-device copy
+            idx = on_device[:, 0].long()
+            knobs = on_device[:, 1:]
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        top = max((rows[i].params.logprobs for i in want), default=0)
+        return cls(idx, knobs, filters, want, top, rows)
+
+
+def sample_on_device(logits: torch.Tensor, plan: SamplingPlan, processor=None) -> torch.Tensor:
+    """The device part of a step's sampling: no host sync, no tensor from another device.
+
+    Returns packed [R, 2 + 2K] float64 (K = plan.top_logprobs): per row the token id, its
+    raw logprob, the top-K ids, then their logprobs (token ids are exact in float64)."""
+    rows = plan.rows
+    if plan.logprob_rows:
+        plan.raw_logprobs = torch.log_softmax(logits, dim=-1)
+    if processor is not None:
+        processor(logits)
+    else:
+        apply_penalties(logits, rows)
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    tokens = logits.argmax(dim=-1)  # [R]
+    if plan.random_idx is not None:
+        sub = logits.index_select(0, plan.random_idx)  # [S, V]
+        knobs = plan.knobs
+        sub = sub / knobs[:, 0:1].to(sub.dtype)
+        probs = torch.softmax(sub, dim=-1)
+        if plan.filters:
+            probs = _filter(probs, knobs)
+        tokens.index_copy_(0, plan.random_idx, _draw(probs, knobs[:, 4]))
+    k = plan.top_logprobs
+    packed = torch.zeros(logits.shape[0], 2 + 2 * k, dtype=torch.float64, device=logits.device)
+    packed[:, 0] = tokens.to(torch.float64)
+    if plan.raw_logprobs is not None:
+        lp = plan.raw_logprobs
+        packed[:, 1] = lp.gather(1, tokens[:, None]).squeeze(1).to(torch.float64)
+        if k:
+            vals, ids = lp.topk(k, dim=-1)
+            packed[:, 2:2 + k] = ids.to(torch.float64)
+            packed[:, 2 + k:] = vals.to(torch.float64)
+    return packed
+
+
+def _filter(probs: torch.Tensor, knobs: torch.Tensor) -> torch.Tensor:
+    """Top-k, min-p, then top-p over [S, V] probabilities, each row by its own knobs (a
+    row that sets none keeps everything). Returns the kept probabilities (unnormalized).
+
+    In each row's descending order: top-k keeps the tokens at least as likely as the k-th
+    (ties kept); min-p keeps those at least min_p times the most likely; top-p drops a
+    token when the kept mass before it already reaches top_p of the kept total (so at
+    least one token stays)."""
+    top_k, top_p, min_p = knobs[:, 1], knobs[:, 2], knobs[:, 3]
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    kth = torch.where(top_k > 0, top_k, float(vocab)).clamp(max=vocab).long() - 1
+    keep = sorted_p >= sorted_p.gather(1, kth[:, None])
+    keep &= sorted_p >= (min_p[:, None] * sorted_p[:, :1]).to(sorted_p.dtype)
+    kept = sorted_p * keep
+    before = kept.cumsum(dim=-1) - kept
+    nucleus = before < (top_p[:, None] * kept.sum(dim=-1, keepdim=True)).to(kept.dtype)
+    keep &= nucleus | (top_p >= 1.0)[:, None]  # summation order never drops a tail token
+    keep_unsorted = torch.empty_like(keep).scatter_(1, order, keep)
+    return probs * keep_unsorted
+
+
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [S, V], by inverting the row's cumulative
+    distribution at ``u`` [S] (uniform in [0, 1), drawn on the host from the row's own
+    generator: a seeded request gets the same token whatever its batch or device). The
+    sums run in float64; a token of zero probability is never drawn (its cumulative sum
+    equals its predecessor's and the search takes the first sum strictly above the point,
+    which lies in [0, total))."""
     cdf = probs.to(torch.float64).cumsum_(dim=-1)
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     total = cdf[:, -1]
-    # u * total can round up to total itself: keep the point strictly below it
-    point = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    point = torch.minimum(u.to(torch.float64) * total,
+                          torch.nextafter(total, torch.zeros_like(total)))
     picked = torch.searchsorted(cdf, point[:, None], right=True).squeeze(1)
     return picked.clamp_(max=probs.shape[-1] - 1)  # a NaN row: the guard catches it
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (HF: over prompt and output), presence and frequency (OpenAI: over the
+    output) penalties for the rows that set them, in a few batched ops on the logits'
+    device (index tensors built on the host)."""
+    rep_rows, rep_ids, rep_vals = [], [], []
+    sub_rows, sub_ids, sub_vals = [], [], []
     for i, r in enumerate(rows):
-        if r.params.has_penalties:
-            _apply_penalties(logits[i], r)
-
-
-def _apply_penalties(row: torch.Tensor, r: SamplingRow) -> None:
-    p = r.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if r.output_ids and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(r.output_ids).unique(return_counts=True)
-        row[ids] -= p.presence_penalty + p.frequency_penalty * counts.to(row.dtype)
-
-
-def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Applies top-k, top-p and min-p per row (rows that set none are left as they are)."""
-    need = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
-    if not any(need):
-        return logits
-    neg_inf = torch.finfo(logits.dtype).min
-    for i, p in enumerate(params):
-        if not need[i]:
+        p = r.params
+        if not p.has_penalties:
             continue
-        row = logits[i]
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = row.topk(p.top_k).values[-1]
-            row.masked_fill_(row < kth, neg_inf)
-        if p.min_p > 0.0:
-            probs = torch.softmax(row, dim=-1)
-            row.masked_fill_(probs < p.min_p * probs.max(), neg_inf)
-        if p.top_p < 1.0:
-            sorted_logits, order = row.sort(descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            # drop a token when the mass before it already reaches top_p (keeps at least one)
-            drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
-            row[order[drop]] = neg_inf
-    return logits
+        if p.repetition_penalty != 1.0:
+            seen = set(r.prompt_ids) | set(r.output_ids)
+            rep_rows += [i] * len(seen)
+            rep_ids += seen
+            rep_vals += [p.repetition_penalty] * len(seen)
+        if r.output_ids and (p.presence_penalty or p.frequency_penalty):
+            counts: dict[int, int] = {}
+            for t in r.output_ids:
+                counts[t] = counts.get(t, 0) + 1
+            sub_rows += [i] * len(counts)
+            sub_ids += counts
+            sub_vals += [p.presence_penalty + p.frequency_penalty * c for c in counts.values()]
+    dev = logits.device
+    if rep_rows:
+        at = (torch.tensor(rep_rows, device=dev), torch.tensor(rep_ids, device=dev))
+        vals = logits[at]
+        pen = torch.tensor(rep_vals, dtype=logits.dtype, device=dev)
+        logits[at] = torch.where(vals > 0, vals / pen, vals * pen)
+    if sub_rows:
+        at = (torch.tensor(sub_rows, device=dev), torch.tensor(sub_ids, device=dev))
+        logits.index_put_(at, -torch.tensor(sub_vals, dtype=logits.dtype, device=dev),
+                          accumulate=True)
