@@ -5,7 +5,7 @@ Semantics (for every backend):
     logits: [B, V] float, bitmask: [B, ceil(V / 32)] int32 (on CPU or the logits' device)
     for b, t: if not (bitmask[b, t // 32] >> (t % 32)) & 1: logits[b, t] = -inf
 
-On CUDA this is xgrammar's own kernel. On CPU, fp32 logits go through a 30-line C kernel
+On a GPU this is one Triton kernel (worker/models/triton_kernels.py). On CPU, fp32 logits go through a 30-line C kernel
 (kernels/bitmask_cpu.c) that skips all-allowed words and writes disallowed ones without
 reading them, which beats both xgrammar's CPU kernel and a torch.compile version on
 cache-cold logits (per-row figures in docs/benchmarks.md). It is compiled once per machine
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from worker.models import native
+from worker.models import native, triton_kernels
 
 
 _SOURCE = Path(__file__).parent / "kernels" / "bitmask_cpu.c"
@@ -58,10 +58,11 @@ def apply_token_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor) -> 
     """Masks ``logits`` in place (see module doc); rows of all ones are left untouched."""
     if logits.numel() == 0:
         return
-    if logits.is_cuda:
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+    if logits.device.type != "cpu":
+        if triton_kernels.available():  # one kernel; only shapes on meta
+            triton_kernels.apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True))
+        else:
+            reference_apply(logits, bitmask)
         return
     kernel = _cpu_kernel() if logits.dtype == torch.float32 else None
     if (kernel is None or logits.stride(-1) != 1 or bitmask.stride(-1) != 1

@@ -1,13 +1,26 @@
 """Runs one scheduled step through the model: builds the flat token batch, owns the KV
-cache tensors, and returns the logits of the rows that sample."""
+cache tensors, and returns the logits of the rows that sample.
+
+On the CPU (and on a device without Triton) the batch is built as ``AttentionBatch.build``
+describes. On a GPU the step's whole description (token ids, positions, cache slots, block
+tables, attention tiles, the sampled rows) is packed on the host into one int32 tensor and
+crosses to the device in one copy (``_tiled_batch``); the model's layers then take the
+device kernels (worker/models/triton_kernels.py).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from worker.engine.scheduler import ScheduledSeq
+from worker.models import triton_kernels
 from worker.models.llama import LlamaForCausalLM
 from worker.models.paged_attention import AttentionBatch
+from worker.models.triton_kernels import AttentionTiles
+
+# query tokens per prefill tile of the attention kernel (a tile also spans the query
+# heads that share one KV head)
+PREFILL_TILE_TOKENS = 16
 
 
 def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
@@ -16,11 +29,18 @@ def kv_bytes_per_token(model: LlamaForCausalLM, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 tiled: bool | None = None):
+        """``tiled``: take the device kernels' path (None: on any device but the CPU, where
+        Triton is installed and the model supports it)."""
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if tiled is None:
+            tiled = (self.device.type != "cpu" and triton_kernels.available()
+                     and model.supports_tiled_attention)
+        self.tiled = tiled
         shape = (num_blocks * block_size, model.num_kv_heads, model.head_dim)
         # per layer: (K, V), each [num_slots, Hkv, D]
         self.kv_caches = [
@@ -33,6 +53,10 @@ class ModelRunner:
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [R, V] fp32, indices into ``scheduled`` of the R sampling rows).
         A sequence samples when this step computes its last pending token."""
+        if self.tiled:
+            input_ids, batch, rows, sample_idx = self._tiled_batch(scheduled)
+            hidden = self.model(input_ids, batch.positions, self.kv_caches, batch)
+            return self.model.compute_logits(hidden.index_select(0, rows)), sample_idx
         tokens: list[int] = []
         positions: list[int] = []
         decodes, prefills, sample_rows, sample_idx = [], [], [], []
@@ -59,3 +83,64 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return logits, sample_idx
+
+    def _tiled_batch(self, scheduled: list[ScheduledSeq]):
+        """(input ids [T], AttentionBatch with tiles, sampled rows [R], their indices into
+        ``scheduled``), every tensor a view of one int32 buffer copied to the device once.
+
+        Layout: tokens [T] | positions [T] | slots [T] | sampled rows [R] | decode tiles
+        [Nd, 4] | prefill tiles [Np, 4] | block tables [S, max_blocks]."""
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        sample_idx: list[int] = []
+        decode_tiles: list[int] = []
+        prefill_tiles: list[int] = []
+        tables: list[list[int]] = []
+        max_ctx = 0
+        for i, s in enumerate(scheduled):
+            seq, n = s.seq, s.num_tokens
+            start, table = seq.num_computed, seq.block_table
+            first = len(tokens)
+            tokens += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            ctx = start + n
+            max_ctx = max(max_ctx, ctx)
+            tables.append(table[:-(-ctx // bs)])
+            if n == 1:
+                decode_tiles += (i, first, 1, start)
+            else:
+                for j in range(0, n, PREFILL_TILE_TOKENS):
+                    prefill_tiles += (i, first + j, min(PREFILL_TILE_TOKENS, n - j), start + j)
+            if s.samples:
+                rows.append(first + n - 1)
+                sample_idx.append(i)
+        width = max(len(t) for t in tables)
+        flat_tables = [b for t in tables for b in (t + [0] * (width - len(t)))]
+        t_len, r_len = len(tokens), len(rows)
+        host = torch.tensor(tokens + positions + slots + rows + decode_tiles + prefill_tiles
+                            + flat_tables, dtype=torch.int32)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        buf = host.to(self.device, non_blocking=True)  # the step's one host-to-device copy
+        at = 0
+
+        def take(n):
+            nonlocal at
+            at += n
+            return buf[at - n:at]
+
+        input_ids, pos, slot, sampled = take(t_len), take(t_len), take(t_len), take(r_len)
+        dec = take(len(decode_tiles)).view(-1, 4)
+        pre = take(len(prefill_tiles)).view(-1, 4)
+        block_tables = take(len(flat_tables)).view(len(tables), width)
+        tiles = []
+        if decode_tiles:
+            tiles.append(AttentionTiles(dec, block_tables, 1, max_ctx))
+        if prefill_tiles:
+            tiles.append(AttentionTiles(pre, block_tables, PREFILL_TILE_TOKENS, max_ctx))
+        batch = AttentionBatch(slot_mapping=slot, block_size=bs, positions=pos, tiles=tiles)
+        return input_ids, batch, sampled, sample_idx

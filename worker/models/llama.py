@@ -14,7 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from worker.models import layer_ops
+from worker.models import layer_ops, triton_kernels
 from worker.models.paged_attention import AttentionBatch, paged_attention
 from worker.models.rope import RotaryEmbedding
 
@@ -39,6 +39,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with ``residual``: (norm(x + residual), x + residual), the residual
         add fused into the norm (one C call on the CPU: ``layer_ops``)."""
+        if x.device.type != "cpu" and x.dim() == 2 and triton_kernels.available():
+            return triton_kernels.rms_norm(x, self.weight, self.eps, residual)
         out = layer_ops.rms_norm(x, self.weight, self.eps, residual)
         if out is not None:
             return out
@@ -71,6 +73,17 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, batch: AttentionBatch) -> torch.Tensor:
         # x: [T, hidden]; cos/sin: [T, head_dim]
         qkv = self.qkv_proj(x)
+        if batch.tiles:  # the device kernels: RoPE writes K/V to the cache, attention reads it
+            k_cache, v_cache = kv_cache
+            q = triton_kernels.rope_and_cache(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, batch.positions,
+                self.rotary.cos_table, self.rotary.sin_table, batch.slot_mapping, k_cache,
+                v_cache)
+            o = None
+            for tiles in batch.tiles:
+                o = triton_kernels.paged_attention(q, k_cache, v_cache, tiles,
+                                                   batch.block_size, self.scale, out=o)
+            return self.o_proj(o.reshape(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -95,6 +108,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if x.device.type != "cpu" and triton_kernels.available():
+            return self.down_proj(triton_kernels.silu_mul(gate_up))
         h = layer_ops.silu_mul(gate_up)
         if h is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -154,6 +169,12 @@ class LlamaForCausalLM(nn.Module):
         return super()._apply(fn, recurse)
 
     @property
+    def supports_tiled_attention(self) -> bool:
+        """Whether the device kernels' attention path serves this model (Qwen3's per-head
+        q/k norms sit between the projection and RoPE: not fused yet)."""
+        return not self.layers[0].self_attn.qk_norm
+
+    @property
     def head_dim(self) -> int:
         return self.layers[0].self_attn.head_dim
 
@@ -169,7 +190,8 @@ class LlamaForCausalLM(nn.Module):
         batch: AttentionBatch,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions)
+        # the tiled path reads the tables inside its RoPE kernel
+        cos, sin = (None, None) if batch.tiles else self.rotary.cos_sin(positions)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv, batch)

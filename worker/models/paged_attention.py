@@ -12,6 +12,11 @@ layers see all tokens at once; only attention is split:
   single SDPA call with a length mask serves them all;
 - each prefill chunk runs its own SDPA call (there are few of them per step), causal, with
   an offset when the chunk continues earlier context (chunked prefill, session reuse).
+
+On a GPU with Triton the model takes the tiled path instead (``AttentionBatch.tiles``,
+built by ``ModelRunner`` in one host-to-device copy): each layer writes its new keys and
+values into the cache as it applies RoPE, and one kernel per launch attends decode rows and
+prefill chunks alike from the cache in place (worker/models/triton_kernels.py).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.models import native
+from worker.models.triton_kernels import AttentionTiles
 
 
 @dataclass
@@ -67,6 +73,10 @@ class AttentionBatch:
     # gather buffers for the decode rows, made by the first layer and reused by the others
     # (a fresh multi-MB tensor per layer costs page faults that dominate the gather)
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the tiled path (device kernels): [T] positions and the launches' tiles (decode tiles
+    # of one token, then prefill tiles); empty on the path above
+    positions: torch.Tensor | None = None
+    tiles: list[AttentionTiles] = field(default_factory=list)
 
     @classmethod
     def build(
