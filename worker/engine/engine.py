@@ -117,7 +117,7 @@ class LLMEngine:
             1, int(config.kv_cache_gb * 2**30) // (
                 kv_bytes_per_token(model, param.dtype) * config.block_size))
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_token_budget)
         self.runner = ModelRunner(model, num_blocks, config.block_size)
         self.sampler = Sampler()
         self.strategy = ARSamplingStrategy()

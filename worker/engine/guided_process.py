@@ -397,7 +397,8 @@ class GuidedDecodingManager:
         allowed = bits.bool()
         if not allowed.any():
             raise RuntimeError("the grammar allows no token here")
-        scores = torch.nan_to_num(logits_row[:self.vocab_size].float(), nan=float("-inf"))
+        # on the host (the bitmask is there): a rare path, one row
+        scores = torch.nan_to_num(logits_row[:self.vocab_size].float().cpu(), nan=float("-inf"))
         scores = scores.masked_fill(~allowed, float("-inf"))
         if torch.isfinite(scores).any():
             return int(scores.argmax())
