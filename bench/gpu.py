@@ -1,0 +1,370 @@
+"""The engine on a GPU, without Ray, against HF transformers on the same device in one run.
+
+A model of a real shape (Llama-3-8B by default: hidden 4096, 32 layers, GQA 32/8,
+intermediate 14336, vocab 128256) with random weights drawn on the device, bf16, the
+default model's tokenizer (ids past it are never allowed under a grammar). Random weights
+decode as fast as real ones of the same shape.
+
+1. The device's measured copy bandwidth and the bytes a batch-1 step reads: the limit.
+2. Decode tok/s at batch 1 / 8 / 32 / 64 (greedy, 128-token prompts, steps timed once every
+   row decodes), and the share of the bandwidth limit reached at batch 1.
+3. HF ``generate`` with a dynamic cache and with a static cache (torch.compile on CUDA), batch 1.
+4. First token of one 2,048-token prompt; of 64 prompts of 128 tokens together.
+5. Guided / unguided per batch (a JSON schema, with ``auto`` and each grammar engine;
+   step times while every row of the batch is still running), and sampled / greedy at batch 1.
+6. Kernels per decoder layer in a decode step (the device path, counted on ``meta``: any
+   machine) and, on CUDA, counted by the profiler; host time per row per step at batch 64
+   (the engine's step with a model that computes nothing).
+
+    python -m bench.gpu [--quick | --smoke] [--json] [--no-record] [--shape 8b|1b]
+
+``--smoke`` runs the same code on the CPU with the tiny model (tests/test_bench_smoke.py).
+Keys: tok_s_b1, tok_s_b64, bw_share_b1, ratio_vs_hf_static_b1,
+ratio_guided_unguided_b{1,8,32,64}, prefill_ttft_ms_2048, sampled_vs_greedy_b1,
+ops_per_layer_decode, host_us_per_row_b64 (and more; see the JSON line).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import finish, parser, smoke_model, table  # noqa: E402
+from grammar_cache.spec import GrammarSpec  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.engine import LLMEngine  # noqa: E402
+from worker.engine.model_runner import ModelRunner  # noqa: E402
+from worker.engine.sampling import SamplingParams  # noqa: E402
+from worker.engine.scheduler import ScheduledSeq  # noqa: E402
+from worker.engine.sequence import GenerationRequest  # noqa: E402
+from worker.models import triton_kernels  # noqa: E402
+from worker.models.llama import LlamaForCausalLM  # noqa: E402
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+               max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+               max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=True),
+}
+GUIDED = {"type": "object", "properties": {
+    "notes": {"type": "array", "items": {"type": "string"}}}, "required": ["notes"]}
+ENGINES = ("auto", "xgrammar", "llguidance")
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth_gbs(device, mb: int) -> float:
+    a = torch.ones(mb * 2**20 // 2, dtype=torch.bfloat16, device=device)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        b.copy_(a)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * 2 / best / 1e9
+
+
+def random_model(shape: dict, device, dtype) -> LlamaForCausalLM:
+    """Our model of ``shape``, random weights drawn on the device (no checkpoint)."""
+    import transformers
+
+    config = transformers.LlamaConfig(**shape)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(before)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.rotary.reset_tables(device, dtype)
+    return model.eval()
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def prompts(tok, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = len(tok)
+    return [torch.randint(100, vocab - 100, (length,), generator=g).tolist()
+            for _ in range(count)]
+
+
+def decode_tok_s(engine, batch: int, new: int, plen: int, params: dict | None = None,
+                 grammar=None) -> tuple[float, int]:
+    """(tokens per second of the batch's decode steps, steps timed): at most ``new`` steps
+    in which every row decodes (no prefill in a timed step; timing stops when a row
+    finishes). The budget leaves room past them, so no row is near its end (budget-aware
+    closing is the conformance benches' subject); the rest is aborted."""
+    kw = dict(max_new_tokens=new + 64, temperature=0.0, ignore_eos=True)
+    kw.update(params or {})
+    reqs = [GenerationRequest(p, SamplingParams(seed=i, **kw), grammar=grammar)
+            for i, p in enumerate(prompts(engine.tokenizer, batch, plen, seed=batch))]
+    for r in reqs:
+        engine.add_request(r)
+    while engine.waiting_for_grammar or engine.scheduler.waiting or any(
+            s.num_pending > 1 for s in engine.scheduler.running):
+        engine.step()
+    dev = engine.runner.device
+    times = []
+    while len(engine.scheduler.running) == batch and len(times) < new:
+        sync(dev)
+        t = time.perf_counter()
+        engine.step()
+        sync(dev)
+        times.append(time.perf_counter() - t)
+    for r in reqs:
+        engine.abort(r.request_id)
+    steady = times[1:] or times  # the first may still compile a kernel
+    return batch / statistics.median(steady), len(steady)
+
+
+def ttft_ms(engine, lengths: list[int]) -> float:
+    """ms from adding the prompts to every one's first token."""
+    reqs = [GenerationRequest(p, SamplingParams(max_new_tokens=2, temperature=0.0,
+                                                ignore_eos=True))
+            for p in (prompts(engine.tokenizer, 1, n, seed=n)[0] for n in lengths)]
+    dev = engine.runner.device
+    sync(dev)
+    t = time.perf_counter()
+    for r in reqs:
+        engine.add_request(r)
+    pending = {r.request_id for r in reqs}
+    while pending:
+        for out in engine.step():
+            if out.token_ids:
+                pending.discard(out.request_id)
+    sync(dev)
+    elapsed = (time.perf_counter() - t) * 1e3
+    while engine.has_work():
+        engine.step()
+    return elapsed
+
+
+@torch.no_grad()
+def hf_tok_s(shape: dict, device, dtype, plen: int, new: int, static: bool) -> float:
+    import transformers
+
+    config = transformers.LlamaConfig(**shape)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    ids = torch.randint(100, 1000, (1, plen), device=device)
+    kw = dict(do_sample=False, pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+        if device.type != "cuda":
+            kw["disable_compile"] = True
+
+    def run(n):
+        sync(device)
+        t = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        sync(device)
+        return time.perf_counter() - t
+
+    run(new)  # warm-up (and torch.compile for the static cache)
+    prefill, total = run(1), run(new)
+    del hf
+    return (new - 1) / (total - prefill)
+
+
+def ops_per_layer(shape: dict, batch: int = 1, context: int = 128) -> int:
+    """Kernels one decoder layer launches in a decode step on the device path: a model of
+    two layers minus one of one, counted on meta (no device, no memory)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    def count(layers):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(transformers.LlamaConfig(
+                **dict(shape, num_hidden_layers=layers))).to(torch.bfloat16)
+        bs = 16
+        per = -(-context // bs)
+        runner = ModelRunner(model, batch * per + 1, bs, tiled=True)
+        step = [ScheduledSeq(SimpleNamespace(token_ids=list(range(context)),
+                                             num_computed=context - 1,
+                                             block_table=list(range(i * per, (i + 1) * per))), 1)
+                for i in range(batch)]
+        return sum(triton_kernels.count_kernels(runner.run, step)[1].values())
+
+    return count(2) - count(1)
+
+
+def profiled_kernels_per_step(engine, batch: int = 1) -> float:
+    """CUDA kernels per decode step by torch.profiler (a few steady steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in prompts(engine.tokenizer, batch, 128, seed=5):
+        engine.add_request(GenerationRequest(p, SamplingParams(
+            max_new_tokens=16, temperature=0.0, ignore_eos=True)))
+    for _ in range(4):
+        engine.step()
+    steps = 4
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_work():
+        engine.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kernels) / steps
+
+
+class _NoModel(nn.Module):
+    """The model's interface, computing nothing: what is left of a step is host work."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.config = model.config
+        self.anchor = nn.Parameter(torch.zeros(1, device=next(model.parameters()).device))
+        self._hidden = model.config.hidden_size
+        self.tie_word_embeddings = False
+
+    def forward(self, input_ids, positions, kv_caches, batch):
+        return torch.zeros(input_ids.shape[0], self._hidden, device=self.anchor.device)
+
+    def compute_logits(self, hidden):
+        return torch.zeros(hidden.shape[0], self.config.vocab_size, device=self.anchor.device)
+
+
+def host_us_per_row(engine, batch: int, new: int, grammar=None) -> float:
+    """Host time per row per step at ``batch``: the engine's steps with a model that
+    computes nothing (scheduling, packing, sampling, grammar work, detokenizing)."""
+    real = engine.runner.model
+    engine.runner.model = _NoModel(real)
+    try:
+        tok_s, _ = decode_tok_s(engine, batch, new, 32, grammar=grammar)
+    finally:
+        engine.runner.model = real
+    return 1e6 / tok_s
+
+
+def main() -> None:
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    ap.add_argument("--device", default=None, help="default: cuda if present, else cpu")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF generate peer")
+    args = ap.parse_args()
+    smoke = args.smoke
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from worker.models.loader import load_tokenizer, resolve_model_dir
+
+    tokenizer_dir = smoke_model() if smoke else resolve_model_dir(None, progress=False)
+    tok = load_tokenizer(tokenizer_dir)
+    if smoke:
+        import transformers
+
+        shape = transformers.AutoConfig.from_pretrained(tokenizer_dir).to_dict()
+        shape = {k: shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "num_attention_heads", "num_key_value_heads",
+                                       "vocab_size", "max_position_embeddings",
+                                       "tie_word_embeddings")}
+        dtype = torch.float32
+    else:
+        shape = SHAPES[args.shape]
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = [1, 4] if smoke else ([1, 8, 32, 64] if not args.quick else [1, 8, 64])
+    new = 12 if smoke else (48 if args.quick else 128)
+    plen = 16 if smoke else 128
+    fig: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                 "shape": "tiny" if smoke else args.shape, "dtype": str(dtype).split(".")[-1]}
+
+    model = random_model(shape, device, dtype)
+    wbytes = weight_bytes(model)
+    bw = copy_bandwidth_gbs(device, 64 if smoke else 1024)
+    limit_ms = wbytes / (bw * 1e9) * 1e3
+    fig.update(copy_bw_gbs=round(bw, 1), weight_gb=round(wbytes / 1e9, 2),
+               limit_ms_b1=round(limit_ms, 3))
+
+    def engine(**kw):
+        kw.setdefault("progress", False)
+        kw.setdefault("max_num_seqs", max(batches))
+        kw.setdefault("kv_cache_gb", 0.25 if smoke else 8.0)
+        return LLMEngine(EngineConfig(device=device.type, **kw), model=model, tokenizer=tok)
+
+    eng = engine()
+    fig["tiled"] = eng.runner.tiled
+    rows = []
+    for b in batches:
+        tok_s, steps = decode_tok_s(eng, b, new, plen)
+        fig[f"tok_s_b{b}"] = round(tok_s, 1)
+        rows.append([f"decode b{b}", round(tok_s, 1), round(b / tok_s * 1e3, 2), steps])
+    fig["bw_share_b1"] = round(limit_ms / (1e3 / fig["tok_s_b1"]), 3)
+
+    sampled, _ = decode_tok_s(eng, 1, new, plen, dict(temperature=0.8, top_p=0.9, top_k=50))
+    fig["sampled_vs_greedy_b1"] = round(sampled / fig["tok_s_b1"], 3)
+    rows.append(["sampled b1 (t=0.8, top-p 0.9, top-k 50)", round(sampled, 1),
+                 round(1e3 / sampled, 2), ""])
+
+    long = min(2048, shape["max_position_embeddings"] - 8) if not smoke else 256
+    fig["prefill_ttft_ms_2048"] = round(ttft_ms(eng, [long]), 1)
+    fig["ttft_ms_64x128"] = round(ttft_ms(eng, [plen] * max(batches)), 1)
+    rows.append([f"first token, one {long}-token prompt", "", fig["prefill_ttft_ms_2048"], ""])
+    rows.append([f"first token, {max(batches)} x {plen}-token prompts", "",
+                 fig["ttft_ms_64x128"], ""])
+
+    for name in ENGINES:
+        geng = engine(grammar_engine=name)
+        spec = GrammarSpec.json_schema(GUIDED)
+        for b in batches:
+            guided, _ = decode_tok_s(geng, b, new, plen, grammar=spec)
+            ratio = guided / fig[f"tok_s_b{b}"]
+            key = f"ratio_guided_unguided_b{b}" + ("" if name == "auto" else f"_{name}")
+            fig[key] = round(ratio, 3)
+            rows.append([f"guided ({name}) b{b}", round(guided, 1), round(b / guided * 1e3, 2),
+                         f"ratio {ratio:.2f}"])
+        del geng
+
+    fig["ops_per_layer_decode"] = ops_per_layer(shape)
+    if device.type == "cuda":
+        fig["cuda_kernels_per_step_b1"] = profiled_kernels_per_step(eng)
+    hb = max(batches)
+    fig[f"host_us_per_row_b{hb}"] = round(host_us_per_row(eng, hb, new), 1)
+    geng = engine()
+    fig[f"host_us_per_row_b{hb}_guided"] = round(
+        host_us_per_row(geng, hb, new, GrammarSpec.json_schema(GUIDED)), 1)
+    fig.setdefault("host_us_per_row_b64", fig[f"host_us_per_row_b{hb}"])
+    rows.append([f"host per row per step, b{hb} (unguided / guided)", "",
+                 f"{fig[f'host_us_per_row_b{hb}']} / {fig[f'host_us_per_row_b{hb}_guided']} us",
+                 ""])
+
+    if not args.no_hf:
+        del eng
+        for static in (False, True):
+            name = "static" if static else "dynamic"
+            hf = hf_tok_s(shape, device, dtype, plen, new, static)
+            fig[f"hf_{name}_tok_s_b1"] = round(hf, 1)
+            rows.append([f"HF generate b1, {name} cache", round(hf, 1), round(1e3 / hf, 2), ""])
+        fig["ratio_vs_hf_static_b1"] = round(fig["tok_s_b1"] / fig["hf_static_tok_s_b1"], 3)
+
+    body = table(["what", "tok/s", "ms (per step, or to first token)", "notes"], rows)
+    body += (f"\n\nShape {fig['shape']} ({fig['weight_gb']} GB of weights, {fig['dtype']}) on "
+             f"{fig['device']}; copy bandwidth {fig['copy_bw_gbs']} GB/s, so a batch-1 step "
+             f"cannot beat {fig['limit_ms_b1']} ms; batch 1 reaches {fig['bw_share_b1']:.0%} "
+             f"of that. A decoder layer launches {fig['ops_per_layer_decode']} kernels in a "
+             f"decode step (device path; counted on meta).")
+    finish("gpu", body, fig, args)
+
+
+if __name__ == "__main__":
+    main()
