@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 PROMPT ?= Give me three facts about the Moon.
 
-.PHONY: install run generate test test-all test-xgrammar test-llguidance load-test fuzz bench clean
+.PHONY: install run generate test test-all test-xgrammar test-llguidance load-test fuzz bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	@echo "rayguide install [1/4]: a virtual environment in $(VENV)"
@@ -61,3 +61,13 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+
+# Wheels for a lent GPU machine (Python 3.12, nothing reachable there): the grammar engines
+# and what they need. Carry .gpu-wheels and install them with
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .gpu-wheels xgrammar==0.2.8 apache-tvm-ffi \
+		llguidance==1.9.1 jsonschema-rs pydantic pydantic-core annotated-types \
+		typing-inspection typing-extensions msgpack
