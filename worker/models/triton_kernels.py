@@ -187,7 +187,8 @@ class AttentionTiles:
 @_jit
 def _attention_kernel(Q, KC, VC, OUT, TILES, TABLES, stride_qt, stride_qh, stride_ot,
                       stride_oh, stride_slot, stride_table, scale, G, BLOCK_SIZE,
-                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(TILES + tile * 4)
@@ -201,6 +202,8 @@ def _attention_kernel(Q, KC, VC, OUT, TILES, TABLES, stride_qt, stride_qh, strid
     d = tl.arange(0, D)
     q_ptr = Q + (first + j)[:, None].to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     row_pos = pos0 + j
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -214,7 +217,10 @@ def _attention_kernel(Q, KC, VC, OUT, TILES, TABLES, stride_qt, stride_qh, strid
         kv_off = slot[:, None] * stride_slot + kvh * D + d[None, :]
         k = tl.load(KC + kv_off, mask=k_ok[:, None], other=0.0)
         v = tl.load(VC + kv_off, mask=k_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         see = (kk[None, :] <= row_pos[:, None]) & k_ok[None, :]
         s = tl.where(see, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -222,7 +228,8 @@ def _attention_kernel(Q, KC, VC, OUT, TILES, TABLES, stride_qt, stride_qh, strid
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision=PRECISION).to(tl.float32)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptr = OUT + (first + j)[:, None].to(tl.int64) * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -255,7 +262,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attention_kernel[(num_tiles, num_kv)](
         q, k_cache, v_cache, out, tiles.tiles, tiles.block_tables, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), tiles.block_tables.stride(0), scale,
-        group, block_size, D=dim, BLOCK_M=block_m, BLOCK_N=block_n)
+        group, block_size, D=dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32
+        # Triton's interpreter has no bf16 / fp16 matmul: it multiplies in fp32
+        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32)
     return out
 
 
