@@ -79,3 +79,25 @@ def test_draws_follow_the_distribution_and_never_a_masked_token():
     for tok, p in support.items():
         sigma = (4000 * p * (1 - p)) ** 0.5
         assert abs(counts.get(tok, 0) - 4000 * p) < 3.5 * sigma, counts
+
+
+@pytest.mark.parametrize("peak", [0.2, 1.0, 5.0])  # temperature-like spread of the logits
+def test_the_cpu_head_filter_equals_the_whole_sort(peak):
+    from worker.engine.sampling import _filter_head, _filter_sorted
+
+    g = torch.Generator().manual_seed(int(peak * 10))
+    probs = torch.softmax(torch.randn(24, 3000, generator=g) / peak, dim=-1)
+    knobs = []
+    for i in range(24):
+        top_k = [0, 1, 5, 40, 64, 65, 200][i % 7]
+        top_p = [1.0, 0.9, 0.5, 0.99][i % 4]
+        min_p = [0.0, 0.0, 0.05, 0.3][(i // 4) % 4]
+        knobs.append((0.7, float(top_k), top_p, min_p, 0.5))
+    knobs = torch.tensor(knobs, dtype=torch.float64)
+    decided = 0
+    for i in range(24):  # row by row: a batch falls back whole when one row cannot decide
+        head = _filter_head(probs[i:i + 1], knobs[i:i + 1])
+        if head is not None:
+            decided += 1
+            assert torch.equal(head > 0, _filter_sorted(probs[i:i + 1], knobs[i:i + 1]) > 0), i
+    assert decided >= (12 if peak < 1 else 4)  # peaked rows decide from their head
