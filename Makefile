@@ -63,11 +63,17 @@ clean:
 	rm -rf $(VENV)
 
 # Wheels for a lent GPU machine (Python 3.12, nothing reachable there): the grammar engines
-# and what they need. Carry .gpu-wheels and install them with
+# and what they need, and the default model's tokenizer files (no weights) in
+# .gpu-wheels/tokenizer (RAYGUIDE_TOKENIZER_DIR there). Carry .gpu-wheels and install with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl
-gpu-wheels:
+gpu-wheels: install
 	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d .gpu-wheels xgrammar==0.2.8 apache-tvm-ffi \
 		llguidance==1.9.1 jsonschema-rs pydantic pydantic-core annotated-types \
 		typing-inspection typing-extensions msgpack
+	$(PY) -c "import shutil; from worker.models.loader import resolve_model_dir; \
+		d = resolve_model_dir(None, progress=False); \
+		shutil.copytree(d, '.gpu-wheels/tokenizer', dirs_exist_ok=True, \
+		ignore=lambda _, names: [n for n in names if n.endswith(('.safetensors', '.bin'))])"
