@@ -23,19 +23,24 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU install may lack it; callers check ``available()``
-    triton = tl = None
+# imported on first use (``available``): a CPU worker never pays for it
+triton = tl = None
 
 # kernel launches made by the wrappers, counted (count_kernels) when not None
 _launches: list[str] | None = None
 
 
 def available() -> bool:
-    """Whether Triton is importable (CUDA torch ships it)."""
-    return triton is not None
+    """Whether Triton is importable (CUDA torch ships it); imports it on the first call."""
+    global triton, tl
+    if triton is None:
+        try:
+            import triton as triton_module
+            import triton.language as language
+        except ImportError:
+            return False
+        triton, tl = triton_module, language
+    return True
 
 
 def _shapes_only(name: str, like: torch.Tensor) -> bool:
@@ -48,12 +53,20 @@ def _shapes_only(name: str, like: torch.Tensor) -> bool:
 
 # with TRITON_INTERPRET=1 (set before Triton is imported: tests/conftest.py does so where
 # there is no CUDA device) the kernels run on CPU tensors through Triton's interpreter
-_jit = triton.jit if triton is not None else (lambda fn: fn)
+_jitted: dict = {}
+
+
+def _jit(fn):
+    """The kernel ``fn`` compiled by Triton (made once, after ``available()``)."""
+    kernel = _jitted.get(fn)
+    if kernel is None:
+        available()
+        kernel = _jitted[fn] = triton.jit(fn)
+    return kernel
 
 
 # --- RMSNorm with the residual add fused in ---------------------------------------------
 
-@_jit
 def _rms_norm_kernel(X, R, W, OUT, RES_OUT, stride_x, stride_r, stride_o, stride_ro, N, eps,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -83,7 +96,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r = residual if residual is not None else x
     ro = res_out if res_out is not None else out
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(m,)](
+    _jit(_rms_norm_kernel)[(m,)](
         x, r, weight, out, ro, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), n, eps,
         HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return out if residual is None else (out, res_out)
@@ -91,7 +104,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 # --- SiLU(gate) * up ----------------------------------------------------------------------
 
-@_jit
 def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, I, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -110,14 +122,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if _shapes_only("silu_mul", gate_up):
         return out
     block = 1024
-    _silu_mul_kernel[(m, triton.cdiv(i, block))](
+    _jit(_silu_mul_kernel)[(m, triton.cdiv(i, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), i, BLOCK=block)
     return out
 
 
 # --- RoPE for q and k, and the KV-cache write ----------------------------------------------
 
-@_jit
 def _rope_cache_kernel(QKV, POS, COS, SIN, SLOTS, KC, VC, stride_t, stride_table,
                        stride_slot, HQ, HKV, D, HALF: tl.constexpr):
     t = tl.program_id(0)
@@ -160,7 +171,7 @@ def rope_and_cache(qkv: torch.Tensor, num_q: int, num_kv: int, head_dim: int,
     q = qkv[:, :num_q * head_dim].view(t, num_q, head_dim)
     if _shapes_only("rope_and_cache", qkv) or t == 0:
         return q
-    _rope_cache_kernel[(t, num_q + num_kv)](
+    _jit(_rope_cache_kernel)[(t, num_q + num_kv)](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, qkv.stride(0),
         cos.stride(0), k_cache.stride(0), num_q, num_kv, head_dim, HALF=head_dim // 2)
     return q
@@ -184,7 +195,6 @@ class AttentionTiles:
     max_context: int
 
 
-@_jit
 def _attention_kernel(Q, KC, VC, OUT, TILES, TABLES, stride_qt, stride_qh, stride_ot,
                       stride_oh, stride_slot, stride_table, scale, G, BLOCK_SIZE,
                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -259,7 +269,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     block_m = max(16, triton.next_power_of_2(tiles.tokens_per_tile * group))
     block_n = 64 if dim <= 128 else 32
-    _attention_kernel[(num_tiles, num_kv)](
+    _jit(_attention_kernel)[(num_tiles, num_kv)](
         q, k_cache, v_cache, out, tiles.tiles, tiles.block_tables, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), k_cache.stride(0), tiles.block_tables.stride(0), scale,
         group, block_size, D=dim, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -271,7 +281,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 # --- the grammar bitmask -------------------------------------------------------------------
 
-@_jit
 def _bitmask_kernel(LOGITS, MASK, stride_l, stride_m, V, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -288,7 +297,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if _shapes_only("apply_bitmask", logits) or b == 0:
         return
     block = 4096
-    _bitmask_kernel[(b, triton.cdiv(v, block))](
+    _jit(_bitmask_kernel)[(b, triton.cdiv(v, block))](
         logits, bitmask, logits.stride(0), bitmask.stride(0), v, BLOCK=block)
 
 
