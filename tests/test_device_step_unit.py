@@ -117,10 +117,16 @@ def test_guided_masking_keeps_every_tensor_on_the_device():
 
 
 @needs_triton
-def test_tiled_path_matches_the_cpu_path():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tiled_path_matches_the_cpu_path(family):
     torch.manual_seed(0)
-    cfg = config()
+    if family == "qwen3":  # per-head q/k norms, fused into the RoPE kernel
+        cfg = transformers.Qwen3Config(**dict(config().to_dict(), head_dim=32,
+                                              model_type="qwen3"))
+    else:
+        cfg = config()
     model = LlamaForCausalLM(cfg)
+    assert model.layers[0].self_attn.qk_norm == (family == "qwen3")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)

@@ -75,10 +75,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if batch.tiles:  # the device kernels: RoPE writes K/V to the cache, attention reads it
             k_cache, v_cache = kv_cache
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) \
+                if self.qk_norm else None
             q = triton_kernels.rope_and_cache(
                 qkv, self.num_heads, self.num_kv_heads, self.head_dim, batch.positions,
                 self.rotary.cos_table, self.rotary.sin_table, batch.slot_mapping, k_cache,
-                v_cache)
+                v_cache, norms)
             o = None
             for tiles in batch.tiles:
                 o = triton_kernels.paged_attention(q, k_cache, v_cache, tiles,
@@ -170,9 +172,10 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def supports_tiled_attention(self) -> bool:
-        """Whether the device kernels' attention path serves this model (Qwen3's per-head
-        q/k norms sit between the projection and RoPE: not fused yet)."""
-        return not self.layers[0].self_attn.qk_norm
+        """Whether the device kernels' attention path serves this model (its kernels take
+        a head size that is a power of two: 64 and 128 in every supported family)."""
+        d = self.head_dim
+        return d >= 16 and d & (d - 1) == 0
 
     @property
     def head_dim(self) -> int:

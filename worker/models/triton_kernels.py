@@ -129,8 +129,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 # --- RoPE for q and k, and the KV-cache write ----------------------------------------------
 
-def _rope_cache_kernel(QKV, POS, COS, SIN, SLOTS, KC, VC, stride_t, stride_table,
-                       stride_slot, HQ, HKV, D, HALF: tl.constexpr):
+def _rope_cache_kernel(QKV, POS, COS, SIN, SLOTS, KC, VC, QN, KN, stride_t, stride_table,
+                       stride_slot, HQ, HKV, D, eps, HALF: tl.constexpr,
+                       QK_NORM: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     pos = tl.load(POS + t)
@@ -140,6 +141,11 @@ def _rope_cache_kernel(QKV, POS, COS, SIN, SLOTS, KC, VC, stride_t, stride_table
     base = QKV + t * stride_t + h * D
     x1 = tl.load(base + d).to(tl.float32)
     x2 = tl.load(base + HALF + d).to(tl.float32)
+    if QK_NORM:  # Qwen3: each head RMS-normed (its own weight for q, for k) before RoPE
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        w = QN if h < HQ else KN
+        x1 = x1 * rstd * tl.load(w + d).to(tl.float32)
+        x2 = x2 * rstd * tl.load(w + HALF + d).to(tl.float32)
     o1 = (x1 * c - x2 * s).to(QKV.dtype.element_ty)
     o2 = (x2 * c + x1 * s).to(QKV.dtype.element_ty)
     if h < HQ:  # a query head: rotated in place
@@ -159,21 +165,25 @@ def _rope_cache_kernel(QKV, POS, COS, SIN, SLOTS, KC, VC, stride_t, stride_table
 def rope_and_cache(qkv: torch.Tensor, num_q: int, num_kv: int, head_dim: int,
                    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor) -> torch.Tensor:
+                   v_cache: torch.Tensor, qk_norm: tuple | None = None) -> torch.Tensor:
     """qkv: [T, (Hq + 2 Hkv) D], the packed projection (unit column stride); positions,
     slot_mapping: [T] int; cos, sin: [max_pos, D] tables (halves equal, as
-    RotaryEmbedding's); k_cache, v_cache: [num_slots, Hkv, D].
+    RotaryEmbedding's); k_cache, v_cache: [num_slots, Hkv, D]; D a power of two;
+    qk_norm: None, or (q weight [D], k weight [D], eps) for Qwen3's per-head RMSNorm.
 
     Rotates the query heads in place (HF Llama's half split: ``x * cos[pos] +
-    rotate_half(x) * sin[pos]``), writes the rotated key heads to ``k_cache[slot]`` and the
-    value heads to ``v_cache[slot]``. Returns q: [T, Hq, D], a view of ``qkv``."""
+    rotate_half(x) * sin[pos]``, after ``rms_norm(x) * weight`` with qk_norm), writes the
+    rotated key heads to ``k_cache[slot]`` and the value heads to ``v_cache[slot]``.
+    Returns q: [T, Hq, D], a view of ``qkv``."""
     t = qkv.shape[0]
     q = qkv[:, :num_q * head_dim].view(t, num_q, head_dim)
     if _shapes_only("rope_and_cache", qkv) or t == 0:
         return q
+    qn, kn, eps = qk_norm if qk_norm is not None else (cos, cos, 0.0)
     _jit(_rope_cache_kernel)[(t, num_q + num_kv)](
-        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, qkv.stride(0),
-        cos.stride(0), k_cache.stride(0), num_q, num_kv, head_dim, HALF=head_dim // 2)
+        qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, qn, kn, qkv.stride(0),
+        cos.stride(0), k_cache.stride(0), num_q, num_kv, head_dim, eps, HALF=head_dim // 2,
+        QK_NORM=qk_norm is not None)
     return q
 
 
