@@ -154,8 +154,13 @@ def draw_ms(rows: int, vocab: int, reps: int = 20) -> tuple[float, float]:
             noise = torch.empty_like(probs[j]).exponential_(generator=gens[j])
             (probs[j] / noise.clamp_min_(1e-30)).argmax()
 
+    def ours():  # each row's uniform from its own generator, as SamplingPlan.build draws it
+        u = torch.tensor([torch.rand((), generator=g, dtype=torch.float64).item() for g in gens],
+                         dtype=torch.float64)
+        _draw(probs, u)
+
     out = []
-    for fn in (lambda: _draw(probs, gens), race):
+    for fn in (ours, race):
         fn()
         out.append(min(_timed(fn) for _ in range(reps)) * 1e3)
     return out[0], out[1]
