@@ -21,7 +21,10 @@ decode as fast as real ones of the same shape.
 ``--smoke`` runs the same code on the CPU with the tiny model (tests/test_bench_smoke.py).
 Keys: tok_s_b1, tok_s_b64, bw_share_b1, ratio_vs_hf_static_b1,
 ratio_guided_unguided_b{1,8,32,64}, prefill_ttft_ms_2048, sampled_vs_greedy_b1,
-ops_per_layer_decode, host_us_per_row_b64 (and more; see the JSON line).
+ops_per_layer_decode, host_us_per_row_b64 (and more; see the JSON line). The figures above
+run every step eagerly (``cuda_graphs: false``); on CUDA the same decode and guided runs
+again with CUDA graphs: tok_s_b{1,8,32,64}_graphs, ratio_guided_unguided_b{...}_graphs
+(guided with graphs / unguided with graphs), ratio_vs_hf_static_b1_graphs.
 """
 
 from __future__ import annotations
@@ -307,6 +310,7 @@ def main() -> None:
         kw.setdefault("progress", False)
         kw.setdefault("max_num_seqs", max(batches))
         kw.setdefault("kv_cache_gb", 0.25 if smoke else 8.0)
+        kw.setdefault("cuda_graphs", False)
         return LLMEngine(EngineConfig(device=device.type, **kw), model=model, tokenizer=tok)
 
     eng = engine()
@@ -342,6 +346,24 @@ def main() -> None:
                          f"ratio {ratio:.2f}"])
         del geng
 
+    if device.type == "cuda":  # the same runs with CUDA graphs recorded for decode steps
+        geng = engine(cuda_graphs=True)
+        fig["graph_memory_mb"] = round(geng.runner.graphs.memory_bytes / 2**20, 1) \
+            if geng.runner.graphs is not None else None
+        for b in batches:
+            tok_s, _ = decode_tok_s(geng, b, new, plen)
+            fig[f"tok_s_b{b}_graphs"] = round(tok_s, 1)
+            rows.append([f"decode b{b}, CUDA graphs", round(tok_s, 1),
+                         round(b / tok_s * 1e3, 2), ""])
+        spec = GrammarSpec.json_schema(GUIDED)
+        for b in batches:
+            guided, _ = decode_tok_s(geng, b, new, plen, grammar=spec)
+            ratio = guided / fig[f"tok_s_b{b}_graphs"]
+            fig[f"ratio_guided_unguided_b{b}_graphs"] = round(ratio, 3)
+            rows.append([f"guided (auto) b{b}, CUDA graphs", round(guided, 1),
+                         round(b / guided * 1e3, 2), f"ratio {ratio:.2f}"])
+        del geng
+
     fig["ops_per_layer_decode"] = ops_per_layer(shape)
     if device.type == "cuda":
         fig["cuda_kernels_per_step_b1"] = profiled_kernels_per_step(eng)
@@ -359,6 +381,9 @@ def main() -> None:
             fig[f"hf_{name}_tok_s_b1"] = round(hf, 1)
             rows.append([f"HF generate b1, {name} cache", round(hf, 1), round(1e3 / hf, 2), ""])
         fig["ratio_vs_hf_static_b1"] = round(fig["tok_s_b1"] / fig["hf_static_tok_s_b1"], 3)
+        if "tok_s_b1_graphs" in fig:
+            fig["ratio_vs_hf_static_b1_graphs"] = round(
+                fig["tok_s_b1_graphs"] / fig["hf_static_tok_s_b1"], 3)
 
     body = table(["what", "tok/s", "ms (per step, or to first token)", "notes"], rows)
     body += (f"\n\nShape {fig['shape']} ({fig['weight_gb']} GB of weights, {fig['dtype']}) on "

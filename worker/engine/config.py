@@ -74,6 +74,9 @@ class EngineConfig(ConfigModel):
     # jump-forward decoding (jump_forward.py): text a guided row's grammar forces is
     # appended without sampling and computed in the row's next forward. On by default;
     # $RAYGUIDE_JUMP_FORWARD=0 sets the default off (what runs the suite without it)
+    # CUDA graphs for decode steps on a GPU (worker/engine/cuda_graphs.py): None or true: on
+    # where the model takes the device kernels on CUDA; false: every step eager
+    cuda_graphs: bool | None = None
     jump_forward: bool = Field(
         default_factory=lambda: os.environ.get("RAYGUIDE_JUMP_FORWARD", "1") == "1")
 

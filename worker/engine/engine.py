@@ -119,6 +119,13 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_token_budget)
         self.runner = ModelRunner(model, num_blocks, config.block_size)
+        if (config.cuda_graphs is not False and self.runner.tiled
+                and self.runner.device.type == "cuda"):
+            try:
+                self.runner.enable_graphs(config.max_num_seqs, self.max_model_len)
+            except Exception as e:  # a recording that fails leaves every step eager
+                logger.warning("CUDA graphs off: recording failed (%s: %s)", type(e).__name__, e)
+                self.runner.graphs = None
         self.sampler = Sampler()
         self.strategy = ARSamplingStrategy()
         self.guided: GuidedDecodingManager | None = None

@@ -5,13 +5,15 @@ On the CPU (and on a device without Triton) the batch is built as ``AttentionBat
 describes. On a GPU the step's whole description (token ids, positions, cache slots, block
 tables, attention tiles, the sampled rows) is packed on the host into one int32 tensor and
 crosses to the device in one copy (``_tiled_batch``); the model's layers then take the
-device kernels (worker/models/triton_kernels.py).
+device kernels (worker/models/triton_kernels.py). A decode-only step there replays a CUDA
+graph of the same forward (worker/engine/cuda_graphs.py) where graphs are on.
 """
 
 from __future__ import annotations
 
 import torch
 
+from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.scheduler import ScheduledSeq
 from worker.models import triton_kernels
 from worker.models.llama import LlamaForCausalLM
@@ -41,7 +43,11 @@ class ModelRunner:
             tiled = (self.device.type != "cpu" and triton_kernels.available()
                      and model.supports_tiled_attention)
         self.tiled = tiled
-        shape = (num_blocks * block_size, model.num_kv_heads, model.head_dim)
+        # one block more than the block manager hands out: the scratch slots a CUDA graph's
+        # padding rows write their key and value to
+        self.scratch_slot = num_blocks * block_size
+        self.graphs: DecodeGraphs | None = None
+        shape = ((num_blocks + 1) * block_size, model.num_kv_heads, model.head_dim)
         # per layer: (K, V), each [num_slots, Hkv, D]
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -49,10 +55,25 @@ class ModelRunner:
             for _ in model.layers
         ]
 
+    def enable_graphs(self, max_rows: int, max_model_len: int, capture: bool = True) -> None:
+        """Decode steps of up to ``max_rows`` rows replay CUDA graphs (recorded now, on
+        CUDA); ``capture=False`` runs the same static-buffer path eagerly (tests)."""
+        assert self.tiled, "CUDA graphs record the tiled path"
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_rows,
+                                   -(-max_model_len // self.block_size), self.scratch_slot,
+                                   capture)
+        self.graphs.record()
+
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """Returns (logits [R, V] fp32, indices into ``scheduled`` of the R sampling rows).
         A sequence samples when this step computes its last pending token."""
+        if self.graphs is not None and self.graphs.fits(scheduled):
+            logits = self.graphs.run(scheduled)
+            sample_idx = [i for i, s in enumerate(scheduled) if s.samples]
+            if len(sample_idx) < len(scheduled):
+                logits = logits[torch.tensor(sample_idx, device=self.device, dtype=torch.long)]
+            return logits, sample_idx
         if self.tiled:
             input_ids, batch, rows, sample_idx = self._tiled_batch(scheduled)
             hidden = self.model(input_ids, batch.positions, self.kv_caches, batch)
