@@ -75,7 +75,10 @@ import xgrammar as xgr
 from grammar_cache.compile import compile_spec
 from grammar_cache.errors import ErrorKind, GrammarError
 from grammar_cache.spec import GrammarSpec
-from worker.engine.schema_rewrites import exact_rewrites, strict_schema
+from worker.engine.schema_rewrites import (MAX_LLGUIDANCE_FRAC_DIGITS,
+                                           MAX_LLGUIDANCE_INT_DIGITS, RewriteBudget,
+                                           SchemaTooComplex, any_value_guarded,
+                                           exact_rewrites, number_guards, strict_schema)
 
 XGRAMMAR, LLGUIDANCE, AUTO = "xgrammar", "llguidance", "auto"
 ENGINES = (XGRAMMAR, LLGUIDANCE)
@@ -344,11 +347,27 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
     if spec.any_order:
         raise EngineRefused(LLGUIDANCE, "llguidance keeps a schema's property order; "
                             "any_order needs xgrammar")
-    schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+    if (spec.max_frac_digits > MAX_LLGUIDANCE_FRAC_DIGITS
+            or spec.max_int_digits > MAX_LLGUIDANCE_INT_DIGITS):
+        raise EngineRefused(LLGUIDANCE, f"llguidance bounds numbers to at most "
+                            f"{MAX_LLGUIDANCE_INT_DIGITS} integer and "
+                            f"{MAX_LLGUIDANCE_FRAC_DIGITS} fraction digits; larger "
+                            "max_int_digits / max_frac_digits need xgrammar")
+    budget = RewriteBudget()  # one bound on all the preparation below
     try:
-        if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
-            schema = strict_schema(schema)
-        schema = exact_rewrites(schema)
+        if spec.kind == "json_object":
+            schema = any_value_guarded(spec.max_int_digits, spec.max_frac_digits)
+        else:
+            schema = json.loads(spec.source)
+            if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
+                schema = strict_schema(schema)
+            schema = exact_rewrites(schema, budget=budget)
+            schema = number_guards(schema, spec.max_int_digits, spec.max_frac_digits,
+                                   budget=budget)
+        text = json.dumps(schema)
+    except SchemaTooComplex as exc:
+        raise EngineRefused(LLGUIDANCE, f"the schema could not be prepared for llguidance: "
+                            f"{exc}", ErrorKind.GRAMMAR_TOO_LARGE) from None
     except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
         # a shape the rewrites do not read (tests/test_grammar_rewrites_unit.py fuzzes
         # them): refused here, so auto serves it on xgrammar, which names what is wrong
@@ -356,7 +375,7 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
                             f"({type(exc).__name__}: {_first_line(str(exc))})") from None
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), overrides=_json_options(spec))
+            text, overrides=_json_options(spec))
     except ValueError as exc:
         raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
                             f"{_first_line(str(exc))}") from None
