@@ -331,6 +331,11 @@ def _run_probes(tokenizer: "llguidance.LLTokenizer") -> tuple[int, ...]:
     return tuple(probes)
 
 
+# what the rewrites may add to a schema: strict mode's and the guards' keywords take a few
+# times a small node's bytes; a negation over shared definitions could take megabytes
+_MAX_GROWTH, _MAX_GROWTH_BYTES = 8, 64 * 1024
+
+
 def _llguidance_grammar(spec: GrammarSpec) -> str:
     import llguidance
 
@@ -365,6 +370,9 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
             schema = number_guards(schema, spec.max_int_digits, spec.max_frac_digits,
                                    budget=budget)
         text = json.dumps(schema)
+        if len(text) > _MAX_GROWTH * len(spec.source) + _MAX_GROWTH_BYTES:
+            raise SchemaTooComplex(f"rewritten for llguidance it would be {len(text)} "
+                                   f"bytes, from {len(spec.source)}")
     except SchemaTooComplex as exc:
         raise EngineRefused(LLGUIDANCE, f"the schema could not be prepared for llguidance: "
                             f"{exc}", ErrorKind.GRAMMAR_TOO_LARGE) from None
