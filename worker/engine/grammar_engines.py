@@ -56,8 +56,24 @@ schema, ``exact_rewrites`` turns what it lacks but can express exactly into what
 dropped; ``not`` as its negation where one exists without ``not``; ``oneOf`` as ``anyOf``
 where no instance can match two branches; a node bounded by an ``enum`` as the enum of the
 values it allows, checked by the validator). llguidance also has no
-``indent`` layout, no ``any_order`` and no runaway digit guards (``max_*_digits``): it
-refuses the first two and leaves numbers unbounded where the schema does.
+``indent`` layout and no ``any_order``: it refuses both.
+
+Runaway digit guards (``GrammarSpec.max_*_digits``) hold on both engines. xgrammar's are
+written into its EBNF (grammar_cache/compile.py). llguidance has no digit bounds, so
+``number_guards`` writes them into the schema as bounds it turns into bounded digit runs:
+an integer gets ``minimum`` / ``maximum`` of ``±(10**n - 1)``, a number
+``exclusiveMinimum`` / ``exclusiveMaximum`` of ``±10**n`` and ``multipleOf: 10**-m``, on
+the sides the schema leaves open (widened opposite a bound of more digits, so a number
+the schema demands stays writable); a ``json_object``'s values get them through a
+recursive any-value schema. llguidance writes such a number without an exponent. Guards
+it cannot write (over 10 fraction or 18 integer digits, an integer bound past 64 bits,
+which it would clamp) are refused, so ``auto`` serves them on xgrammar.
+
+Every llguidance compile is bounded: the rewrites run under a ``RewriteBudget`` (steps
+and time; schema_rewrites.py), the rewritten schema under ``_MAX_GROWTH`` times its source
+(plus 64 kB), and the compile itself under llguidance's own parser limits (lexer fuel,
+grammar size); past any of them llguidance refuses the schema by name
+(``grammar_too_large``) and ``auto`` serves it on xgrammar.
 """
 
 from __future__ import annotations
