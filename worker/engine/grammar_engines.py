@@ -56,8 +56,24 @@ schema, ``exact_rewrites`` turns what it lacks but can express exactly into what
 dropped; ``not`` as its negation where one exists without ``not``; ``oneOf`` as ``anyOf``
 where no instance can match two branches; a node bounded by an ``enum`` as the enum of the
 values it allows, checked by the validator). llguidance also has no
-``indent`` layout, no ``any_order`` and no runaway digit guards (``max_*_digits``): it
-refuses the first two and leaves numbers unbounded where the schema does.
+``indent`` layout and no ``any_order``: it refuses both.
+
+Runaway digit guards (``GrammarSpec.max_*_digits``) hold on both engines. xgrammar's are
+written into its EBNF (grammar_cache/compile.py). llguidance has no digit bounds, so
+``number_guards`` writes them into the schema as bounds it turns into bounded digit runs:
+an integer gets ``minimum`` / ``maximum`` of ``±(10**n - 1)``, a number
+``exclusiveMinimum`` / ``exclusiveMaximum`` of ``±10**n`` and ``multipleOf: 10**-m``, on
+the sides the schema leaves open (widened opposite a bound of more digits, so a number
+the schema demands stays writable); a ``json_object``'s values get them through a
+recursive any-value schema. llguidance writes such a number without an exponent. Guards
+it cannot write (over 10 fraction or 18 integer digits, an integer bound past 64 bits,
+which it would clamp) are refused, so ``auto`` serves them on xgrammar.
+
+Every llguidance compile is bounded: the rewrites run under a ``RewriteBudget`` (steps
+and time; schema_rewrites.py), the rewritten schema under ``_MAX_GROWTH`` times its source
+(plus 64 kB), and the compile itself under llguidance's own parser limits (lexer fuel,
+grammar size); past any of them llguidance refuses the schema by name
+(``grammar_too_large``) and ``auto`` serves it on xgrammar.
 """
 
 from __future__ import annotations
@@ -75,7 +91,10 @@ import xgrammar as xgr
 from grammar_cache.compile import compile_spec
 from grammar_cache.errors import ErrorKind, GrammarError
 from grammar_cache.spec import GrammarSpec
-from worker.engine.schema_rewrites import exact_rewrites, strict_schema
+from worker.engine.schema_rewrites import (MAX_LLGUIDANCE_FRAC_DIGITS,
+                                           MAX_LLGUIDANCE_INT_DIGITS, RewriteBudget,
+                                           SchemaTooComplex, any_value_guarded,
+                                           exact_rewrites, number_guards, strict_schema)
 
 XGRAMMAR, LLGUIDANCE, AUTO = "xgrammar", "llguidance", "auto"
 ENGINES = (XGRAMMAR, LLGUIDANCE)
@@ -328,6 +347,11 @@ def _run_probes(tokenizer: "llguidance.LLTokenizer") -> tuple[int, ...]:
     return tuple(probes)
 
 
+# what the rewrites may add to a schema: strict mode's and the guards' keywords take a few
+# times a small node's bytes; a negation over shared definitions could take megabytes
+_MAX_GROWTH, _MAX_GROWTH_BYTES = 8, 64 * 1024
+
+
 def _llguidance_grammar(spec: GrammarSpec) -> str:
     import llguidance
 
@@ -344,11 +368,30 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
     if spec.any_order:
         raise EngineRefused(LLGUIDANCE, "llguidance keeps a schema's property order; "
                             "any_order needs xgrammar")
-    schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
+    if (spec.max_frac_digits > MAX_LLGUIDANCE_FRAC_DIGITS
+            or spec.max_int_digits > MAX_LLGUIDANCE_INT_DIGITS):
+        raise EngineRefused(LLGUIDANCE, f"llguidance bounds numbers to at most "
+                            f"{MAX_LLGUIDANCE_INT_DIGITS} integer and "
+                            f"{MAX_LLGUIDANCE_FRAC_DIGITS} fraction digits; larger "
+                            "max_int_digits / max_frac_digits need xgrammar")
+    budget = RewriteBudget()  # one bound on all the preparation below
     try:
-        if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
-            schema = strict_schema(schema)
-        schema = exact_rewrites(schema)
+        if spec.kind == "json_object":
+            schema = any_value_guarded(spec.max_int_digits, spec.max_frac_digits)
+        else:
+            schema = json.loads(spec.source)
+            if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
+                schema = strict_schema(schema)
+            schema = exact_rewrites(schema, budget=budget)
+            schema = number_guards(schema, spec.max_int_digits, spec.max_frac_digits,
+                                   budget=budget)
+        text = json.dumps(schema)
+        if len(text) > _MAX_GROWTH * len(spec.source) + _MAX_GROWTH_BYTES:
+            raise SchemaTooComplex(f"rewritten for llguidance it would be {len(text)} "
+                                   f"bytes, from {len(spec.source)}")
+    except SchemaTooComplex as exc:
+        raise EngineRefused(LLGUIDANCE, f"the schema could not be prepared for llguidance: "
+                            f"{exc}", ErrorKind.GRAMMAR_TOO_LARGE) from None
     except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
         # a shape the rewrites do not read (tests/test_grammar_rewrites_unit.py fuzzes
         # them): refused here, so auto serves it on xgrammar, which names what is wrong
@@ -356,7 +399,7 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
                             f"({type(exc).__name__}: {_first_line(str(exc))})") from None
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), overrides=_json_options(spec))
+            text, overrides=_json_options(spec))
     except ValueError as exc:
         raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
                             f"{_first_line(str(exc))}") from None

@@ -8,11 +8,21 @@ llguidance refuses what it cannot enforce exactly (``not``, ``oneOf``, ``if`` / 
 (grammar_engines.py) then sends the schema to xgrammar, which approximates. A rewrite here
 is made only where the rewritten schema is provably the same set of instances; anything
 else is left as written.
+
+Every rewrite is bounded (``RewriteBudget``): it runs in the worker beside the engine
+thread, in Python, so a hostile schema (``allOf`` s that reference each other, a ``not``
+over a chain of definitions, hundreds of enum nodes sharing one large definition) must
+not hold the interpreter for seconds nor produce megabytes. Each step (a node visited, a
+reference followed, a negation built, a value checked) costs a unit; past ``MAX_WORK``
+units or ``MAX_SECONDS`` the rewrite stops with ``SchemaTooComplex`` (the caller then
+refuses the schema for llguidance, and ``auto`` serves it on xgrammar).
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
+import time
 
 # formats the JSON Schema drafts (3 to 2020-12) name. One llguidance lacks (uri-reference,
 # regex ...) is refused, so xgrammar checks or approximates it; any other format is a
@@ -36,7 +46,47 @@ _SCHEMA_VALUES = ("items", "prefixItems", "additionalProperties", "additionalIte
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf")
 
 
-def exact_rewrites(node, root=None):
+# the bound on one rewrite: ~0.05 s of Python (a 210 kB schema of 4,000 plain nodes takes
+# 4,200 units; a negation 4 a node, so its output stays under ~0.5 MB)
+MAX_WORK = 25_000
+MAX_SECONDS = 0.25
+
+
+class SchemaTooComplex(ValueError):
+    """A rewrite needed more than its budget (``MAX_WORK`` steps or ``MAX_SECONDS``)."""
+
+
+class RewriteBudget:
+    """The steps one rewrite may take; ``spend`` raises SchemaTooComplex past them."""
+
+    def __init__(self, units: int = MAX_WORK, seconds: float = MAX_SECONDS):
+        self.units, self.left = units, units
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    def spend(self, n: int = 1) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise SchemaTooComplex(
+                f"the schema needs more than {self.units} steps to be rewritten for "
+                "llguidance (references that multiply: allOf / not / oneOf over shared "
+                "definitions)")
+        if self.left % 512 < n and time.monotonic() > self.deadline:
+            raise SchemaTooComplex(f"rewriting the schema for llguidance took over "
+                                   f"{self.seconds:g} s")
+
+
+_BUDGET: contextvars.ContextVar[RewriteBudget | None] = contextvars.ContextVar(
+    "rewrite_budget", default=None)
+
+
+def _spend(n: int = 1) -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.spend(n)
+
+
+def exact_rewrites(node, root=None, budget: RewriteBudget | None = None):
     """``node`` rewritten, without changing which instances it allows, into keywords
     llguidance enforces, where it would refuse the original (``root``: the document its
     local ``$ref`` s point into; ``node`` itself by default):
@@ -59,22 +109,42 @@ def exact_rewrites(node, root=None):
       becomes the ``anyOf`` of each list present with every other one incomplete.
 
     What it does not rewrite stays as written (llguidance then refuses it and ``auto``
-    sends the schema to xgrammar)."""
+    sends the schema to xgrammar).
+
+    The whole rewrite runs under ``budget`` (a fresh ``RewriteBudget`` by default, or the
+    one already running) and raises SchemaTooComplex past it."""
+    return _under_budget(budget, _exact_rewrites, node, root)
+
+
+def _under_budget(budget: RewriteBudget | None, fn, *args):
+    """``fn(*args)`` under ``budget``; under the running budget where there is one and
+    ``budget`` is None, else under a fresh one."""
+    if _BUDGET.get() is not None and budget is None:
+        return fn(*args)
+    token = _BUDGET.set(budget or RewriteBudget())
+    try:
+        return fn(*args)
+    finally:
+        _BUDGET.reset(token)
+
+
+def _exact_rewrites(node, root=None):
     if root is None:
         root = node
+    _spend()
     if isinstance(node, list):
-        return [exact_rewrites(sub, root) for sub in node]
+        return [_exact_rewrites(sub, root) for sub in node]
     if not isinstance(node, dict):
         return node
     out = {}
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            value = {name: exact_rewrites(sub, root) for name, sub in value.items()}
+            value = {name: _exact_rewrites(sub, root) for name, sub in value.items()}
         elif key in _SCHEMA_VALUES and isinstance(value, (dict, list)) or (
                 key in _SCHEMA_LISTS and isinstance(value, list)):
-            value = exact_rewrites(value, root)
+            value = _exact_rewrites(value, root)
         elif key == "dependencies" and isinstance(value, dict):
-            value = {name: exact_rewrites(sub, root) for name, sub in value.items()}
+            value = {name: _exact_rewrites(sub, root) for name, sub in value.items()}
         out[key] = value
     if isinstance(out.get("format"), str) and out["format"] not in _DRAFT_FORMATS:
         del out["format"]
@@ -156,6 +226,7 @@ def _walk(node, root, seen=None):
         elif isinstance(sub, dict):
             if id(sub) in seen:
                 continue
+            _spend()
             seen.add(id(sub))
             out.append(sub)
             if "$ref" in sub:
@@ -215,8 +286,10 @@ def _enum_filtered(node: dict, root):
                 schema[key] = root[key]
     from worker.engine.validation import _validator
 
+    text = json.dumps(schema, sort_keys=True)
+    _spend(len(text) // 64 + len(values))
     try:
-        validator = _validator(json.dumps(schema, sort_keys=True))
+        validator = _validator(text)
         kept = [v for v in values if validator.is_valid(v)]
     except Exception:  # a schema jsonschema-rs cannot build or run: leave it
         return None
@@ -254,6 +327,7 @@ def _negated(schema, root, depth: int):
         return True
     if not isinstance(schema, dict) or depth > _MAX_REF_DEPTH:
         return None
+    _spend(4)  # (per call: the calls build the negation, so this bounds its size too)
     words = _keywords(schema)
     if not words:
         return False
@@ -296,7 +370,7 @@ def _negated(schema, root, depth: int):
                 negs = [n for n in negs if n is not True]
                 part = True if not negs else negs[0] if len(negs) == 1 else {"allOf": negs}
         elif key == "not":
-            part = exact_rewrites(value, root) if isinstance(value, dict) else value
+            part = _exact_rewrites(value, root) if isinstance(value, dict) else value
         else:
             return None
         if part is None:
@@ -400,6 +474,7 @@ class _Facts:
         self.closed: list[dict] = []  # conjuncts whose additionalProperties is false
         self.prefixes: list[str] = []  # literal starts every string must have (patterns)
         self.known, self.never = True, schema is False
+        self._seen: set[int] = set()  # schemas read: a second read adds no fact
         self._read(schema, root, depth)
         if beside is not None:  # a schema that applies with it (the node around a oneOf)
             self._read(beside, root, depth)
@@ -410,6 +485,13 @@ class _Facts:
         if not isinstance(schema, dict) or depth > _MAX_REF_DEPTH:
             self.known = False
             return
+        # the facts are a conjunction: reading a schema again (one that allOf members or
+        # references reach more than once) adds nothing, and skipping it keeps the reading
+        # linear in the schema where it was exponential in the depth of references
+        if id(schema) in self._seen:
+            return
+        self._seen.add(id(schema))
+        _spend()
         if "$ref" in schema:  # the target applies (with or without its siblings, per draft)
             target = _resolve(root, schema["$ref"])
             if target is None:
@@ -505,6 +587,7 @@ def _disjoint(a, b, root, depth: int) -> bool:
         return True
     if depth > _MAX_REF_DEPTH:
         return False
+    _spend()
     return _facts_disjoint(_Facts(a, root, depth), _Facts(b, root, depth), root, depth)
 
 
@@ -604,3 +687,121 @@ def _named(node: dict) -> list:
                 names += [name, *(n if isinstance(n, str) else None for n in dep)] if (
                     isinstance(dep, list)) else [None]
     return names
+
+
+# --- runaway guards ---------------------------------------------------------------------------
+
+# subschemas that apply to the value itself or to values inside it, where narrowing the
+# subschema narrows the whole (not under ``not`` / ``if``, where it would widen it)
+_GUARDED_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                 "dependentSchemas")
+_GUARDED_VALUES = ("items", "prefixItems", "additionalProperties", "additionalItems",
+                   "unevaluatedProperties", "unevaluatedItems", "then", "else")
+# llguidance writes a number with a decimal multipleOf as at most this many fraction digits
+# (``multipleOf: 1e-10``; a smaller step is "too many digits" for it), and an integer range
+# as 64-bit integers
+MAX_LLGUIDANCE_FRAC_DIGITS = 10
+MAX_LLGUIDANCE_INT_DIGITS = 18
+
+
+def number_guards(node, int_digits: int, frac_digits: int,
+                  budget: RewriteBudget | None = None):
+    """``node`` with xgrammar's runaway guards written into its ``number`` / ``integer``
+    nodes as keywords llguidance turns into bounded digit runs (it has no digit bounds of
+    its own), where the node sets no bound of its own:
+
+    - an integer gets ``minimum`` / ``maximum`` of ``±(10**int_digits - 1)``: at most
+      ``int_digits`` digits, exactly;
+    - a number gets ``exclusiveMinimum`` / ``exclusiveMaximum`` of ``±10**int_digits``
+      (at most ``int_digits`` integer digits) and ``multipleOf: 10**-frac_digits`` (at most
+      ``frac_digits`` fraction digits).
+
+    A side the schema bounds (``minimum`` / ``maximum``, either exclusive form) is left as
+    written, and a guard never cuts off the values the schema demands: opposite a bound
+    beyond it, the guard widens to that bound's digit count (``minimum: 1e16`` with 15
+    integer digits gets ``exclusiveMaximum: 1e17``). A node with its own ``multipleOf``
+    keeps it (it fixes the fraction digits itself). An integer bound past 64 bits is a
+    ValueError (llguidance would clamp it). llguidance writes a bounded number
+    without an exponent, so under the guards no exponent is written at all (xgrammar
+    allows ``max_exp_digits`` of them). Guards narrow what the grammar allows; the
+    post-validation still checks the schema as the client wrote it. 0 turns a guard off.
+    Runs under ``budget`` as ``exact_rewrites`` does."""
+    if not int_digits and not frac_digits:
+        return node
+    return _under_budget(budget, _guarded, node, int_digits, frac_digits)
+
+
+def any_value_guarded(int_digits: int, frac_digits: int) -> dict:
+    """A schema for any JSON value whose numbers (at any depth) carry the guards
+    (``number_guards``): what a JSON object's values are under ``json_object``."""
+    number = number_guards({"type": "number"}, int_digits, frac_digits)
+    value = {"anyOf": [{"type": ["null", "boolean", "string"]}, number,
+                       {"type": "array", "items": {"$ref": "#/$defs/value"}},
+                       {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}
+    return {"$defs": {"value": value}, "type": "object",
+            "additionalProperties": {"$ref": "#/$defs/value"}}
+
+
+def _guarded(node, int_digits: int, frac_digits: int):
+    if isinstance(node, list):
+        return [_guarded(sub, int_digits, frac_digits) for sub in node]
+    if not isinstance(node, dict):
+        return node
+    _spend()
+    out = dict(node)
+    for key in _GUARDED_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: _guarded(sub, int_digits, frac_digits)
+                        for name, sub in node[key].items()}
+    for key in (*_GUARDED_VALUES, *_SCHEMA_LISTS):
+        if isinstance(node.get(key), (dict, list)):
+            out[key] = _guarded(node[key], int_digits, frac_digits)
+    types = node.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(
+        types, list) else set()
+    if "number" in types:
+        _bound_range(out, int_digits, exclusive=True)
+        if frac_digits and "multipleOf" not in out:
+            out["multipleOf"] = float(f"1e-{frac_digits}")
+    elif "integer" in types:
+        _bound_range(out, int_digits, exclusive=False)
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            value = _number(out.get(key))
+            if value is not None and abs(value) >= 2 ** 63:
+                # llguidance clamps such a bound to 64 bits and then allows values the
+                # schema forbids (minimum 1e20 took 9223372036854775807): refused instead
+                raise ValueError(f"the integer bound {key}: {out[key]} is past "
+                                 "llguidance's 64-bit integer ranges")
+    return out
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(
+        value, bool) else None
+
+
+def _bound_range(out: dict, digits: int, exclusive: bool) -> None:
+    """Adds the integer-digit guard to the sides of ``out`` that have no bound."""
+    if not digits:
+        return
+    low = [v for v in (_number(out.get("minimum")), _number(out.get("exclusiveMinimum")))
+           if v is not None]
+    high = [v for v in (_number(out.get("maximum")), _number(out.get("exclusiveMaximum")))
+            if v is not None]
+    if not high:  # (digits of the far bound on the other side: the guard must not cut it)
+        width = max([digits] + [_int_digits(v) for v in low if v > 0])
+        if exclusive:
+            out["exclusiveMaximum"] = 10 ** width
+        else:
+            out["maximum"] = 10 ** width - 1
+    if not low:
+        width = max([digits] + [_int_digits(v) for v in high if v < 0])
+        if exclusive:
+            out["exclusiveMinimum"] = -10 ** width
+        else:
+            out["minimum"] = -(10 ** width - 1)
+
+
+def _int_digits(value: float) -> int:
+    """The digits of ``value`` 's integer part (at least 1)."""
+    return len(str(int(abs(value)))) if abs(value) < 1e300 else 301
