@@ -24,13 +24,26 @@ an enumeration the user asked for loses its tail, not its head.
 
 A JSON scanner follows the output byte by byte (strings, escapes, numbers, nesting), so
 each token boundary knows its nesting. The loop's value is the innermost string, array or
-object that stays open over the whole repetition; numbers and literals are never cut
-(``1000000`` is not a loop). The cut is the earliest token boundary after one whole copy
+object that stays open over the whole repetition; a repetition of tokens inside a number
+or literal is never cut (``1000000`` is not a loop). The cut is the earliest token boundary after one whole copy
 (and after what was already streamed) that lies directly in that value and where the
 grammar accepts the value's closer (``"``, ``]`` or ``}``): a string is closed, an array
 ends once its ``minItems`` allow, an object once its required keys are in. A repetition
 the grammar demands (``[5, 5, 5, 5, 5]`` with ``minItems: 5``, ``"aaaa"`` for ``a{4}``)
 has no such boundary before the grammar is satisfied, so it is never shortened.
+
+A **number** loops when its digits repeat one group of up to 4 digits over
+``number_digits`` (20) digits within one part of it (``1111...``, ``0.3333...``,
+``1212...``; xgrammar's grammar bounds a number's digits itself, llguidance's may not): it
+ends at the newest token, and the value around it is closed, or (the schema wants more) a
+comma lets the object or array go on. A double prints at most 17 significant digits, an
+int64 19, and round numbers people write (``602214076000000000000000``) repeat under 20.
+
+Cost: O(max_period) work and a few small objects per token, also where a loop cannot be
+cut (a ``minLength`` string of one character: each token looks at the newest boundary
+only, and the repetition's length and lowest depth come from running sums, not rescans);
+a state refers to its innermost nesting level, shared, never to a copy of the stack.
+Nothing is recorded while the guard is off or its cuts are spent.
 
 This module knows no engine: ``LoopGuard`` is fed tokens and answers with a ``LoopCut``;
 the output policy (output_policy.py) rolls the matcher and the output back and forces the
@@ -39,14 +52,17 @@ closer.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
-# scanner state after a byte: (container stack of "o"/"a" + "s" while in a string,
-# in_escape, in_number)
-_State = tuple[str, bool, bool]
-_START: _State = ("", False, False)
+# an open nesting level: (kind "o"/"a"/"s", the level it is in or None, its depth from 1);
+# a state's innermost level leads to all of them, so a state never copies its stack
+_Level = tuple
+# scanner state after a token: (innermost open level or None, in_escape, in_number)
+_State = tuple
+_START: _State = (None, False, False)
 _NUMBER = frozenset(b"-0123456789.eE+")
-_CLOSER = {"s": b'"', "a": b"]", "o": b"}"}
+_CLOSER = {"s": b'"', "a": b"]", "o": b"}", ",": b","}
 
 
 @dataclass(frozen=True)
@@ -63,11 +79,12 @@ class LoopGuardParams:
     hold_tokens: int = 16
     max_cuts: int = 8
     progression_repeats: int = 8  # 0: progressions are not looked for
+    number_digits: int = 20  # a number's digits repeating this long end it (0: never)
 
     def __post_init__(self):
         for name, low in (("min_repeats", 2), ("long_span", 1), ("min_chars", 1),
                           ("max_period", 1), ("hold_tokens", 0), ("max_cuts", 0),
-                          ("progression_repeats", 0)):
+                          ("progression_repeats", 0), ("number_digits", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"invalid loop_guard.{name}={value!r}: must be an integer "
@@ -101,13 +118,22 @@ class LoopCut:
     # after those of values inside it that the next token was closing
     period: int  # the repeated span, in tokens
     repeats: int  # whole copies seen when it was found
-    progression: bool = False  # the copies differ in their digits / single letters
+    # "repeat": exact copies; "progression": copies that differ in their digits / single
+    # letters; "number": a number's digits repeating (period and repeats count digits)
+    kind: str = "repeat"
+
+    @property
+    def progression(self) -> bool:
+        return self.kind == "progression"
 
 
 class LoopGuard:
     """One request's loop detector over its output tokens (see the module doc).
-    ``vocab`` is the tokenizer's bytes per token id; ``closers`` maps "s"/"a"/"o" to the
-    token id of that single closing byte."""
+    ``vocab`` is the tokenizer's bytes per token id; ``closers`` maps "s"/"a"/"o" (and
+    "," where the vocabulary has it) to the token id of that single byte.
+
+    Cost: O(max_period) per token, whatever the output; what it keeps is a few small
+    objects per token (a nesting level is one shared node, never a copy of the stack)."""
 
     def __init__(self, params: LoopGuardParams, vocab: list[bytes], closers: dict[str, int],
                  shapes: list[int] | None = None):
@@ -117,6 +143,13 @@ class LoopGuard:
         self.shapes = shapes if params.progression_repeats else None  # token_shapes(vocab)
         self.tokens: list[int] = []
         self.states: list[_State] = []  # scanner state after each token
+        self._chars = [0]  # bytes of tokens[:i], per i
+        self._path: list[_Level] = []  # the levels open after the newest token, outermost first
+        # suffix minima of the states' depths: indices rising, depths strictly rising; the
+        # lowest depth from state i on is that of the first entry at or after i
+        self._min_at: list[int] = []
+        self._min_depth: list[int] = []
+        self._digits = _DigitRuns()
         self.floor = 0  # no repetition is counted from before here (the last cut)
         self.cuts = 0
         self._run = [0] * (params.max_period + 1)
@@ -130,12 +163,23 @@ class LoopGuard:
         return self.params.enabled and self.cuts < self.params.max_cuts
 
     def push(self, token: int) -> None:
-        """Records one more output token."""
+        """Records one more output token (nothing while the guard is off or spent)."""
+        if not self.active:
+            return
         i = len(self.tokens)
         toks, run = self.tokens, self._run
         toks.append(token)
-        self.states.append(_scan(self.states[-1] if self.states else _START,
-                                 self.vocab[token]))
+        data = self.vocab[token]
+        self._chars.append(self._chars[-1] + len(data))
+        state = _scan(self.states[-1] if self.states else _START, data, self._path,
+                      self._digits)
+        self.states.append(state)
+        depth = _depth(state)
+        while self._min_depth and self._min_depth[-1] >= depth:
+            self._min_at.pop()
+            self._min_depth.pop()
+        self._min_at.append(i)
+        self._min_depth.append(depth)
         for p in range(1, len(run)):
             j = i - p
             run[p] = run[p] + 1 if j >= self.floor and toks[j] == token else 0
@@ -152,15 +196,15 @@ class LoopGuard:
         output tokens (and that ``keep`` is not before what was already streamed)."""
         if not self.active or len(self.tokens) < self._retry_at:
             return None
-        if self.states and self.states[-1][2]:  # inside a number: never a loop
-            return None
+        if self.states and self.states[-1][2]:  # inside a number: only its digits loop
+            return self._number(may_close)
         prm, run, n = self.params, self._run, len(self.tokens)
         for p in range(1, len(run)):
             copies = prm.min_repeats if p < prm.long_span else 2
             if run[p] < (copies - 1) * p:
                 continue
             start = n - run[p] - p  # first token of the first copy
-            if sum(len(self.vocab[t]) for t in self.tokens[start:]) < prm.min_chars:
+            if self._chars[n] - self._chars[start] < prm.min_chars:
                 continue
             cut = self._cut(start, start + p, may_close)
             if cut is None:
@@ -171,6 +215,21 @@ class LoopGuard:
                 return None
             return LoopCut(cut[0], cut[1], p, (run[p] + p) // p)
         return self._progression(may_close) if self.shapes is not None else None
+
+    def _number(self, may_close) -> LoopCut | None:
+        """A number whose digits repeat one group of up to 4 digits over ``number_digits``
+        digits (``1111...``, ``0.3333...``, ``1212...``) ends at the newest token: the
+        value around it is closed, or where that cannot be, a comma lets it go on."""
+        prm, n = self.params, len(self.tokens)
+        span, period = self._digits.longest()
+        if not prm.number_digits or span < prm.number_digits or not self._path:
+            return None
+        options = [self.closers.get(self._path[-1][0]), self.closers.get(",")]
+        for closer in options:
+            if closer is not None and may_close(n, (closer,)):
+                return LoopCut(n, (closer,), period, span // period, kind="number")
+        self._retry_at = n + 1
+        return None
 
     def _progression(self, may_close) -> LoopCut | None:
         prm, srun, n = self.params, self._shape_run, len(self.tokens)
@@ -186,77 +245,111 @@ class LoopGuard:
                     shapes[t] == LETTER or any(chr(b).isalpha() for b in self.vocab[t])
                     for t in span)):
                 continue
-            if sum(len(self.vocab[t]) for t in self.tokens[start:]) < prm.min_chars:
+            if self._chars[n] - self._chars[start] < prm.min_chars:
                 continue
             cut = self._cut(start, n - p, may_close)
             if cut is None:
                 self._retry_at, self._scan_from = n + 1, n
                 return None
-            return LoopCut(cut[0], cut[1], p, (srun[p] + p) // p, progression=True)
+            return LoopCut(cut[0], cut[1], p, (srun[p] + p) // p, kind="progression")
         return None
+
+    def _region_depth(self, start: int) -> int:
+        """The lowest depth from before token ``start`` to the newest token: the levels
+        down to it stayed open over the whole region."""
+        if start == 0:
+            return 0
+        k = bisect_left(self._min_at, start - 1)
+        return self._min_depth[k]
 
     def _in_string(self, start: int) -> bool:
         """Whether the value open over the whole repetition from ``start`` is a string."""
-        before = self.states[start - 1] if start > 0 else _START
-        depth = min(_depth(s) for s in [before] + self.states[start:])
-        return depth > 0 and before[0][depth - 1] == "s"
+        depth = self._region_depth(start)
+        return depth > 0 and self._path[depth - 1][0] == "s"
 
     def _cut(self, start: int, first: int, may_close) -> tuple[int, tuple[int, ...]] | None:
         """The earliest place from ``first`` on to end the value open over the whole
         repetition (which began at ``start``)."""
-        before = self.states[start - 1] if start > 0 else _START
-        region = [before] + self.states[start:]
-        depth = min(_depth(s) for s in region)
+        depth = self._region_depth(start)
         if depth == 0:
             return None
-        # the value open over the whole repetition: the first `depth` levels of every
-        # state in it are the same (deeper levels close and reopen within)
-        outer = before[0][:depth]
-        if outer[-1] not in self.closers:
+        # the value open over the whole repetition: every state in it lies inside this
+        # level (deeper levels close and reopen within)
+        outer = self._path[depth - 1]
+        if outer[0] not in self.closers:
             return None
         for keep in range(max(first, self._scan_from), len(self.tokens) + 1):
-            forced = self._closing(keep, depth, outer)
+            forced = self._closing(keep, outer)
             if forced is not None and may_close(keep, forced):
                 return keep, forced
         return None
 
-    def _closing(self, keep: int, depth: int, outer: str) -> tuple[int, ...] | None:
-        """The closer tokens that end the loop's value after the first ``keep`` tokens,
-        or None where it cannot end there: directly inside it, or inside a child that the
-        next token itself was closing (``},`` ends an array item and goes on: its ``}``
-        is kept, then the array's ``]``)."""
-        state = self.states[keep - 1]
-        if state[0][:depth] != outer or state[1]:
+    def _closing(self, keep: int, outer: _Level) -> tuple[int, ...] | None:
+        """The closer tokens that end the loop's value ``outer`` after the first ``keep``
+        tokens, or None where it cannot end there: directly inside it, or inside a child
+        that the next token itself was closing (``},`` ends an array item and goes on: its
+        ``}`` is kept, then the array's ``]``). Its work is bounded by the next token's
+        length (it can close no more levels than it has bytes)."""
+        level, esc, num = self.states[keep - 1]
+        if esc or level is None:
             return None
-        levels = state[0]
-        if len(levels) > depth:
+        deeper = level[2] - outer[2]
+        if deeper < 0:
+            return None
+        if deeper:
             if keep == len(self.tokens):
                 return None
-            # the next token must close the deeper levels before anything else
-            inner = _scan_closing(state, self.vocab[self.tokens[keep]], depth)
-            if inner is None:
+            data = self.vocab[self.tokens[keep]]
+            if deeper > len(data):
                 return None
-        elif state[2] and (keep == len(self.tokens) or self.states[keep][2]):
+        elif num and (keep == len(self.tokens) or self.states[keep][2]):
             return None  # a number ends only where the next token does not go on with it
-        closers = [self.closers.get(k) for k in reversed(levels[depth - 1:])]
+        kinds = []
+        while level is not outer:
+            if level is None or level[2] <= outer[2]:
+                return None  # not inside the loop's value (it closed and reopened)
+            kinds.append(level[0])
+            level = level[1]
+        if deeper and not _closes_first(kinds, data):
+            return None
+        closers = [self.closers.get(k) for k in kinds + [outer[0]]]
         return None if None in closers else tuple(closers)
 
     def cut(self, keep: int, closers: tuple[int, ...]) -> None:
         """The output was cut to ``keep`` tokens and ``closers`` appended: follow it, and
         count no repetition across the cut."""
+        self.cuts += 1
+        if not self.active:
+            return  # spent: it records nothing more
         del self.tokens[keep:]
         del self.states[keep:]
+        del self._chars[keep + 1:]
+        # the levels open after token keep - 1: the path's head is shared, the rest is
+        # walked back from that state's innermost level
+        level = self.states[-1][0] if self.states else None
+        tail = []
+        while level is not None and not (len(self._path) >= level[2]
+                                         and self._path[level[2] - 1] is level):
+            tail.append(level)
+            level = level[1]
+        del self._path[level[2] if level is not None else 0:]
+        self._path.extend(reversed(tail))
+        # no repetition is counted from before the cut: one state's minimum is enough
+        self._min_at = [keep - 1] if keep else []
+        self._min_depth = [_depth(self.states[-1])] if keep else []
+        self._digits = _DigitRuns()
         self.floor = keep
         self._run = [0] * len(self._run)
         self._shape_run = [0] * len(self._shape_run)
         self._scan_from = 0
-        self.cuts += 1
+        self._retry_at = 0
         for t in closers:
             self.push(t)
 
 
 def closer_ids(vocab: list[bytes]) -> dict[str, int]:
-    """The token ids of the single bytes ``"``, ``]`` and ``}`` (kinds "s", "a", "o")."""
+    """The token ids of the single bytes ``"``, ``]``, ``}`` and ``,`` (kinds "s", "a",
+    "o", ",")."""
     found = {}
     for tid, raw in enumerate(vocab):
         for kind, byte in _CLOSER.items():
@@ -279,48 +372,81 @@ def token_shapes(vocab: list[bytes]) -> list[int]:
     return shapes
 
 
-def _scan_closing(state: _State, data: bytes, depth: int) -> bool | None:
-    """True when ``data``, read from ``state``, closes down to ``depth`` levels with its
-    first bytes, before anything else; else None."""
-    stack = state[0]
-    for b in data:
-        if len(stack) <= depth:
-            return True
-        if stack.endswith("s"):
-            if b != 0x22:
-                return None
-        elif b not in (0x7D, 0x5D):
-            return None
-        stack = stack[:-1]
-    return True if len(stack) <= depth else None
+def _closes_first(kinds: list[str], data: bytes) -> bool:
+    """Whether ``data`` closes the levels ``kinds`` (innermost first) with its first bytes,
+    before anything else."""
+    if len(data) < len(kinds):
+        return False
+    for kind, b in zip(kinds, data):
+        if (b != 0x22) if kind == "s" else (b not in (0x7D, 0x5D)):
+            return False
+    return True
 
 
 def _depth(state: _State) -> int:
-    return len(state[0])
+    return state[0][2] if state[0] is not None else 0
 
 
-def _scan(state: _State, data: bytes) -> _State:
-    stack, esc, num = state
+class _DigitRuns:
+    """The digits of the number being read: per period p (1-4) how many digits in a row
+    equal the digit p before them, within one part of it (integer, fraction, exponent)."""
+
+    __slots__ = ("last", "run")
+
+    def __init__(self):
+        self.last: list[int] = []  # the part's newest digits (4 at most)
+        self.run = [0] * 5
+
+    def reset(self) -> None:
+        self.last.clear()
+        self.run = [0] * 5
+
+    def add(self, digit: int) -> None:
+        last, run = self.last, self.run
+        for p in range(1, 5):
+            run[p] = run[p] + 1 if len(last) >= p and last[-p] == digit else 0
+        last.append(digit)
+        if len(last) > 4:
+            del last[0]
+
+    def longest(self) -> tuple[int, int]:
+        """(digits covered by the longest repetition ending at the newest digit, its
+        period)."""
+        p = max(range(1, 5), key=lambda q: (self.run[q] + q if self.run[q] else 0, -q))
+        return (self.run[p] + p if self.run[p] else 0), p
+
+
+def _scan(state: _State, data: bytes, path: list, digits: _DigitRuns) -> _State:
+    """The state after ``data``; ``path`` (the open levels) and ``digits`` follow it."""
+    level, esc, num = state
     for b in data:
-        if stack.endswith("s"):
+        if level is not None and level[0] == "s":
             if esc:
                 esc = False
             elif b == 0x5C:  # backslash
                 esc = True
             elif b == 0x22:  # quote
-                stack = stack[:-1]
+                level = level[1]
+                path.pop()
             continue
-        if b == 0x22:
-            stack += "s"
-            num = False
-        elif b in (0x7B, 0x5B):  # { [
-            stack += "o" if b == 0x7B else "a"
+        if b == 0x22 or b == 0x7B or b == 0x5B:  # " { [
+            level = ("s" if b == 0x22 else "o" if b == 0x7B else "a", level,
+                     len(path) + 1)
+            path.append(level)
             num = False
         elif b in (0x7D, 0x5D):  # } ]
-            stack = stack[:-1]
+            if level is not None:
+                level = level[1]
+                path.pop()
             num = False
         elif b in _NUMBER and (num or b not in b"eE+"):
+            if not num:
+                digits.reset()
             num = True
+            if 0x30 <= b <= 0x39:
+                digits.add(b)
+            else:
+                digits.reset()  # a new part: fraction or exponent
         else:
             num = False
-    return stack, esc, num
+    return level, esc, num

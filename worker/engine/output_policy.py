@@ -144,7 +144,7 @@ class OutputPolicy:
         if self._closers is None:
             self._closers = closer_ids(self.guided.closer.vocab)
             self._shapes = token_shapes(self.guided.closer.vocab)
-        if params.enabled and seq.grammar.kind in _LOOP_KINDS and len(self._closers) == 3:
+        if params.enabled and seq.grammar.kind in _LOOP_KINDS and {"s", "a", "o"} <= self._closers.keys():
             st.loop = LoopGuard(params, self.guided.closer.vocab, self._closers, self._shapes)
             # with stop strings the text is checked as it is made: nothing is held back
             st.hold = 0 if seq.params.stop else params.hold_tokens
@@ -190,13 +190,12 @@ class OutputPolicy:
         then near the budget's end the closing path is forced: (its tokens, appended to
         the output already, and the finish reason)."""
         st = seq.ending
-        if st.loop is not None:
+        if st.loop is not None and st.loop.active:  # spent: it records nothing more
             for token in seq.token_ids[len(seq.token_ids) - new:]:
                 st.loop.push(token)
-            if st.loop.active:
-                cut = st.loop.find(lambda keep, closers: self._may_cut(seq, keep, closers))
-                if cut is not None:
-                    self._cut(seq, cut)
+            cut = st.loop.find(lambda keep, closers: self._may_cut(seq, keep, closers))
+            if cut is not None:
+                self._cut(seq, cut)
         closed = self._maybe_close(seq)
         if closed is not None:
             forced, reason = closed
