@@ -28,6 +28,10 @@ from grammar_cache.config import config_error_message  # a leaf: pydantic only
 
 Validation = Literal["flag", "retry", "off"]
 
+# a seed is a 64-bit signed integer's non-negative half: what torch's generators take and
+# what other servers accept; n > 1 seeds the samples seed, seed + 1, ... modulo its range
+MAX_SEED = 2**63 - 1
+
 # what a session id may hold (its length is ``Limits.max_session_id_chars``): ids ride every
 # worker's load report and /metrics, so they are short plain ASCII, never arbitrary text
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]+")
@@ -272,7 +276,7 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> N
         for i in range(req.n):
             p = params
             if p.seed is not None and i:  # n samples with one seed would all be equal
-                p = SamplingParams(**{**_fields(p), "seed": p.seed + i})
+                p = SamplingParams(**{**_fields(p), "seed": (p.seed + i) % (MAX_SEED + 1)})
             sid = None
             if session is not None:
                 sid = session if len(prompts) == 1 else f"{session}-{p_index}"
@@ -340,6 +344,9 @@ def _params(req: _Request, limits: Limits, max_tokens: int | None, served: Serve
     if req.logit_bias:
         raise bad_request("logit_bias is not supported; constrain the output with a "
                           "grammar instead", "logit_bias")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise bad_request(f"seed must be in [0, {MAX_SEED}] (2^63 - 1), got {req.seed}",
+                          "seed")
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     if max_tokens is not None and context is not None and max_tokens >= context:
