@@ -149,6 +149,16 @@ def client_identity(user: str | None, address: str | None, api_key: str | None) 
     return f"{key}.a{digest(address or 'unknown', 6)}"
 
 
+def session_key(client: str | None, session_id: str) -> str:
+    """The runtime's name for a client's session: ``<client identity>:<session id>``. A
+    session belongs to the client that made it (client_identity(): its ``user``, else its
+    address, under its API key): another client naming the same id reaches a session of
+    its own, so it can neither end the first one's (nor cut its running requests) nor learn
+    from ``cached_tokens`` how much of that session's prompt its own matches. ``client``
+    None (no identity: tests, a caller of the plan functions alone): the id as given."""
+    return session_id if client is None else f"{client}:{session_id}"
+
+
 # plans ----------------------------------------------------------------------------------
 
 @dataclass
@@ -171,7 +181,7 @@ class Plan:
     logprobs: bool = False
     tools: list[dict] | None = None  # the function definitions, when tool calls are on
     tool_mode: str | None = None  # "auto" | "required" | "named"
-    session_id: str | None = None  # the client's session
+    session_id: str | None = None  # the client's session, as the client named it
     temp_session: str | None = None  # a session the server made (n > 1) and must end
     model: str | None = None
     validation: Validation = "flag"
@@ -268,7 +278,9 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> N
     """One runtime request per (prompt, sample). Samples of one prompt share a session, so
     they run on one worker, reuse the prompt's KV and each get their own grammar matcher."""
     session = req.session_id
-    if session is None and req.n > 1:
+    if session is not None:
+        session = session_key(plan.client, session)
+    elif req.n > 1:
         session = plan.temp_session = f"tmp-{uuid.uuid4().hex}"
     if len(prompts) > 1 and req.session_id is not None:
         raise bad_request("session_id needs a single prompt", "session_id")
