@@ -324,5 +324,6 @@ class RuntimeClient:
             out.merge(chunk)
         return out
 
-    async def end_session(self, session_id: str) -> None:
-        await self._call_scheduler("end_session", session_id)
+    async def end_session(self, session_id: str) -> bool:
+        """Ends the session; True when it was live (the scheduler had it pinned)."""
+        return bool(await self._call_scheduler("end_session", session_id))

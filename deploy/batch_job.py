@@ -41,7 +41,13 @@ again have their new results appended after the others (so the file is in input 
 except for those).
 
 Lock: a run holds an exclusive ``flock`` on ``OUTPUT.lock`` from start to end (removed
-when it ends); a second run on the same output exits 2, naming the holder.
+when it ends); a second run on the same output exits 2, naming the holder. The output, its
+lock and the resume's rewrite (a new file of a random name, renamed over the output) are
+never opened through a symbolic link: an ``--output`` that is a link exits 2.
+
+A row that cannot be written (a full disk, a quota) stops the job at once: the requests in
+flight are cancelled, it exits 1 naming the error, and the rows before it stay (a re-run
+resumes after them).
 
 Runtime: the job uses the running runtime (``rayguide up``) of the cluster it runs on
 (``--address``, default: the cluster of the Ray job, else a running local one). If there
@@ -62,20 +68,24 @@ a last line to stdout: ``batch_job: done=N skipped=N errors=N seconds=S output=P
 (done: lines run by this run, errors among them; skipped: already in the output).
 Exit code 0 when the job ran (whatever the per-line errors; transient ones are counted
 on stderr), 2 for bad flags or files (or an output another run holds), 1 when the runtime
-cannot be reached or started, 130 when interrupted.
+cannot be reached or started or a result cannot be written, 130 when interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
 import signal
 import socket
+import stat
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -85,6 +95,7 @@ from cluster.client import (INFRASTRUCTURE_ERRORS, ErrorKind, GenerationRequest,
                             GrammarSpec, GrammarUnavailable, NoWorkers, Overloaded,
                             RequestOutput, SamplingParams)
 from deploy import dialects
+from deploy.openai_api import MAX_SEED
 from grammar_cache.backoff import backoff
 
 FORMAT_KEYS = ("schema", "response_format", "regex", "choice")
@@ -166,6 +177,9 @@ def params_of(obj: dict, defaults: dict) -> SamplingParams:
     for name in known - {"max_new_tokens"}:
         if obj.get(name) is not None:
             params[name] = obj[name]
+    seed = params.get("seed")
+    if isinstance(seed, int) and not 0 <= seed <= MAX_SEED:
+        raise LineError(f"seed must be in [0, {MAX_SEED}] (2^63 - 1), got {seed}")
     try:
         return SamplingParams.from_dict(params)  # a bad value fails its line at once
     except (ValueError, TypeError) as exc:
@@ -329,16 +343,18 @@ def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
     dropped). Cuts a half-written last line; rewrites the file (atomically) without the
     rows to run again, so those lines appear once: rows marked ``transient`` (the runtime
     failed underneath them) always, every error row with retry_errors."""
-    if not os.path.exists(path):
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
         return set(), 0
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "r+b") as f:
         data = f.read()
-    end = data.rfind(b"\n") + 1
-    if end < len(data):
-        print(f"batch_job: cutting a half-written last line off {path}", file=sys.stderr)
-        with open(path, "r+b") as f:
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            print(f"batch_job: cutting a half-written last line off {path}", file=sys.stderr)
             f.truncate(end)
-        data = data[:end]
+            data = data[:end]
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
 
     def redo(row: dict | None) -> bool:
         return row is not None and bool(row.get("error")) and (
@@ -359,12 +375,21 @@ def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
         rows.append((raw, row))
     dropped = [raw for raw, row in rows if redo(row)]
     if dropped:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.writelines(raw for raw, row in rows if not redo(row))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # a new file of a random name, created exclusively (never through a link someone
+        # planted at a guessable name), then renamed over the output
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), mode)
+                f.writelines(raw for raw, row in rows if not redo(row))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     return done | failed, len(dropped)
 
 
@@ -435,31 +460,47 @@ class BatchCounts:
     transient: int = 0
 
 
+class OutputWriteError(OSError):
+    """Writing a row to the output failed (a full disk, a quota, storage gone): the job
+    stops at once; the rows written before it are kept and a resume goes on after them."""
+
+
 async def process(item_iter, client, out_file, *, concurrency: int = 32, progress=None,
                   counts: BatchCounts | None = None) -> BatchCounts:
     """Runs the items with ``concurrency`` in flight; writes each row (and flushes) once
     every earlier row is written. Counts rows written in ``counts`` (kept up to date, so
-    an interrupted run still knows), and returns it."""
+    an interrupted run still knows), and returns it.
+
+    A failed write raises OutputWriteError at once: the requests in flight are cancelled
+    and nothing more is started (the rows after a lost one could never be written in
+    input order, and waiting for that row would wait for ever)."""
     window = max(4 * concurrency, 64)  # rows that may wait for an earlier, slower one
     slots = asyncio.Semaphore(concurrency)
     advanced = asyncio.Condition()
     ready: dict[int, dict] = {}
     counts = counts if counts is not None else BatchCounts()
-    state = {"next": 0}
-    tasks = set()
+    state: dict[str, Any] = {"next": 0, "failed": None}
+    tasks: set[asyncio.Task] = set()
+
+    def write(r: dict) -> None:
+        text = json.dumps(r, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: write it escaped
+            text = json.dumps(r)
+        out_file.write(text + "\n")
+        out_file.flush()
 
     async def finish(seq: int, row: dict) -> None:
         ready[seq] = row
         async with advanced:
-            while state["next"] in ready:
+            while state["failed"] is None and state["next"] in ready:
                 r = ready.pop(state["next"])
-                text = json.dumps(r, ensure_ascii=False)
                 try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError:  # a lone surrogate: write it escaped
-                    text = json.dumps(r)
-                out_file.write(text + "\n")
-                out_file.flush()
+                    write(r)
+                except OSError as exc:
+                    state["failed"] = exc
+                    break
                 counts.done += 1
                 counts.errors += "error" in r
                 counts.transient += r.get("transient") is True
@@ -475,15 +516,29 @@ async def process(item_iter, client, out_file, *, concurrency: int = 32, progres
             slots.release()
         await finish(seq, row)
 
-    for seq, item in enumerate(item_iter):
-        async with advanced:
-            await advanced.wait_for(lambda: seq - state["next"] < window)
-        await slots.acquire()
-        task = asyncio.create_task(one(seq, item))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-    if tasks:
-        await asyncio.gather(*list(tasks))
+    try:
+        for seq, item in enumerate(item_iter):
+            async with advanced:
+                await advanced.wait_for(lambda: state["failed"] is not None
+                                        or seq - state["next"] < window)
+            if state["failed"] is not None:
+                break
+            await slots.acquire()
+            task = asyncio.create_task(one(seq, item))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        while tasks and state["failed"] is None:
+            await asyncio.wait(list(tasks), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in list(tasks):
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*list(tasks), return_exceptions=True)
+    exc = state["failed"]
+    if exc is not None:
+        raise OutputWriteError(f"could not write a result to the output ({exc}); the "
+                               f"{counts.done} rows before it are kept: free the space (or "
+                               "fix the storage) and run again to resume") from exc
     return counts
 
 
@@ -666,7 +721,13 @@ def lock_output(path: str) -> int:
     another run holds it (flock works between processes of one machine, and on NFS v4)."""
     lock_path = f"{path}.lock"
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link: it would make the job write the holder line elsewhere
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise ValueError(f"{lock_path} is a symbolic link; a batch job's lock file "
+                             "must be a plain file: remove the link") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -693,6 +754,22 @@ def unlock_output(path: str, fd: int) -> None:
     except FileNotFoundError:
         pass
     os.close(fd)
+
+
+def open_output(path: str):
+    """The output, opened for appending. Never through a symbolic link (O_NOFOLLOW): a
+    link planted at the output's path must not redirect the job's writes elsewhere."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def _close_quietly(f) -> None:
+    """Closes the output; after a failed write its buffer still holds the row that could
+    not be written, and closing retries (and fails) that write: the job already says so."""
+    try:
+        f.close()
+    except OSError:
+        pass
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -749,6 +826,9 @@ def main(argv=None) -> int:
         if not os.path.isfile(args.input):
             raise ValueError(f"--input {args.input}: no such file")
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        if os.path.islink(args.output):
+            raise ValueError(f"--output {args.output} is a symbolic link (to "
+                             f"{os.path.realpath(args.output)}); give the real path")
         lock = lock_output(args.output)
         skip, dropped = scan_output(args.output, args.retry_errors)
         work = plan(args.input, skip)
@@ -786,16 +866,23 @@ def _run(args, work: WorkPlan, dropped: int, default_grammar, started: float) ->
             defaults = {"max_new_tokens": args.max_tokens, "temperature": args.temperature}
             parse_kwargs = dict(defaults=defaults, default_grammar=default_grammar,
                                 run_tag=uuid.uuid4().hex[:8])
-            with open(args.output, "a", encoding="utf-8") as out, \
-                    tqdm(total=len(work.todo), file=sys.stderr, unit="line",
-                         disable=args.quiet, mininterval=0.5 if sys.stderr.isatty() else 5,
-                         desc="batch_job") as bar:
-                asyncio.run(process(items(args.input, work, **parse_kwargs), client, out,
-                                    concurrency=args.concurrency, progress=bar, counts=counts))
+            out = open_output(args.output)
+            try:
+                with tqdm(total=len(work.todo), file=sys.stderr, unit="line",
+                          disable=args.quiet, mininterval=0.5 if sys.stderr.isatty() else 5,
+                          desc="batch_job") as bar:
+                    asyncio.run(process(items(args.input, work, **parse_kwargs), client, out,
+                                        concurrency=args.concurrency, progress=bar,
+                                        counts=counts))
+            finally:
+                _close_quietly(out)
     except KeyboardInterrupt:
         print("batch_job: interrupted; finished lines are in the output: run again to "
               "resume", file=sys.stderr)
         code = 130
+    except OutputWriteError as exc:
+        print(f"batch_job: --output {args.output}: {exc}", file=sys.stderr)
+        code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
         if owned:

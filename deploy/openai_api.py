@@ -28,6 +28,10 @@ from grammar_cache.config import config_error_message  # a leaf: pydantic only
 
 Validation = Literal["flag", "retry", "off"]
 
+# a seed is a 64-bit signed integer's non-negative half: what torch's generators take and
+# what other servers accept; n > 1 seeds the samples seed, seed + 1, ... modulo its range
+MAX_SEED = 2**63 - 1
+
 # what a session id may hold (its length is ``Limits.max_session_id_chars``): ids ride every
 # worker's load report and /metrics, so they are short plain ASCII, never arbitrary text
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]+")
@@ -145,6 +149,16 @@ def client_identity(user: str | None, address: str | None, api_key: str | None) 
     return f"{key}.a{digest(address or 'unknown', 6)}"
 
 
+def session_key(client: str | None, session_id: str) -> str:
+    """The runtime's name for a client's session: ``<client identity>:<session id>``. A
+    session belongs to the client that made it (client_identity(): its ``user``, else its
+    address, under its API key): another client naming the same id reaches a session of
+    its own, so it can neither end the first one's (nor cut its running requests) nor learn
+    from ``cached_tokens`` how much of that session's prompt its own matches. ``client``
+    None (no identity: tests, a caller of the plan functions alone): the id as given."""
+    return session_id if client is None else f"{client}:{session_id}"
+
+
 # plans ----------------------------------------------------------------------------------
 
 @dataclass
@@ -167,7 +181,7 @@ class Plan:
     logprobs: bool = False
     tools: list[dict] | None = None  # the function definitions, when tool calls are on
     tool_mode: str | None = None  # "auto" | "required" | "named"
-    session_id: str | None = None  # the client's session
+    session_id: str | None = None  # the client's session, as the client named it
     temp_session: str | None = None  # a session the server made (n > 1) and must end
     model: str | None = None
     validation: Validation = "flag"
@@ -264,7 +278,9 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> N
     """One runtime request per (prompt, sample). Samples of one prompt share a session, so
     they run on one worker, reuse the prompt's KV and each get their own grammar matcher."""
     session = req.session_id
-    if session is None and req.n > 1:
+    if session is not None:
+        session = session_key(plan.client, session)
+    elif req.n > 1:
         session = plan.temp_session = f"tmp-{uuid.uuid4().hex}"
     if len(prompts) > 1 and req.session_id is not None:
         raise bad_request("session_id needs a single prompt", "session_id")
@@ -272,7 +288,7 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> N
         for i in range(req.n):
             p = params
             if p.seed is not None and i:  # n samples with one seed would all be equal
-                p = SamplingParams(**{**_fields(p), "seed": p.seed + i})
+                p = SamplingParams(**{**_fields(p), "seed": (p.seed + i) % (MAX_SEED + 1)})
             sid = None
             if session is not None:
                 sid = session if len(prompts) == 1 else f"{session}-{p_index}"
@@ -340,6 +356,9 @@ def _params(req: _Request, limits: Limits, max_tokens: int | None, served: Serve
     if req.logit_bias:
         raise bad_request("logit_bias is not supported; constrain the output with a "
                           "grammar instead", "logit_bias")
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise bad_request(f"seed must be in [0, {MAX_SEED}] (2^63 - 1), got {req.seed}",
+                          "seed")
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
     if max_tokens is not None and context is not None and max_tokens >= context:

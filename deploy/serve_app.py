@@ -168,9 +168,20 @@ class OpenAIServer:
 
     @fastapi_app.delete("/v1/sessions/{session_id}")
     async def end_session(self, session_id: str, request: Request):
+        """Ends one of the caller's sessions (``?user=``: the ``user`` its requests gave);
+        404 when the caller has no live session of that id, which is also what another
+        client's session looks like (sessions are the client's own: api.session_key)."""
         self._auth(request)
         api.check_session_id(session_id, self.limits)
-        await self._scheduler_call(self.runtime.end_session(session_id), "end the session")
+        params = getattr(request, "query_params", None) or {}
+        owner = self._client(request, params.get("user"))
+        live = await self._scheduler_call(
+            self.runtime.end_session(api.session_key(owner, session_id)), "end the session")
+        if not live:
+            raise APIError(404, f"no live session {session_id!r} of this client (a session "
+                           "belongs to the client that made it: its API key, and its 'user' "
+                           "(send it as ?user=) or else its address; an idle one ends by "
+                           "itself)", param="session_id", code="session_not_found")
         return {"id": session_id, "object": "session", "deleted": True}
 
     @fastapi_app.get("/metrics")
@@ -216,7 +227,8 @@ class OpenAIServer:
             body = await self._body(request)
             parsed = api.parse_request(model_cls, body)
             await self._check_model(parsed.model)
-            plan = planner(parsed, self.limits, self._served, self._client(request, parsed))
+            plan = planner(parsed, self.limits, self._served,
+                           self._client(request, parsed.user))
             if plan.stream:
                 response = await self._stream(plan, started)
             else:
@@ -238,15 +250,16 @@ class OpenAIServer:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            type_="authentication_error", code="invalid_api_key")
 
-    def _client(self, request: Request, parsed) -> str:
+    def _client(self, request: Request, user: str | None) -> str:
         """The request's client identity (openai_api.client_identity): its ``user``, else
         its address (Serve's proxy passes the connection's peer: behind a reverse proxy,
         the proxy's), under the hash of the API key it was checked against (a presented
         key the server does not check counts for nothing: it would make a new client for
         every made-up key)."""
         key = _bearer(request) if self.settings.api_key else None
-        host = request.client.host if request.client is not None else None
-        return api.client_identity(parsed.user, host, key)
+        peer = getattr(request, "client", None)
+        host = peer.host if peer is not None else None
+        return api.client_identity(user, host, key)
 
     async def _body(self, request: Request) -> Any:
         """The JSON body, read at most ``max_body_bytes`` (a chunked body is counted as it

@@ -163,8 +163,13 @@ class SchedulerActor:
         self.counts.routes += 1
         return {"worker_id": entry.worker_id, "handle": entry.handle}
 
-    async def end_session(self, session_id: str) -> None:
+    async def end_session(self, session_id: str) -> bool:
+        """Ends the session (its end is broadcast to every worker either way); True when
+        it was live here (pinned to a worker)."""
+        await self._ensure_started()
+        live = session_id in self.table.sessions
         await self.end_sessions([session_id])
+        return live
 
     async def end_sessions(self, session_ids: list[str]) -> None:
         """Queues the sessions for the next batched broadcast to every live worker."""

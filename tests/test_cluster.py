@@ -147,7 +147,8 @@ def test_sessions_stick_and_new_ones_spread(runtime):
     assert len({a.worker_id for a in first}) == 3
     assert all(b.cached_tokens > 0 for b in second)  # the session's KV was reused
     for i in range(6):
-        run(client.end_session(f"s{i}"))
+        assert run(client.end_session(f"s{i}")) is True  # it was live
+    assert run(client.end_session("s0")) is False  # ended already: the edge's 404
     wait_released()
 
 

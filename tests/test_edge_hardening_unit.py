@@ -156,9 +156,11 @@ def test_ending_a_session_while_the_scheduler_is_down_is_a_503(end):
 
 
 def test_ending_a_session_answers_when_the_scheduler_does():
-    runtime = FakeRuntime()
+    runtime = FakeRuntime(end_session=Call(answer=True))
     body = run(SERVER.end_session(server(runtime), "conv-1", REQUEST))
-    assert body["deleted"] is True and runtime.ended == ["conv-1"]
+    # the runtime's name for it is the client's (openai_api.session_key)
+    assert body["deleted"] is True and runtime.ended == [
+        api.session_key(api.client_identity(None, None, None), "conv-1")]
 
 
 # chat templates ---------------------------------------------------------------------------

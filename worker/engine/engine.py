@@ -45,6 +45,7 @@ from worker.engine.reasoning import Thinking, from_template, thought_end
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence, SeqStatus
+from worker.engine.validation import not_checked
 from worker.models import loader
 
 logger = logging.getLogger(__name__)
@@ -608,7 +609,9 @@ class LLMEngine:
         if compiled is not None:
             out.grammar_engine = compiled.engine
             if compiled.engine == LLGUIDANCE and out.approximated:
-                out.approximated = []  # llguidance refuses what it cannot enforce exactly
+                # llguidance refuses what it cannot enforce exactly; a custom format it
+                # drops (it constrains nothing) stays said: nothing checked it
+                out.approximated = not_checked(out.approximated)
         return out
 
     def _unschedulable(self) -> list[RequestOutput]:

@@ -15,6 +15,14 @@ and never executes generated code. fastjsonschema validates about as fast once b
 builds by generating and ``exec``-ing Python source (milliseconds per new schema) and stops
 at draft 7. Figures: docs/benchmarks.md, "Conformance".
 
+``format`` is checked, not left an annotation (jsonschema-rs's default, as draft 2020-12
+says): every format jsonschema-rs knows, whatever the schema's draft, plus draft 3's
+``host-name`` and ``ip-address``. xgrammar writes a plain string for some of them
+(``idn-email``, ``iri``, ``regex`` ...: ``format: <name>`` in ``approximated``, checked
+here); a format nothing knows (a custom one, OpenAPI's ``int32``) is listed as
+``format: <name> (not checked)``, so an output is never called valid over a format that
+nobody checked.
+
 ``validate_json(schema, text)`` is the reusable entry point (the edge validates tool-call
 arguments with it).
 """
@@ -29,6 +37,28 @@ from collections import OrderedDict
 import jsonschema_rs
 
 _CACHE_SIZE = 256
+
+# the formats jsonschema-rs checks under draft 2020-12 (under an older draft it ignores
+# those the draft did not name yet, e.g. draft 7's uuid and duration: so each is checked
+# here by a 2020-12 validator, whatever the schema's draft), and draft 3's names for two
+_CHECKED_FORMATS = {name: name for name in (
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+    "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
+    "uri-template", "json-pointer", "relative-json-pointer", "regex")}
+_CHECKED_FORMATS.update({"host-name": "hostname", "ip-address": "ipv4"})
+# the formats xgrammar enforces with a grammar of their own (probed: a schema with only
+# that format refuses a malformed string); it writes any other as a plain string
+_XGRAMMAR_FORMATS = frozenset((
+    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+    "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"))
+NOT_CHECKED = " (not checked)"  # the mark of a format nothing checks, in ``approximated``
+
+
+def _format_check(name: str):
+    return jsonschema_rs.validator_for({"format": name}, validate_formats=True).is_valid
+
+
+_FORMAT_CHECKS = {name: _format_check(std) for name, std in _CHECKED_FORMATS.items()}
 _validators: OrderedDict[str, object] = OrderedDict()
 _lock = threading.Lock()
 
@@ -39,7 +69,8 @@ def _validator(schema_text: str):
         if v is not None:
             _validators.move_to_end(schema_text)
             return v
-    v = jsonschema_rs.validator_for(json.loads(schema_text), retriever=_no_retrieval)
+    v = jsonschema_rs.validator_for(json.loads(schema_text), retriever=_no_retrieval,
+                                    validate_formats=True, formats=_FORMAT_CHECKS)
     with _lock:
         _validators[schema_text] = v
         while len(_validators) > _CACHE_SIZE:
@@ -86,8 +117,9 @@ _LOOKAROUND = re.compile(r"\(\?[=!<]|\\[1-9]")
 
 
 def approximated_keywords(schema) -> list[str]:
-    """The keywords of ``schema`` (a dict or JSON text) that the grammar only
-    approximates, sorted; validation is what enforces them."""
+    """The keywords of ``schema`` (a dict or JSON text) that xgrammar's grammar only
+    approximates, sorted; validation is what enforces them, except the formats marked
+    NOT_CHECKED, which nothing enforces."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -118,6 +150,12 @@ def _walk(node, found: set[str], depth: int) -> None:
             found.add("pattern lookaround/backreference")
         if not (pattern.startswith("^") and pattern.endswith("$")):
             found.add("pattern without ^...$ anchors")
+    fmt = node.get("format")
+    if isinstance(fmt, str):
+        if fmt not in _CHECKED_FORMATS:
+            found.add(f"format: {fmt}{NOT_CHECKED}")
+        elif fmt not in _XGRAMMAR_FORMATS:
+            found.add(f"format: {fmt}")
     multiple = node.get("multipleOf")
     if multiple is not None and not (isinstance(multiple, int) or (
             isinstance(multiple, float) and multiple.is_integer())):
@@ -130,3 +168,9 @@ def _walk(node, found: set[str], depth: int) -> None:
                 _walk(sub, found, depth + 1)
         elif isinstance(value, (dict, list)):
             _walk(value, found, depth + 1)
+
+
+def not_checked(approximated: list[str]) -> list[str]:
+    """What of ``approximated`` nothing enforces (the formats no one knows): what stays
+    true of an output of an engine that enforces the rest exactly (llguidance)."""
+    return [k for k in approximated if k.endswith(NOT_CHECKED)]
