@@ -12,6 +12,8 @@ import pytest
 
 from worker.engine.loop_guard import LoopGuard, LoopGuardParams, closer_ids, token_shapes
 
+pytestmark = pytest.mark.unit
+
 VOCAB = [b"{", b'"s": "', b"a", b'"', b"]", b"}", b"[", b",", b"1", b" ", b"ab"]
 OPEN, KEY, A, QUOTE, RBRACK, RBRACE, LBRACK, COMMA, ONE, SPACE, AB = range(len(VOCAB))
 
