@@ -13,12 +13,17 @@ bench's own schemas are used, so the bench always runs. ``--json`` keys: request
 answered, refused (a 4xx before generating: budget, context, a schema the server
 refuses), length_share, invalid (answers that do not validate, whatever ended them),
 invalid_at_length (those that ran to the budget), loop_share, loop_cut_share,
-mean_output_tokens, wall_s, invalid_examples.
+mean_output_tokens, wall_s, invalid_examples; compliance (answers that validate over
+requests), compliance_<engine> and requests_<engine> per grammar engine that served
+(the response's ``guided.engine``; refusals count under ``refused``), latency_p50_s,
+latency_max_s (the slowest request, refusals included). ``--engine`` forces the server's
+grammar engine (default: the server's default, ``auto``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import sys
@@ -69,7 +74,8 @@ def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int) 
         name, schema = item
         text = json.dumps(schema)
         row = dict(name=name, refused=None, reason=None, valid=False, text="", tokens=0,
-                   loop_cut=False)
+                   loop_cut=False, engine=None, latency=0.0)
+        start = time.perf_counter()
         try:
             r = client.chat.completions.create(
                 model=model, max_tokens=max_tokens, temperature=0,
@@ -78,15 +84,18 @@ def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int) 
                 response_format={"type": "json_schema", "json_schema": {
                     "name": "answer", "schema": schema}})
         except openai.APIStatusError as exc:
+            row["latency"] = time.perf_counter() - start
             if 400 <= exc.status_code < 500:
                 row["refused"] = f"{exc.status_code}: {str(exc)[:120]}"
             else:
                 row["reason"], row["text"] = f"http {exc.status_code}", str(exc)[:200]
             return row
+        row["latency"] = time.perf_counter() - start
         c = r.choices[0]
+        guided = (c.model_extra or {}).get("guided") or {}
         row.update(reason=c.finish_reason, text=c.message.content or "",
-                   tokens=r.usage.completion_tokens,
-                   loop_cut=bool(((c.model_extra or {}).get("guided") or {}).get("loop_cut")))
+                   tokens=r.usage.completion_tokens, loop_cut=bool(guided.get("loop_cut")),
+                   engine=guided.get("engine"))
         row["valid"] = validate_json(schema, row["text"]) is None
         return row
 
@@ -98,7 +107,18 @@ def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int) 
     n = max(1, len(answered))
     length = [r for r in answered if r["reason"] == "length"]
     invalid = [r for r in answered if not r["valid"]]
+    per_engine = {}
+    for r in answered:
+        per_engine.setdefault(r["engine"] or "none", []).append(r["valid"])
+    latencies = sorted(r["latency"] for r in rows)
     return dict(
+        compliance=round(sum(r["valid"] for r in answered) / max(1, len(rows)), 4),
+        **{f"compliance_{e}": round(sum(v) / len(v), 4) for e, v in sorted(per_engine.items())},
+        **{f"requests_{e}": len(v) for e, v in sorted(per_engine.items())},
+        latency_p50_s=round(statistics.median(latencies), 2) if latencies else 0.0,
+        latency_max_s=round(latencies[-1], 2) if latencies else 0.0,
+        slowest=[f'{r["name"]}: {r["latency"]:.1f} s, {r["tokens"]} tokens'
+                 for r in sorted(rows, key=lambda r: -r["latency"])[:3]],
         requests=len(rows), answered=len(answered),
         refused=len(rows) - len(answered),
         refused_examples=[r["refused"] for r in rows if r["refused"]][:4],
@@ -125,7 +145,11 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--engine", choices=["auto", "xgrammar", "llguidance"], default=None,
+                    help="force the server's grammar engine")
     args = ap.parse_args(argv)
+    if args.engine:  # the engine default of this process and the Ray processes it starts
+        os.environ["RAYGUIDE_GRAMMAR_ENGINE"] = args.engine
     per_split = args.per_split or (2 if args.quick else 5)
     items = sample(None if args.smoke else args.schemas, per_split)
     if args.smoke:
@@ -135,13 +159,20 @@ def main(argv=None) -> None:
         figures = run(url + "/v1", name, items, max_tokens=8 if args.smoke else args.max_tokens,
                       concurrency=args.concurrency)
     figures["schemas"] = str(args.schemas) if args.schemas and not args.smoke else "built-in"
+    figures["engine"] = args.engine or "default"
     body = report.table(
-        ["schemas", "requests", "refused", "length share", "invalid", "invalid at budget",
-         "loop share", "loop cut share", "mean output tokens", "wall s"],
-        [[figures["schemas"], figures["requests"], figures["refused"],
-          figures["length_share"], figures["invalid"], figures["invalid_at_length"],
-          figures["loop_share"], figures["loop_cut_share"], figures["mean_output_tokens"],
-          figures["wall_s"]]])
+        ["schemas", "engine", "requests", "refused", "compliance", "length share", "invalid",
+         "invalid at budget", "loop share", "loop cut share", "mean output tokens",
+         "latency p50 / max s", "wall s"],
+        [[figures["schemas"], figures["engine"], figures["requests"], figures["refused"],
+          figures["compliance"], figures["length_share"], figures["invalid"],
+          figures["invalid_at_length"], figures["loop_share"], figures["loop_cut_share"],
+          figures["mean_output_tokens"],
+          f'{figures["latency_p50_s"]} / {figures["latency_max_s"]}', figures["wall_s"]]])
+    per = [k.removeprefix("compliance_") for k in figures if k.startswith("compliance_")]
+    if per:
+        body += "\n\nBy the engine that served: " + ", ".join(
+            f'{e} {figures["compliance_" + e]} of {figures["requests_" + e]}' for e in per)
     report.finish("realworld", body, figures, args)
 
 
