@@ -89,6 +89,8 @@ def test_the_model_runs_on_the_device(engine, engine_factory):
     assert engine.runner.device.type == engine_factory.device.removesuffix("-tiled")
     if engine_factory.device != "cpu":
         assert engine.runner.tiled  # the device kernels, not the gather path
+    if engine_factory.device == "cuda":  # the mask crosses to the GPU without a host wait
+        assert engine.guided.bitmask.is_pinned()
 
 
 @pytest.mark.parametrize("knobs", [dict(), dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1),

@@ -138,6 +138,8 @@ class LLMEngine:
             self.guided.closer.time_limit_s = config.closing_search_ms / 1000
             if self.runner.device.type == "cpu":  # compile the mask kernel off the hot path
                 threading.Thread(target=bitmask.warmup, daemon=True).start()
+            elif self.runner.device.type == "cuda":  # pinned: its copy to the GPU is async
+                self.guided.bitmask = self.guided.bitmask.pin_memory()
         self.seqs: dict[str, Sequence] = {}
         self.waiting_for_grammar: list[Sequence] = []
         self._rng = random.Random(config.seed)
