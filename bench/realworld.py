@@ -14,7 +14,7 @@ answered, refused (a 4xx before generating: budget, context, a schema the server
 refuses), length_share, invalid (answers that do not validate, whatever ended them),
 invalid_at_length (those that ran to the budget), loop_share, loop_cut_share,
 mean_output_tokens, wall_s, invalid_examples; compliance (answers that validate over
-requests), compliance_<engine> and requests_<engine> per grammar engine that served
+answers), valid_share_all (over requests: a refusal counts as a failure), compliance_<engine> and requests_<engine> per grammar engine that served
 (the response's ``guided.engine``; refusals count under ``refused``), latency_p50_s,
 latency_max_s (the slowest request, refusals included). ``--engine`` forces the server's
 grammar engine (default: the server's default, ``auto``).
@@ -112,7 +112,8 @@ def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int) 
         per_engine.setdefault(r["engine"] or "none", []).append(r["valid"])
     latencies = sorted(r["latency"] for r in rows)
     return dict(
-        compliance=round(sum(r["valid"] for r in answered) / max(1, len(rows)), 4),
+        compliance=round(sum(r["valid"] for r in answered) / max(1, len(answered)), 4),
+        valid_share_all=round(sum(r["valid"] for r in answered) / max(1, len(rows)), 4),
         **{f"compliance_{e}": round(sum(v) / len(v), 4) for e, v in sorted(per_engine.items())},
         **{f"requests_{e}": len(v) for e, v in sorted(per_engine.items())},
         latency_p50_s=round(statistics.median(latencies), 2) if latencies else 0.0,
