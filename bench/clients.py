@@ -32,6 +32,7 @@ never runtime ones.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import enum
 import json
@@ -114,6 +115,36 @@ class Event(BaseModel):
     day: dt.date
 
 
+class OrderLine(BaseModel):
+    item: str
+    quantity: int
+    unit_price: float
+
+
+class Order(BaseModel):  # prompts that invite one line per unit: near repeats
+    customer: str
+    lines: list[OrderLine]
+
+
+class CityFacts(BaseModel):  # number-heavy
+    name: str
+    population: int
+    area_km2: float
+    latitude: float
+    longitude: float
+    elevation_m: float
+    founded: int
+
+
+class Statistics(BaseModel):  # number-heavy
+    count: int
+    mean: float
+    median: float
+    std_dev: float
+    minimum: float
+    maximum: float
+
+
 PROMPTS = {
     City: ["Tell me about Paris.", "Describe the capital of Japan.",
            "Which city hosts the Golden Gate Bridge? Describe it.",
@@ -139,6 +170,19 @@ PROMPTS = {
             "Schedule a dentist appointment for March 3rd at 9:30.",
             "The product launch on the first of December at noon UTC.",
             "A webinar about Ray on 2025-02-20 at 15:00."],
+    Order: ["Order 12 tacos for the office party, one line per taco.",
+            "Twenty bottles of water for the team, each bottle on its own line.",
+            "Restock the shelf: 8 cans of tomato soup, each listed separately.",
+            "A catering order: tacos, burritos and nachos for 30 people.",
+            "Order 10 notebooks and 10 pens, one line per unit."],
+    CityFacts: ["Give the facts of Tokyo.", "Describe Lagos with its numbers.",
+                "Facts about Reykjavik.", "The figures of New York City.",
+                "Describe Sydney with numbers."],
+    Statistics: ["Summarize the numbers 3, 7, 7, 19, 24, 31.",
+                 "Statistics of the heights 1.62, 1.75, 1.80, 1.68 and 1.91 m.",
+                 "Describe the dataset 100, 200, 300, 400.",
+                 "Summarize the test scores 55, 67, 72, 88, 90, 94, 99.",
+                 "Statistics of 0.001, 0.002, 0.0035, 0.004."],
 }
 PATHS = ("openai", "instructor", "langchain", "raw")
 
@@ -152,19 +196,27 @@ def cases(quick: bool, smoke: bool) -> list[tuple[type[BaseModel], str]]:
 # --- what the figures are made of ----------------------------------------------------------
 
 class _Recorder(httpx.BaseTransport):
-    """An httpx transport that keeps every chat completion the clients receive."""
+    """An httpx transport that keeps every chat completion the clients receive, and per
+    job (``local.job``, set by the thread that runs it: the clients are synchronous) the
+    last one it received."""
 
     def __init__(self):
         self.inner = httpx.HTTPTransport()
         self.bodies: list[dict] = []
+        self.by_job: dict[int, dict] = {}
+        self.local = threading.local()
         self.lock = threading.Lock()
 
     def handle_request(self, request):
         response = self.inner.handle_request(request)
         if request.url.path.endswith("/chat/completions") and response.status_code == 200:
             response.read()
+            body = json.loads(response.content)
             with self.lock:
-                self.bodies.append(json.loads(response.content))
+                self.bodies.append(body)
+                job = getattr(self.local, "job", None)
+                if job is not None:
+                    self.by_job[job] = body
         return response
 
     def close(self):
@@ -220,8 +272,9 @@ def run(base_url: str, items, *, concurrency: int = 8) -> dict:
     jobs = [(path, m, p) for m, p in items for path in PATHS]
     results: dict[str, list] = {path: [] for path in PATHS}
 
-    def one(job):
-        path, model, prompt = job
+    def one(indexed):
+        index, (path, model, prompt) = indexed
+        recorder.local.job = index
         try:
             _ask(path, model, prompt, base_url, http_client)
             return path, None
@@ -230,8 +283,9 @@ def run(base_url: str, items, *, concurrency: int = 8) -> dict:
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        for path, error in pool.map(one, jobs):
-            results[path].append(error)
+        errors = list(pool.map(one, enumerate(jobs)))
+    for path, error in errors:
+        results[path].append(error)
     wall = time.perf_counter() - t0
     http_client.close()
 
@@ -258,7 +312,37 @@ def run(base_url: str, items, *, concurrency: int = 8) -> dict:
         length_examples=[t[-100:] for (c, _), t in zip(answers, texts)
                          if c.get("finish_reason") == "length"][:6],
     )
+    figures.update(_by_engine(jobs, errors, recorder.by_job))
     return figures
+
+
+def _served_by(body: dict | None) -> str:
+    choice = (body or {}).get("choices", [{}])[0]
+    return (choice.get("guided") or (body or {}).get("guided") or {}).get("engine") or "none"
+
+
+def _by_engine(jobs, errors, by_job: dict[int, dict]) -> dict:
+    """The figures per grammar engine that served the answer (``auto`` picks one per
+    grammar): answers_<engine>, parsed_share_<path>_<engine>, length_share_<engine>,
+    loop_cut_share_<engine> (a job with no answer counts under "none")."""
+    out: dict = {}
+    engines = sorted({_served_by(by_job.get(i)) for i in range(len(jobs))})
+    for name in engines:
+        mine = [i for i in range(len(jobs)) if _served_by(by_job.get(i)) == name]
+        bodies = [by_job[i] for i in mine if i in by_job]
+        out[f"answers_{name}"] = len(mine)
+        for path in PATHS:
+            ok = [errors[i][1] is None for i in mine if jobs[i][0] == path]
+            if ok:
+                out[f"parsed_share_{path}_{name}"] = round(sum(ok) / len(ok), 4)
+        if bodies:
+            choices = [b["choices"][0] for b in bodies]
+            out[f"length_share_{name}"] = round(
+                sum(c.get("finish_reason") == "length" for c in choices) / len(choices), 4)
+            out[f"loop_cut_share_{name}"] = round(
+                sum(bool((c.get("guided") or {}).get("loop_cut")) for c in choices)
+                / len(choices), 4)
+    return out
 
 
 SWEEP = {
@@ -270,10 +354,18 @@ SWEEP = {
     "progressions off": {"progression_repeats": 0},
     "progressions 5": {"progression_repeats": 5},
     "progressions 12": {"progression_repeats": 12},
+    "near off": {"near_repeats": 0, "sentence_repeats": 0},
+    "near items 5": {"near_repeats": 5},
+    "near items 12": {"near_repeats": 12},
+    "sentences off": {"sentence_repeats": 0},
+    "sentences 3": {"sentence_repeats": 3},
+    "sentences 6": {"sentence_repeats": 6},
+    "numbers off": {"number_digits": 0},
 }
 
 
-def sweep(engine, items, settings: dict, *, seeds: int = 2, budget: int = 512) -> list[dict]:
+def sweep(engine, items, settings: dict, *, seeds: int = 2, budget: int = 512,
+          grammar_engine: str = "auto") -> list[dict]:
     """One row of figures per loop-guard setting, in-process (see the module doc)."""
     from openai.lib._pydantic import to_strict_json_schema
 
@@ -287,14 +379,15 @@ def sweep(engine, items, settings: dict, *, seeds: int = 2, budget: int = 512) -
         reqs = [GenerationRequest(
             [{"role": "system", "content": _system(model)}, {"role": "user", "content": p}],
             SamplingParams(max_new_tokens=budget, temperature=0.2, top_p=0.9, seed=seed),
-            grammar=GrammarSpec.json_schema(to_strict_json_schema(model)),
+            grammar=GrammarSpec.json_schema(to_strict_json_schema(model),
+                                            engine=grammar_engine),
             loop_guard=LoopGuardParams(**fields))
             for model, p in items for seed in range(seeds)]
         outs = engine.generate(reqs)
         got = [outs[r.request_id] for r in reqs]
         n = len(got)
         rows.append(dict(
-            setting=name, requests=n,
+            setting=name, engine=grammar_engine, requests=n,
             length_share=round(sum(o.finish_reason == "length" for o in got) / n, 4),
             loop_share=round(sum(bool(report.repeated_span(o.text)) for o in got) / n, 4),
             cut_share=round(sum(bool(o.loop_cuts) for o in got) / n, 4),
@@ -311,10 +404,15 @@ def main_sweep(args) -> None:
     if args.smoke:
         cfg["model"] = report.smoke_model()
         settings = {k: SWEEP[k] for k in ("off", "defaults")}
+    if args.settings:
+        settings = {k: SWEEP[k] for k in args.settings.split(",")}
     engine = LLMEngine(EngineConfig(**cfg))
-    rows = sweep(engine, cases(args.quick, args.smoke), settings,
-                 seeds=1 if args.smoke else 2, budget=16 if args.smoke else 512)
-    keys = ["setting", "requests", "length_share", "loop_share", "cut_share",
+    rows = []
+    for name in args.engine.split(","):
+        rows += sweep(engine, cases(args.quick, args.smoke), settings,
+                      seeds=1 if args.smoke else 2, budget=16 if args.smoke else 512,
+                      grammar_engine=name)
+    keys = ["setting", "engine", "requests", "length_share", "loop_share", "cut_share",
             "mean_output_tokens"]
     body = report.table(keys, [[r[k] for k in keys] for r in rows])
     report.finish("clients_sweep", body, {"sweep": rows}, args)
@@ -326,23 +424,64 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--sweep", action="store_true",
                     help="in-process, per loop-guard setting (how the defaults were chosen)")
+    ap.add_argument("--settings", default="",
+                    help="--sweep: the SWEEP rows to run, comma-separated (default all)")
+    ap.add_argument("--engine", default="auto",
+                    help="the server's grammar engine: auto (the default), xgrammar or "
+                         "llguidance; comma-separated runs each in turn")
     args = ap.parse_args(argv)
     if args.sweep:
         main_sweep(args)
         return
 
     global MODEL_NAME
-    with report.served(args) as (url, MODEL_NAME):
-        figures = run(url + "/v1", cases(args.quick, args.smoke), concurrency=args.concurrency)
-    rows = [[path, figures[f"parsed_share_{path}"], ", ".join(figures["failures"][path]) or "-"]
-            for path in PATHS]
-    body = (report.table(["path", "parsed share", "what the failures raised"], rows) + "\n\n"
-            + report.table(["answers", "loop share", "loop cut share", "length share",
-                            "mean output tokens", "wall s"],
-                           [[figures["answers"], figures["loop_share"],
-                             figures["loop_cut_share"], figures["length_share"],
-                             figures["mean_output_tokens"], figures["wall_s"]]]))
+    runs = {}
+    for name in args.engine.split(","):
+        with _served(args, name) as (url, MODEL_NAME):
+            runs[name] = run(url + "/v1", cases(args.quick, args.smoke),
+                             concurrency=args.concurrency)
+    rows = [[name, path, f[f"parsed_share_{path}"], ", ".join(f["failures"][path]) or "-"]
+            for name, f in runs.items() for path in PATHS]
+    served_by = sorted({k.split("_", 1)[1] for f in runs.values() for k in f
+                        if k.startswith("answers_")})
+    body = (report.table(["engine", "path", "parsed share", "what the failures raised"], rows)
+            + "\n\n" + report.table(
+                ["engine", "answers", "loop share", "loop cut share", "length share",
+                 "mean output tokens", "wall s", "served by"],
+                [[name, f["answers"], f["loop_share"], f["loop_cut_share"], f["length_share"],
+                  f["mean_output_tokens"], f["wall_s"],
+                  ", ".join(f"{e} {f[f'answers_{e}']}" for e in served_by
+                            if f"answers_{e}" in f)] for name, f in runs.items()]))
+    # one engine: its figures at the top level (as before); several: one object per engine
+    figures = runs[next(iter(runs))] if len(runs) == 1 else dict(runs)
+    if len(runs) == 1:
+        figures["engine"] = next(iter(runs))
     report.finish("clients", body, figures, args)
+
+
+@contextlib.contextmanager
+def _served(args, engine: str):
+    """report.served with the workers' grammar engine set (``auto``: the server's
+    default, nothing set)."""
+    if engine == "auto":
+        with report.served(args) as served:
+            yield served
+        return
+    import socket
+
+    from cluster.config import ClusterConfig
+    from deploy import service
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    svc = service.start(ClusterConfig(model=report.smoke_model() if args.smoke else None,
+                                      num_workers=1, worker={"num_threads": args.threads},
+                                      engine={"grammar_engine": engine}), port=port)
+    try:
+        yield svc.url, httpx.get(svc.url + "/v1/models", timeout=60).json()["data"][0]["id"]
+    finally:
+        service.stop(svc)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ closing); mean output tokens; validation time per request. ``--json`` keys:
 valid_share_all, valid_share_stop, valid_share_length, runaway_share, closed_early_share,
 mean_output_tokens, validation_us_p50, wall_s, requests, refused, loop_share (outputs
 whose text still holds a repeated span: ``report.repeated_span``) (budget below the
-grammar's shortest output: a 400 naming it, left out of the shares).
+grammar's shortest output: a 400 naming it, left out of the shares); per grammar engine
+that served the request (``auto`` picks one per grammar): requests_<engine>,
+valid_share_all_<engine>, runaway_share_<engine>, loop_share_<engine>.
+``--engine auto|xgrammar|llguidance`` (default auto) sets the engine every request asks
+for; comma-separated runs each in turn and prints one object per engine.
 
 ``run(engine, cases)`` is importable, and ``cases()`` can be sent through any other path
 (an HTTP run uses the same schemas and prompts).
@@ -118,7 +122,7 @@ def run(engine, items, *, spec_options: dict | None = None, seed: int = 0) -> di
         rows.append(dict(name=name, temp=temp, budget=budget, reason=out.finish_reason,
                          valid=error is None, closed=bool(out.closed_early),
                          tokens=out.completion_tokens, text=out.text, refused=refused,
-                         error=out.error))
+                         error=out.error, engine=out.grammar_engine or "none"))
     return summarize(rows, wall, val_us)
 
 
@@ -137,7 +141,17 @@ def summarize(rows: list[dict], wall: float, val_us: list[float]) -> dict:
     def share(xs, key="valid"):
         return round(sum(1 for x in xs if x[key]) / len(xs), 4) if xs else None
 
+    by_engine = {}
+    for name in sorted({r.get("engine") or "none" for r in rows}):
+        mine = [r for r in rows if (r.get("engine") or "none") == name]
+        by_engine.update({
+            f"requests_{name}": len(mine), f"valid_share_all_{name}": share(mine),
+            f"runaway_share_{name}": round(sum(
+                1 for r in mine if r["reason"] == "length" and not r["closed"]) / len(mine), 4),
+            f"loop_share_{name}": round(sum(
+                1 for r in mine if repeated_span(r["text"])) / len(mine), 4)})
     return dict(
+        **by_engine,
         requests=len(rows) + len(refused), wall_s=round(wall, 1),
         refused=len(refused), refused_examples=sorted({r["error"] for r in refused})[:3],
         valid_share_all=share(rows), valid_share_stop=share(stop),
@@ -155,7 +169,8 @@ def summarize(rows: list[dict], wall: float, val_us: list[float]) -> dict:
     )
 
 
-def run_http(items, *, concurrency: int = 16, threads: int = 2) -> dict:
+def run_http(items, *, concurrency: int = 16, threads: int = 2,
+             grammar_engine: str = "auto") -> dict:
     """The same cases through the whole stack: `rayguide serve`'s service (Ray, Serve, the
     scheduler, one worker with the default model, the server's defaults for the layout and
     guards), the real `openai` client, ``concurrency`` requests in flight. A 400 naming
@@ -172,8 +187,9 @@ def run_http(items, *, concurrency: int = 16, threads: int = 2) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    svc = service.start(ClusterConfig(num_workers=1, worker={"num_threads": threads}),
-                        port=port)
+    engine = {} if grammar_engine == "auto" else {"grammar_engine": grammar_engine}
+    svc = service.start(ClusterConfig(num_workers=1, worker={"num_threads": threads},
+                                      engine=engine), port=port)
     try:
         client = openai.AsyncOpenAI(base_url=svc.url + "/v1", api_key="none",
                                     max_retries=0, timeout=900)
@@ -183,7 +199,8 @@ def run_http(items, *, concurrency: int = 16, threads: int = 2) -> dict:
         async def one(i, item):
             name, schema, prompt, temp, budget = item
             row = dict(name=name, temp=temp, budget=budget, refused=False, error=None,
-                       closed=False, tokens=0, text="", valid=False, reason="error")
+                       closed=False, tokens=0, text="", valid=False, reason="error",
+                       engine="none")
             async with gate:
                 try:
                     r = await client.chat.completions.create(
@@ -206,6 +223,7 @@ def run_http(items, *, concurrency: int = 16, threads: int = 2) -> dict:
                 c.model_extra or {}).get("guided") or {}
             row.update(reason=c.finish_reason, valid=error is None, text=text,
                        closed=bool(guided.get("closed_early")),
+                       engine=guided.get("engine") or "none",
                        tokens=r.usage.completion_tokens)
             return row
 
@@ -233,10 +251,18 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--http", action="store_true",
                     help="through the whole stack (rayguide serve's service, openai client)")
+    ap.add_argument("--engine", default="auto",
+                    help="grammar engine: auto (the default: per grammar), xgrammar or "
+                         "llguidance; comma-separated runs each in turn (figures per engine)")
     args = ap.parse_args(argv)
+    engines = args.engine.split(",")
     if args.http:
-        figures = run_http(list(cases(args.quick, args.smoke)), threads=args.threads)
-        figures["config"] = {"path": "http"}
+        runs = {}
+        for name in engines:
+            runs[name] = run_http(list(cases(args.quick, args.smoke)), threads=args.threads,
+                                  grammar_engine=name)
+            runs[name]["config"] = {"path": "http", "engine": name}
+        figures = runs[engines[0]] if len(runs) == 1 else runs
         print(json.dumps(figures) if args.json else figures)
         return
 
@@ -255,8 +281,14 @@ def main(argv=None) -> None:
         opts.update(max_int_digits=0, max_frac_digits=0, max_exp_digits=0)
     if args.whitespace:
         opts["whitespace"] = args.whitespace
-    figures = run(engine, list(cases(args.quick, args.smoke)), spec_options=opts)
-    figures["config"] = dict(closing_window=engine.config.closing_window, **opts)
+    runs = {}
+    for name in engines:
+        runs[name] = run(engine, list(cases(args.quick, args.smoke)),
+                         spec_options=dict(opts, engine=name))
+        runs[name]["config"] = dict(closing_window=engine.config.closing_window, **opts,
+                                    engine=name)
+    # one engine: its figures at the top level; several: one object per engine
+    figures = runs[engines[0]] if len(runs) == 1 else runs
     if args.json:
         print(json.dumps(figures))  # one object, the last line
         return

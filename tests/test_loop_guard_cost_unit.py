@@ -14,8 +14,8 @@ from worker.engine.loop_guard import LoopGuard, LoopGuardParams, closer_ids, tok
 
 pytestmark = pytest.mark.unit
 
-VOCAB = [b"{", b'"s": "', b"a", b'"', b"]", b"}", b"[", b",", b"1", b" ", b"ab"]
-OPEN, KEY, A, QUOTE, RBRACK, RBRACE, LBRACK, COMMA, ONE, SPACE, AB = range(len(VOCAB))
+VOCAB = [b"{", b'"s": "', b"a", b'"', b"]", b"}", b"[", b",", b"1", b" ", b"ab", b". "]
+OPEN, KEY, A, QUOTE, RBRACK, RBRACE, LBRACK, COMMA, ONE, SPACE, AB, STOP = range(len(VOCAB))
 
 
 def guard(params=LoopGuardParams()):
@@ -63,6 +63,17 @@ def test_work_per_token_is_bounded_where_a_repetition_cannot_be_cut(body):
     long = lines_per_token([OPEN, KEY] + body * 3000)
     assert long < 1.3 * short + 20, (short, long)  # per token: flat, not growing with n
     assert long < 1500, long  # max_period (48) steps twice, plus a few looks
+
+
+@pytest.mark.parametrize("head, body", [
+    ([LBRACK], [QUOTE, AB, SPACE, ONE, QUOTE, COMMA]),  # near copies of an array item
+    ([LBRACK], [LBRACK, QUOTE, AB, QUOTE, RBRACK, COMMA]),
+    ([OPEN, KEY], [AB, SPACE, AB, SPACE, A, SPACE, ONE, STOP]),  # restarting sentences
+], ids=["items", "nested-items", "sentences"])
+def test_work_per_token_is_bounded_for_near_repeats_that_cannot_be_cut(head, body):
+    short = lines_per_token(head + body * 100)
+    long = lines_per_token(head + body * 800)
+    assert long < 1.3 * short + 20, (short, long)
 
 
 def test_work_per_token_is_bounded_in_a_deep_nesting():

@@ -32,6 +32,22 @@ ends once its ``minItems`` allow, an object once its required keys are in. A rep
 the grammar demands (``[5, 5, 5, 5, 5]`` with ``minItems: 5``, ``"aaaa"`` for ``a{4}``)
 has no such boundary before the grammar is satisfied, so it is never shortened.
 
+A progression's copies must also count: the numbers in each copy step by the same amount
+as in the copy before (points with varying coordinates and one label share their token
+shapes, but they are data).
+
+**Near repeats** are read from the JSON, not the tokens, so a copy may be longer than
+``max_period`` or change its token count (``9`` -> ``10``): an array item (object, array
+or string) is compared with the one before it as its text with each number (in a string
+too) made ``#``: the same text, with every number stepping as it stepped last time
+(``{"name": "Tacos", "quantity": 1}, {"name": "Tacos", "quantity": 2}, ...``), is a near
+copy. ``near_repeats`` (8) items in a row end the array after the newest one, the copies
+kept (``min_repeats`` where nothing steps: exact copies); items need a letter (a list of
+numbers is data). In a string, a sentence or clause (ended by ``. ! ? , ;``) of 3 words or
+more that changes at most one word of the one before, or keeps its first 4 words, restarts
+it; ``sentence_repeats`` (4) in a row end the string there. Each item and sentence is read
+once, when it ends (items over 4 KiB are not compared).
+
 A **number** loops when its digits repeat one group of up to 4 digits over
 ``number_digits`` (20) digits within one part of it (``1111...``, ``0.3333...``,
 ``1212...``; xgrammar's grammar bounds a number's digits itself, llguidance's may not): it
@@ -52,10 +68,12 @@ closer.
 
 from __future__ import annotations
 
+import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
-# an open nesting level: (kind "o"/"a"/"s", the level it is in or None, its depth from 1);
+# an open nesting level: (kind "o"/"a"/"s", the level it is in or None, its depth from 1,
+# the output byte it opened at);
 # a state's innermost level leads to all of them, so a state never copies its stack
 _Level = tuple
 # scanner state after a token: (innermost open level or None, in_escape, in_number)
@@ -80,19 +98,23 @@ class LoopGuardParams:
     max_cuts: int = 8
     progression_repeats: int = 8  # 0: progressions are not looked for
     number_digits: int = 20  # a number's digits repeating this long end it (0: never)
+    near_repeats: int = 8  # array items in a row equal but for stepping numbers (0: off)
+    sentence_repeats: int = 4  # sentences in a row restarting with a changed word (0: off)
 
     def __post_init__(self):
         for name, low in (("min_repeats", 2), ("long_span", 1), ("min_chars", 1),
                           ("max_period", 1), ("hold_tokens", 0), ("max_cuts", 0),
-                          ("progression_repeats", 0), ("number_digits", 0)):
+                          ("progression_repeats", 0), ("number_digits", 0),
+                          ("near_repeats", 0), ("sentence_repeats", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"invalid loop_guard.{name}={value!r}: must be an integer "
                                  f">= {low}")
         if self.max_period > 256 or self.hold_tokens > 256:
             raise ValueError("loop_guard.max_period and loop_guard.hold_tokens must be <= 256")
-        if self.progression_repeats == 1:
-            raise ValueError("loop_guard.progression_repeats must be 0 (off) or >= 2")
+        for name in ("progression_repeats", "near_repeats", "sentence_repeats"):
+            if getattr(self, name) == 1:
+                raise ValueError(f"loop_guard.{name} must be 0 (off) or >= 2")
 
     @classmethod
     def from_value(cls, value) -> "LoopGuardParams":
@@ -119,7 +141,9 @@ class LoopCut:
     period: int  # the repeated span, in tokens
     repeats: int  # whole copies seen when it was found
     # "repeat": exact copies; "progression": copies that differ in their digits / single
-    # letters; "number": a number's digits repeating (period and repeats count digits)
+    # letters; "number": a number's digits repeating (period and repeats count digits);
+    # "near": array items equal but for stepping numbers; "sentences": sentences that
+    # restart with a changed word (period 0 for these two)
     kind: str = "repeat"
 
     @property
@@ -150,6 +174,13 @@ class LoopGuard:
         self._min_at: list[int] = []
         self._min_depth: list[int] = []
         self._digits = _DigitRuns()
+        self._bytes = bytearray()  # the output's bytes (array items and sentences are read
+        # back from it once each)
+        self._items: dict[int, _ItemRun] = {}  # open arrays' near repeats, by start byte
+        self._sentence: tuple | None = None  # (string level, sentence start, its words,
+        # how many sentences in a row restart the one before)
+        self._near: tuple | None = None  # (level to end, copies, kind, tokens up to the
+        # one that ended the newest copy): found, to cut
         self.floor = 0  # no repetition is counted from before here (the last cut)
         self.cuts = 0
         self._run = [0] * (params.max_period + 1)
@@ -170,10 +201,15 @@ class LoopGuard:
         toks, run = self.tokens, self._run
         toks.append(token)
         data = self.vocab[token]
-        self._chars.append(self._chars[-1] + len(data))
+        base = self._chars[-1]
+        self._chars.append(base + len(data))
+        self._bytes += data
+        events: list = []
         state = _scan(self.states[-1] if self.states else _START, data, self._path,
-                      self._digits)
+                      self._digits, base, events)
         self.states.append(state)
+        if events:
+            self._near_events(events)
         depth = _depth(state)
         while self._min_depth and self._min_depth[-1] >= depth:
             self._min_at.pop()
@@ -214,7 +250,78 @@ class LoopGuard:
                 self._retry_at, self._scan_from = n + 1, n
                 return None
             return LoopCut(cut[0], cut[1], p, (run[p] + p) // p)
-        return self._progression(may_close) if self.shapes is not None else None
+        cut = self._progression(may_close) if self.shapes is not None else None
+        return cut if cut is not None else self._near_cut(may_close)
+
+    # near repeats -------------------------------------------------------------------------
+
+    def _near_events(self, events: list) -> None:
+        prm = self.params
+        for level, start, end in events:
+            if level[0] == "s":
+                if prm.sentence_repeats:
+                    self._sentence_end(level, end)
+            elif start is None:  # the array closed
+                self._items.pop(level[3], None)
+            elif prm.near_repeats:
+                self._item_end(level, start, end)
+
+    def _item_end(self, array: _Level, start: int, end: int) -> None:
+        """An item of ``array`` ended: is it a near copy of the one before (the same text
+        but for its numbers, which all step as they stepped last time)?"""
+        if end - start > _ITEM_BYTES:
+            self._items.pop(array[3], None)
+            return
+        run = self._items.get(array[3])
+        if run is None:
+            self._items[array[3]] = _ItemRun((start, end))
+            return
+        if run.shape is None:
+            run.shape, run.counters = _shape(bytes(self._bytes[run.first[0]:run.first[1]]))
+        shape, counters = _shape(bytes(self._bytes[start:end]))
+        if shape != run.shape or not _LETTER.search(shape):
+            run.shape, run.counters, run.steps, run.count = shape, counters, None, 1
+            return
+        steps = _steps(run.counters, counters)
+        run.count = run.count + 1 if run.steps is None or _same_steps(run.steps, steps) else 2
+        run.steps, run.counters = steps, counters
+        # exact copies (nothing steps) as the exact detector counts them; counting copies
+        # as progressions do (an enumeration of up to near_repeats - 1 items is kept)
+        exact = not any(steps)
+        if run.count >= (self.params.min_repeats if exact else self.params.near_repeats):
+            self._near = (array, run.count, "near", len(self.tokens))
+
+    def _sentence_end(self, string: _Level, end: int) -> None:
+        """A sentence (or clause) of ``string`` ended at byte ``end``: does it restart the
+        one before with a changed word?"""
+        cur = self._sentence
+        if cur is None or cur[0] is not string:
+            start, before, count = string[3] + 1, None, 0
+        else:
+            _, start, before, count = cur
+        words = (bytes(self._bytes[start:end - 1]).split()
+                 if end - start <= _SENTENCE_BYTES else [])
+        if not words:
+            self._sentence = (string, end, before if end - start <= 2 else None, count)
+            return
+        count = count + 1 if before is not None and _near_sentence(before, words) else 1
+        self._sentence = (string, end, words, count)
+        if count >= self.params.sentence_repeats:
+            self._near = (string, count, "sentences", len(self.tokens))
+
+    def _near_cut(self, may_close) -> LoopCut | None:
+        """Ends the value a near repeat was found in, after its newest copy (the copies
+        seen are kept: an enumeration loses its tail, not its head); where that cannot be
+        (minItems, streamed), the next copy tries again."""
+        if self._near is None:
+            return None
+        outer, copies, kind, n = self._near  # tokens jumped forward may follow the copy
+        self._near = None
+        for keep in (n, n - 1):
+            forced = self._closing(keep, outer) if keep > 0 else None
+            if forced is not None and may_close(keep, forced):
+                return LoopCut(keep, forced, 0, copies, kind=kind)
+        return None
 
     def _number(self, may_close) -> LoopCut | None:
         """A number whose digits repeat one group of up to 4 digits over ``number_digits``
@@ -247,12 +354,32 @@ class LoopGuard:
                 continue
             if self._chars[n] - self._chars[start] < prm.min_chars:
                 continue
+            if not self._counts(n, p):
+                continue
             cut = self._cut(start, n - p, may_close)
             if cut is None:
                 self._retry_at, self._scan_from = n + 1, n
                 return None
             return LoopCut(cut[0], cut[1], p, (srun[p] + p) // p, kind="progression")
         return None
+
+    def _counts(self, n: int, p: int) -> bool:
+        """Whether the numbers of the newest ``progression_repeats`` copies of ``p`` tokens
+        step alike (each by the same amount from one copy to the next): a counter, not
+        data (points with differing coordinates have the same token shapes)."""
+        chars, before, steps = self._chars, None, None
+        for k in range(self.params.progression_repeats, 0, -1):
+            a, b = n - k * p, n - (k - 1) * p
+            _, counters = _shape(bytes(self._bytes[chars[a]:chars[b]]))
+            if before is not None:
+                if len(counters) != len(before):
+                    return False
+                step = _steps(before, counters)
+                if steps is not None and not _same_steps(steps, step):
+                    return False
+                steps = step
+            before = counters
+        return True
 
     def _region_depth(self, start: int) -> int:
         """The lowest depth from before token ``start`` to the newest token: the levels
@@ -324,6 +451,8 @@ class LoopGuard:
         del self.tokens[keep:]
         del self.states[keep:]
         del self._chars[keep + 1:]
+        del self._bytes[self._chars[keep]:]
+        self._items, self._sentence, self._near = {}, None, None
         # the levels open after token keep - 1: the path's head is shared, the rest is
         # walked back from that state's innermost level
         level = self.states[-1][0] if self.states else None
@@ -416,26 +545,39 @@ class _DigitRuns:
         return (self.run[p] + p if self.run[p] else 0), p
 
 
-def _scan(state: _State, data: bytes, path: list, digits: _DigitRuns) -> _State:
-    """The state after ``data``; ``path`` (the open levels) and ``digits`` follow it."""
+def _scan(state: _State, data: bytes, path: list, digits: _DigitRuns, base: int,
+          events: list) -> _State:
+    """The state after ``data`` (whose first byte is output byte ``base``); ``path`` (the
+    open levels) and ``digits`` follow it. ``events`` gets, per array item (string, object
+    or array) that closes, ``(array level, item start, item end)``, per array that closes
+    ``(array level, None, None)``, and per sentence end in a string (``.``, ``!``, ``?``,
+    ``,``, ``;``) ``(string level, None, end)``: byte offsets, end exclusive."""
     level, esc, num = state
-    for b in data:
+    for at, b in enumerate(data, base):
         if level is not None and level[0] == "s":
             if esc:
                 esc = False
             elif b == 0x5C:  # backslash
                 esc = True
             elif b == 0x22:  # quote
+                if level[1] is not None and level[1][0] == "a":
+                    events.append((level[1], level[3], at + 1))
                 level = level[1]
                 path.pop()
+            elif b in _SENTENCE_END:
+                events.append((level, None, at + 1))
             continue
         if b == 0x22 or b == 0x7B or b == 0x5B:  # " { [
             level = ("s" if b == 0x22 else "o" if b == 0x7B else "a", level,
-                     len(path) + 1)
+                     len(path) + 1, at)
             path.append(level)
             num = False
         elif b in (0x7D, 0x5D):  # } ]
             if level is not None:
+                if level[0] == "a":
+                    events.append((level, None, None))
+                if level[1] is not None and level[1][0] == "a":
+                    events.append((level[1], level[3], at + 1))
                 level = level[1]
                 path.pop()
             num = False
@@ -450,3 +592,50 @@ def _scan(state: _State, data: bytes, path: list, digits: _DigitRuns) -> _State:
         else:
             num = False
     return level, esc, num
+
+
+_SENTENCE_END = frozenset(b".!?,;")
+_ITEM_BYTES = 4096  # longer array items are not compared (bounds the work per item)
+_SENTENCE_BYTES = 1024
+_COUNTER = re.compile(rb"[0-9]+(?:\.[0-9]+)?")
+_SPACE = re.compile(rb"\s+")
+_LETTER = re.compile(rb"[A-Za-z]")
+
+
+def _shape(item: bytes) -> tuple[bytes, list[float]]:
+    """An array item as its text with every run of digits (a number, or digits in a
+    string) one ``#`` and no whitespace, and those numbers in order."""
+    counters = [float(m) for m in _COUNTER.findall(item)]
+    return _SPACE.sub(b"", _COUNTER.sub(b"#", item)), counters
+
+
+def _steps(a: list[float], b: list[float]) -> list[float]:
+    return [y - x for x, y in zip(a, b)]
+
+
+def _same_steps(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= 1e-9 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))
+
+
+def _near_sentence(a: list[bytes], b: list[bytes]) -> bool:
+    """Whether sentence ``b`` restarts ``a`` with a changed word: both of 3 words or more,
+    and one word changed (or none), or the same first 4 words."""
+    if min(len(a), len(b)) < 3:
+        return False
+    if len(a) == len(b) and sum(x != y for x, y in zip(a, b)) <= 1:
+        return True
+    return len(a) >= 4 and len(b) >= 4 and a[:4] == b[:4]
+
+
+class _ItemRun:
+    """One open array's near repeats: its newest item, how it stepped from the one
+    before, and how many items in a row are near copies of each other."""
+
+    __slots__ = ("shape", "counters", "steps", "count", "first")
+
+    def __init__(self, first: tuple[int, int]):
+        self.first = first  # the first item's bytes (its shape is made when a second comes)
+        self.shape: bytes | None = None
+        self.counters: list[float] = []
+        self.steps: list[float] | None = None
+        self.count = 1

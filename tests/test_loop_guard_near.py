@@ -1,0 +1,148 @@
+"""The loop guard's near repeats (issue 39): array items equal but for numbers that step
+(``{"name": "Tacos", "quantity": 1}, {"name": "Tacos", "quantity": 2}, ...``, also past
+the 48 tokens the exact detector sees, and where ``9 -> 10`` changes the token count), and
+sentences that restart with a changed word. Ended after ``near_repeats`` (8) items or
+``sentence_repeats`` (4) sentences in a row, the copies seen kept; never what the schema
+demands (minItems, a pattern) nor a list of distinct items. Detector on the real
+tokenizer (xgrammar matcher); the engine on both grammar engines, with the scripted
+default model as tests/test_loop_guard.py does."""
+
+import json
+
+import jsonschema
+import pytest
+
+from grammar_cache.spec import GrammarSpec
+from tests.test_loop_guard import STORE, detect, scripted, vocab  # noqa: F401 (a fixture)
+from worker.engine.loop_guard import LoopGuardParams
+from worker.engine.sampling import SamplingParams
+from worker.engine.sequence import GenerationRequest
+
+pytestmark = pytest.mark.integration
+
+ENGINES = ["xgrammar", "llguidance"]
+LINE = {"type": "object", "properties": {
+    "name": {"type": "string"}, "note": {"type": "string"}, "quantity": {"type": "integer"},
+    "price": {"type": "number"}}, "required": ["name", "note", "quantity", "price"],
+    "additionalProperties": False}
+ORDER = {"type": "object", "properties": {"items": {"type": "array", "items": LINE}},
+         "required": ["items"], "additionalProperties": False}
+ORDER_12 = {"type": "object", "properties": {"items": {"type": "array", "items": LINE,
+                                                       "minItems": 12}},
+            "required": ["items"], "additionalProperties": False}
+POINTS = {"type": "object", "properties": {"points": {"type": "array", "items": {
+    "type": "object", "properties": {"lat": {"type": "number"}, "lon": {"type": "number"},
+                                     "label": {"type": "string"}},
+    "required": ["lat", "lon", "label"], "additionalProperties": False}}},
+    "required": ["points"], "additionalProperties": False}
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["tags"], "additionalProperties": False}
+SAW = {"type": "object", "properties": {"s": {"type": "string",
+                                              "pattern": "^(I saw a [a-z]+\\. ){6}$"}},
+       "required": ["s"], "additionalProperties": False}
+NOTE = ("two soft corn tortillas with grilled chicken, red onions, lime, a green salsa and "
+        "fresh cilantro, wrapped in paper")
+
+
+def line(q, name="Tacos", note=NOTE):  # 50 tokens and more: past the exact detector
+    return (f'{{"name": "{name}", "note": "{note} (serves {q})", "quantity": {q}, '
+            f'"price": {q * 3.5}}}')
+
+
+def order(qs, **kw):
+    return '{"items": [' + ", ".join(line(q, **kw) for q in qs)
+
+
+@pytest.mark.parametrize("text, kept", [
+    # counting items longer than the exact detector's 48 tokens, through 9 -> 10
+    (order(range(5, 20)), order(range(5, 13)) + "]"),
+    # exact copies of a long item: as exact repeats, 3 copies
+    (order([4] * 10), order([4] * 3) + "]"),
+    # in a string item too
+    ('{"tags": [' + ", ".join(f'"Chapter {i}: {NOTE}"' for i in range(1, 14)),
+     '{"tags": [' + ", ".join(f'"Chapter {i}: {NOTE}"' for i in range(1, 9)) + "]"),
+])
+def test_near_copies_of_an_item_are_ended_after_their_copies(default_tokenizer, vocab, text,
+                                                              kept):
+    schema = TAGS if text.startswith('{"tags"') else ORDER
+    assert detect(default_tokenizer, vocab, schema, text) == kept
+
+
+def test_minitems_near_copies_are_ended_only_after_the_minimum(default_tokenizer, vocab):
+    got = detect(default_tokenizer, vocab, ORDER_12, order(range(1, 16)))
+    assert got == order(range(1, 13)) + "]", got
+
+
+FRUITS = ("apple banana cherry grape lemon mango melon orange peach pear plum kiwi lime fig "
+          "date").split()
+
+
+@pytest.mark.parametrize("schema, text", [
+    # distinct items, counting quantities: names differ
+    (ORDER, order([]) + ", ".join(line(q, name=f) for q, f in enumerate(FRUITS, 1))),
+    # data: numbers that do not step alike
+    (POINTS, '{"points": [' + ", ".join(
+        f'{{"lat": {48 + (i * 37 % 11) / 10}, "lon": {2 + (i * 53 % 7) / 10}, "label": "stop"}}'
+        for i in range(14))),
+    # an enumeration of 7 items (up to near_repeats - 1 are kept whole)
+    (ORDER, order(range(1, 8))),
+    # the pattern demands six sentences that restart
+    (SAW, '{"s": "' + "".join(f"I saw a {w}. " for w in FRUITS[:6])),
+    # three sentences of the same opening is writing, four is the threshold
+    (STORE, '{"store": "The city has parks. The city has museums. The city has beaches. '
+            'It is known for its food and its long history'),
+    (STORE, '{"store": "Preheat the oven to 180 degrees. Mix the flour, sugar and eggs in a '
+            'bowl. Pour the batter into a greased tin. Bake for 35 minutes, until golden. '
+            'Let it cool before serving.'),
+])
+def test_what_is_not_a_near_repeat_is_kept(default_tokenizer, vocab, schema, text):
+    assert detect(default_tokenizer, vocab, schema, text) is None
+
+
+def test_sentences_that_restart_with_a_changed_word_are_ended(default_tokenizer, vocab):
+    places = ["store", "park", "beach", "mall", "zoo", "lake", "gym", "bank"]
+    text = '{"store": "' + " ".join(f"I went to the {p}." for p in places)
+    got = detect(default_tokenizer, vocab, STORE, text)
+    assert got == '{"store": "' + " ".join(f"I went to the {p}." for p in places[:4]) + '"'
+
+
+def test_near_repeats_can_be_turned_off(default_tokenizer, vocab):
+    off = LoopGuardParams(near_repeats=0, sentence_repeats=0)
+    assert detect(default_tokenizer, vocab, ORDER, order(range(5, 20)), off) is None
+    with pytest.raises(ValueError, match="near_repeats"):
+        LoopGuardParams(near_repeats=1)
+
+
+def generate(engine, schema, name, max_tokens):
+    req = GenerationRequest([{"role": "user", "content": "go"}],
+                            SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
+                            grammar=GrammarSpec.json_schema(schema, engine=name))
+    engine.add_request(req)
+    chunks = []
+    while engine.has_work():
+        chunks += [o for o in engine.step() if o.request_id == req.request_id]
+    assert chunks[-1].finished
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_engine_ends_counting_items_on_each_engine(make_engine, name):
+    engine = make_engine()
+    scripted(engine, order(range(5, 40)))
+    text, final = generate(engine, ORDER, name, 1000)
+    assert final.grammar_engine == name
+    assert final.finish_reason == "stop" and final.loop_cuts == 1, text
+    answer = json.loads(text)
+    jsonschema.validate(answer, ORDER)
+    assert [i["quantity"] for i in answer["items"]] == list(range(5, 13))
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_engine_ends_restarting_sentences_on_each_engine(make_engine, name):
+    engine = make_engine()
+    words = ["store", "park", "beach", "mall", "zoo", "lake", "gym", "bank"] * 8
+    scripted(engine, '{"store": "' + " ".join(f"I went to the {w}." for w in words))
+    text, final = generate(engine, STORE, name, 400)
+    assert final.grammar_engine == name
+    assert final.finish_reason == "stop" and final.loop_cuts == 1, text
+    assert json.loads(text)["store"] == " ".join(f"I went to the {w}." for w in words[:4])
