@@ -186,6 +186,7 @@ def run_serve(args) -> int:
           f"on {host}:{port} ...", file=sys.stderr)
     try:
         svc = service.start(config, host=host, port=port, api_key=api_key,
+                            allow_open=args.allow_open,
                             num_replicas=args.replicas, progress=service._stderr_progress)
     except BaseException as exc:
         # on a cluster (--address) the app is detached: left behind, it would answer 500s

@@ -1,7 +1,9 @@
 """Who may reach the endpoint: pure checks, no I/O.
 
-- ``open_refusal``: ``rayguide serve`` on a non-loopback address needs an API key, or an
-  explicit ``--allow-open``.
+- ``open_refusal``: serving on a non-loopback address needs an API key, or an explicit
+  opt-in: ``rayguide serve --allow-open``, or ``allow_open: true`` in the app's arguments
+  when the app is built from a Serve config (``deploy/serve_app.build_app`` checks the
+  Serve proxies' ``http_options.host``, and each replica checks again as it starts).
 - ``request_refusal``: a request that arrived over loopback must name a loopback host
   (``Host``), else a web page's DNS name that an attacker re-pointed at 127.0.0.1 could
   read the answers (DNS rebinding); and a browser's ``Origin`` must be loopback too, else
@@ -34,11 +36,20 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
-def open_refusal(host: str, api_key: str | None, allow_open: bool) -> str | None:
-    """Why ``rayguide serve`` must not listen on ``host`` as configured, or None (it may).
-    A non-loopback address with no API key and no ``allow_open`` is refused."""
+def open_refusal(host: str, api_key: str | None, allow_open: bool, *,
+                 serve_config: bool = False) -> str | None:
+    """Why the endpoint must not listen on ``host`` as configured, or None (it may). A
+    non-loopback address with no API key and no ``allow_open`` is refused. The message
+    says what to change in ``rayguide serve``'s flags, or (``serve_config``) in a Serve
+    config file."""
     if is_loopback(host) or api_key or allow_open:
         return None
+    if serve_config:
+        return (f"refusing to serve on {host} (the Serve config's http_options.host) without "
+                "an API key: anyone who can reach this address could use the endpoint. Set "
+                "api_key in the app's args (or RAYGUIDE_API_KEY in the environment), or "
+                "allow_open: true if an open endpoint is what you want (e.g. behind your own "
+                "authenticating proxy), or set http_options.host to 127.0.0.1")
     return (f"refusing to serve on {host} without an API key: anyone who can reach this "
             "address could use the endpoint. Pass --api-key KEY (or set RAYGUIDE_API_KEY), "
             "or --allow-open if an open endpoint is what you want (e.g. behind your own "

@@ -70,6 +70,35 @@ async def _answer_within(call, timeout_s: float):
         return None
 
 
+def serve_http_host() -> str | None:
+    """The address Serve's HTTP proxies listen on (``http_options.host``), from the Serve
+    controller; None when there is none to ask (Ray or Serve not started yet, HTTP off)."""
+    if not ray.is_initialized():
+        return None
+    try:
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        return ray.get(controller.get_http_config.remote(), timeout=30).host or None
+    except Exception:  # noqa: BLE001 - no controller yet, or Ray's internals moved
+        logger.debug("could not read Serve's http_options.host", exc_info=True)
+        return None
+
+
+def _refuse_open(settings: AppSettings, host: str | None) -> None:
+    """Raises ValueError when the app would serve ``host`` (non-loopback) with no API key
+    and no ``allow_open`` (deploy/exposure.py open_refusal)."""
+    if host is None:
+        return
+    refusal = exposure.open_refusal(host, settings.api_key, settings.allow_open,
+                                    serve_config=True)
+    if refusal is not None:
+        raise ValueError(refusal)
+    if not settings.api_key and not exposure.is_loopback(host):
+        logger.warning("allow_open: serving on %s with NO API key; anyone who can reach "
+                       "this address can use the endpoint", host)
+
+
 # the docs routes are ours (below), so they follow the API key like every other route
 fastapi_app = FastAPI(title="rayguide", version="0.1.0", docs_url=None, redoc_url=None,
                       openapi_url=None,
@@ -120,6 +149,10 @@ class OpenAIServer:
     def __init__(self, settings: dict):
         self.settings = AppSettings(**settings)
         self.limits = self.settings.limits
+        # again here: an app deployed without build_app's check (`serve run
+        # deploy.serve_app:app`, or Serve started after the app was built) is checked
+        # before it answers anyone
+        _refuse_open(self.settings, serve_http_host())
         try:
             launch.handles()
         except ValueError:
@@ -497,10 +530,17 @@ class OpenAIServer:
             await self._end_temp_session(plan)
 
 
-def build_app(args: dict[str, Any] | None = None):
+def build_app(args: dict[str, Any] | None = None, *, http_host: str | None = None):
     """The Serve application (an app builder: ``serve run deploy.serve_app:build_app k=v``
-    and the ``args`` of a Serve config file land here)."""
+    and the ``args`` of a Serve config file land here). Refuses (ValueError) to serve a
+    non-loopback ``http_host`` (default: what the Serve controller says, when one runs)
+    with no API key and no ``allow_open``."""
     settings = AppSettings.from_args(args)
+    _refuse_open(settings, http_host if http_host is not None else serve_http_host())
+    return _application(settings)
+
+
+def _application(settings: AppSettings):
     return OpenAIServer.options(
         num_replicas=settings.num_replicas,
         max_ongoing_requests=settings.max_ongoing_requests,
@@ -513,4 +553,6 @@ def build_app(args: dict[str, Any] | None = None):
     ).bind(settings.model_dump())
 
 
-app = build_app()
+# `serve run deploy.serve_app:app`: the defaults (API key from $RAYGUIDE_API_KEY); its
+# replicas check the proxies' address as they start
+app = _application(AppSettings.from_args(None))

@@ -26,6 +26,7 @@ from ray import serve
 
 from cluster import launch
 from cluster.config import ClusterConfig
+from deploy import exposure
 from deploy.serve_app import build_app
 
 APP_NAME = "rayguide"
@@ -84,9 +85,15 @@ class _Stages:
 
 def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, num_replicas: int = 1, app_args: dict | None = None,
+          allow_open: bool = False,
           progress: Callable[[str], None] | None = None) -> Service:
     """Starts Ray (unless connected), the runtime (unless one runs), the Serve HTTP proxy and
-    the app, in that order; ``progress`` gets one line per stage with its time."""
+    the app, in that order; ``progress`` gets one line per stage with its time. A
+    non-loopback ``host`` needs an ``api_key`` or ``allow_open`` (ValueError before
+    anything starts: deploy/exposure.py open_refusal)."""
+    refusal = exposure.open_refusal(host, api_key, allow_open)
+    if refusal is not None:
+        raise ValueError(refusal)
     stages = _Stages(progress)
     started_ray = not ray.is_initialized() and config.address is None
     if started_ray:
@@ -123,7 +130,7 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     stages.done("serve_controller", f"Serve controller and HTTP proxy on {host}:{port}")
     args = {"api_key": api_key, "num_replicas": num_replicas, "start_runtime": False,
-            **(app_args or {})}
+            **({"allow_open": True} if allow_open else {}), **(app_args or {})}
     _deploy(args)
     stages.done("app", f"app ready ({num_replicas} front-end replica(s))")
     if started_runtime:

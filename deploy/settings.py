@@ -45,6 +45,9 @@ class AppSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     api_key: str | None = None  # default: $RAYGUIDE_API_KEY; None: no auth
+    # serve on a non-loopback http_options.host with no API key (refused otherwise: anyone
+    # who can reach the address could use the endpoint); `rayguide serve --allow-open`
+    allow_open: bool = False
     # /metrics, /docs and /openapi.json follow the API key unless this is true
     public_metrics: bool = False
     num_replicas: int = Field(1, ge=1)

@@ -178,8 +178,9 @@ def test_a_budget_without_room_for_the_answer_is_refused(make_engine):
 
 
 def test_unguided_requests_think_too(make_engine):
+    """(Its prompt opens no thought: the model opens one itself, so it is one.)"""
     engine = make_engine(reasoning=MULTI)
-    scripted(engine, THOUGHT, "Ada, 36.", MULTI["end"])
+    scripted(engine, MULTI["start"] + THOUGHT, "Ada, 36.", MULTI["end"])
     chunks, final = run(engine, schema=None)
     assert "".join(c.reasoning for c in chunks) == THOUGHT
     assert "".join(c.text for c in chunks) == "Ada, 36."

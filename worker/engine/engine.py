@@ -41,7 +41,8 @@ from worker.engine.jump_forward import JumpForward, JumpStats
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.output_policy import OutputPolicy, OutputState, PolicyStats
-from worker.engine.reasoning import Thinking, from_template, thought_end
+from worker.engine.reasoning import (CLOSED, Thinking, from_template, opens_thought,
+                                     prompt_thought, thought_end)
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence, SeqStatus
@@ -195,9 +196,10 @@ class LLMEngine:
                 already = already.rstrip("\ufffd")
         if request.grammar is not None and self.guided is None:
             raise ValueError("guided decoding is disabled in this engine (EngineConfig.guided)")
-        if self.reasoning is not None:
+        seq = None
+        if self.reasoning is not None:  # None: the prompt closed the thought
             seq = self._thinking_sequence(request, prompt_ids, resumed, generator)
-        else:
+        if seq is None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                            stop=request.params.stop,
                                            resumed_token_ids=resumed, resumed_text=already)
@@ -214,13 +216,21 @@ class LLMEngine:
         return seq
 
     def _thinking_sequence(self, request: GenerationRequest, prompt_ids: list[int],
-                           resumed: list[int], generator) -> Sequence:
+                           resumed: list[int], generator) -> Sequence | None:
         """A reasoning model's request: it begins thinking (a detokenizer of its own for
         the thought, special tokens kept, no stop strings); a continuation whose resumed
-        output already holds the end marker goes on in its answer."""
+        output already holds the end marker goes on in its answer. None when it starts in
+        its answer: its prompt closed the thought, or (no marker in the prompt, unguided)
+        its output so far does not open one (reasoning.py)."""
         def raw(ids):
             return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+        state = self._prompt_thought(prompt_ids)
+        if state == CLOSED:
+            return None
+        opening = state is None and request.grammar is None
+        if opening and resumed and opens_thought(raw(resumed), self.reasoning.start) is False:
+            return None
         end = thought_end(raw, resumed, self.reasoning.end) if resumed else None
         thought = resumed if end is None else resumed[:end]
         text = raw(thought).rstrip("\ufffd") if thought else ""
@@ -235,13 +245,29 @@ class LLMEngine:
         seq.thinking = Thinking(self.reasoning, self._end_ids,
                                 room if budget is None else min(budget, room))
         seq.thinking.tokens = len(thought)
+        seq.thinking.opening = opening and opens_thought(text, self.reasoning.start) is None
         seq.thinking.feed(text)  # the caller has this thought's text already
         if end is not None:  # the answer had begun: its own detokenizer
             seq.thinking.done = True
+            already = request.resume_text or ""
+            after = seq.thinking.after if seq.grammar is None else ""
+            if after and already.startswith(after):  # the marker's token holds it: context
+                already = already[len(after):]
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_ids + thought, stop=seq.stop,
-                resumed_token_ids=resumed[end:], resumed_text=request.resume_text or "")
+                resumed_token_ids=resumed[end:], resumed_text=already)
         return seq
+
+    def _prompt_thought(self, prompt_ids: list[int]) -> str | None:
+        """reasoning.prompt_thought of the rendered prompt, read from its end: the last
+        marker decides, so a window that holds one is enough (widened until one does)."""
+        n = 256
+        while True:
+            text = self.tokenizer.decode(prompt_ids[-n:], skip_special_tokens=False)
+            state = prompt_thought(text, self.reasoning)
+            if state is not None or n >= len(prompt_ids):
+                return state
+            n *= 4
 
     def _check_resume(self, request: GenerationRequest, prompt_ids: list[int]) -> list[int]:
         """The tokens a continuation resumes, checked (a ValueError says why it cannot be
@@ -517,6 +543,15 @@ class LLMEngine:
         stops = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
         if stops and seq.grammar is None:
             return self._finish(seq, "stop")
+        if th.opening:  # no marker in the prompt: does this output open a thought?
+            opens = opens_thought(self.tokenizer.decode([token], skip_special_tokens=False),
+                                  self.reasoning.start)
+            th.opening = opens is None
+            if opens is False:  # an answer: the row goes on as an unguided one
+                seq.thinking = None
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, list(seq.token_ids),
+                                                         stop=seq.stop)
+                return self._append_token(seq, token, logprob)
         over = stops or th.tokens >= th.limit  # (a limit of 0: no sampled thought at all)
         if not over:
             seq.token_ids.append(token)
@@ -536,6 +571,7 @@ class LLMEngine:
             new_tokens += more
             reasoning += th.feed(more_text)
             th.done = True  # the marker is in: whatever the text shows
+        answer = ""
         if th.done:
             self.thinking_tokens += th.tokens
             reasoning += th.feed(seq.detokenizer.flush(), final=True)
@@ -546,10 +582,12 @@ class LLMEngine:
                     seq.detokenizer.stop_check = GrammarStopCheck(
                         self.guided.new_matcher(seq.compiled))
                 self.policy.begin_answer(seq, self.guided.matchers.get(seq.matcher_key))
+            else:  # text after the marker in its own token: the answer's first
+                answer = th.after
         if self._remaining(seq) <= 0:
-            return self._finish(seq, "length", new_tokens=new_tokens, logprobs=lps,
-                                reasoning=reasoning)
-        return RequestOutput(seq.request_id, "", new_tokens, lps, reasoning=reasoning,
+            return self._finish(seq, "length", text=answer, new_tokens=new_tokens,
+                                logprobs=lps, reasoning=reasoning)
+        return RequestOutput(seq.request_id, answer, new_tokens, lps, reasoning=reasoning,
                              **self._usage(seq))
 
     def _release(self, seq: Sequence, final: bool) -> tuple[list[int], list | None, str]:

@@ -14,8 +14,17 @@ guided request's thought ends (the marker forced) while the budget still holds t
 marker and the grammar's shortest answer plus a margin. A budget that cannot hold even
 that is refused at admission.
 
+Where a request starts is read from its rendered prompt (``prompt_thought``): a prompt
+that ends inside an open thought (a template that opens one, ``<think>\n``) starts in the
+thought; one whose last marker ends a thought (a completion prompt that closed it, a
+template's empty thought for a non-thinking turn) starts in its answer. A prompt with no
+marker leaves it to the model: an unguided request thinks only if its first text opens a
+thought (``opens_thought``), else that text is its answer; a guided one starts in a
+thought (its answer is owed after the marker whatever the thought holds).
+
 The thought streams as ``reasoning`` deltas: the markers are taken out, and leading and
-trailing whitespace around the thought is dropped.
+trailing whitespace around the thought is dropped. Text after the end marker in the same
+token (``</think>\n\nYes``) is the answer's first text (``Thinking.after``).
 """
 
 from __future__ import annotations
@@ -66,6 +75,28 @@ def from_template(tokenizer) -> ReasoningMarkers | None:
     return markers if markers.start in template and markers.end in template else None
 
 
+OPEN, CLOSED = "open", "closed"
+
+
+def prompt_thought(text: str, markers: ReasoningMarkers) -> str | None:
+    """Where a rendered prompt (``text``, special tokens kept) leaves a thought: OPEN when
+    its last marker is a start marker (it ends inside a thought), CLOSED when it is an end
+    marker, None when it holds neither."""
+    start, end = text.rfind(markers.start), text.rfind(markers.end)
+    if start < 0 and end < 0:
+        return None
+    return OPEN if start > end else CLOSED
+
+
+def opens_thought(text: str, start: str) -> bool | None:
+    """Whether an output that begins with ``text`` opens a thought: True when it begins with
+    the start marker (or a piece of it), False when it cannot, None while only whitespace."""
+    body = text.lstrip()
+    if not body:
+        return None
+    return body.startswith(start) or start.startswith(body)
+
+
 class Thinking:
     """One request's thinking phase: how many tokens its thought took, how many it may
     take (``limit``: then the end marker is forced), and the thought's text, turned into
@@ -78,6 +109,9 @@ class Thinking:
         self.tokens = 0  # output tokens of the thought so far, the marker's included
         self.done = False  # the end marker was produced: the answer phase has begun
         self.forced = False  # ... because the budget ran out (or the model stopped)
+        # no marker in the prompt and unguided: the first text says whether this is a
+        # thought at all (opens_thought); the engine decides on it
+        self.opening = False
         self._text = ""  # the thought's raw text so far
         self._emitted = 0  # characters of the reasoning view handed out
 
@@ -85,10 +119,16 @@ class Thinking:
     def active(self) -> bool:
         return not self.done
 
+    @property
+    def after(self) -> str:
+        """The text after the end marker in what was fed (the marker's own token, or the
+        tokens forced with it, went on past it): the answer's first text."""
+        at = self._text.find(self.markers.end)
+        return self._text[at + len(self.markers.end):] if at >= 0 else ""
+
     def feed(self, text: str, final: bool = False) -> str:
         """The thought's next text in; the reasoning delta out. Sets ``done`` when the end
-        marker appears (what follows it in the same text is dropped: the answer begins
-        with the next token)."""
+        marker appears (what follows it in the same text is ``after``: the answer's)."""
         self._text += text
         end = self.markers.end
         at = self._text.find(end)
