@@ -34,7 +34,12 @@ invalid: every closing path is replayed on the real matcher before it is emitted
   right after it. The runs stand in for xgrammar's unrolled positions: inside a uuid's
   ``[0-9a-f]{12}`` mask and forced bytes repeat at every place, and without them the
   search merged the places and could not close a uuid or a date (it then neither
-  refused a budget too small for such a schema nor closed the output). ``step_state()``
+  refused a budget too small for such a schema nor closed the output). For each
+  separator that may come next (``/``, ``-``, ``:`` ...), it also holds how many
+  (separator, probe) pairs may follow: the fields of a pattern such as
+  ``[a-z]+/[a-z]+/[0-9]+-[0-9]+-[0-9]+`` look alike from inside, and merged, the search
+  found no way out of a field the loop guard had cut (an answer came back
+  unterminated where xgrammar closed it). ``step_state()``
   adds the next-token mask (so two tokens count as one next state only where everything
   that may follow them is the same); ``rule_start()`` is None (unknown: a closing edge
   always keeps its depth, which merges less). ``has_parser_state()`` is False, so a
@@ -335,16 +340,20 @@ class LLGuidanceEngine(GrammarEngine):
 # LLGuidanceMatcher.state_key): a fixed-width field's digits, hex digits or letters
 _PROBE_TEXTS = ("0", "a", "A")
 _PROBE_RUN = 64  # a run this long counts as unbounded
+# separators a pattern's fields are joined by: how many (separator, probe character)
+# pairs may follow tells apart two fields that look alike from inside (in
+# ``[0-9]+-[0-9]+-[0-9]+`` the first field is followed by two "-0", the second by one)
+_SEPARATOR_TEXTS = ("/", "-", ":", ".", "_", "@", "+", ",", " ")
+_FIELDS = 4  # pairs probed: up to this many fields ahead
 
 
-def _run_probes(tokenizer: "llguidance.LLTokenizer") -> tuple[int, ...]:
-    """The token of each probe character the tokenizer spells as one token."""
-    probes = []
-    for text in _PROBE_TEXTS:
-        tokens = tokenizer.tokenize_str(text)
-        if len(tokens) == 1:
-            probes.append(tokens[0])
-    return tuple(probes)
+def _run_probes(tokenizer: "llguidance.LLTokenizer") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The tokens of the probe characters and of the separators, for each one the
+    tokenizer spells as one token."""
+    def single(texts):
+        tokens = [tokenizer.tokenize_str(text) for text in texts]
+        return tuple(t[0] for t in tokens if len(t) == 1)
+    return single(_PROBE_TEXTS), single(_SEPARATOR_TEXTS)
 
 
 # what the rewrites may add to a schema: strict mode's and the guards' keywords take a few
@@ -467,11 +476,11 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def __init__(self, inner: "llguidance.LLMatcher", stop_token_ids: frozenset[int],
                  tokenizer: "llguidance.LLTokenizer | None" = None,
-                 probes: tuple[int, ...] = ()):
+                 probes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())):
         self.inner = inner
         self.stop_token_ids = stop_token_ids
         self.tokenizer = tokenizer
-        self.probes = probes
+        self.probes = probes  # (probe characters, separators): see _run_probes
         self.terminated = False
         self._steps: list[int] = []  # inner tokens per accepted step (0: the stop token)
         self._key: tuple | None = None  # state_key() of the state as it is (None: unknown)
@@ -562,10 +571,12 @@ class LLGuidanceMatcher(GrammarMatcher):
         bounded run) the bytes forced right after it: the place in a fixed-width run
         such as a uuid's ``[0-9a-f]{12}``, where mask and forced bytes repeat at every
         place, and which run it is (a uuid's last 4-digit group ends in "-", its
-        12-digit group in a quote). Microseconds: validate_tokens consumes nothing; a
+        12-digit group in a quote); then, for each separator that may come next, how many
+        (separator, probe character) pairs may follow. Microseconds: validate_tokens consumes nothing; a
         bounded run is consumed and rolled back."""
         runs, inner = [], self.inner
-        for probe in self.probes:
+        chars, separators = self.probes
+        for probe in chars:
             n = inner.validate_tokens([probe] * _PROBE_RUN)
             after = b""
             if 0 < n < _PROBE_RUN:
@@ -575,6 +586,15 @@ class LLGuidanceMatcher(GrammarMatcher):
                 if done:
                     inner.rollback(done)
             runs.append((n, after))
+        # and for each separator allowed here, how long a run of (separator, probe
+        # character) pairs may come: how many fields of a pattern are left, which tells a
+        # field from the next one that looks alike from inside
+        for sep in separators:
+            if inner.validate_tokens([sep]):
+                runs.append(tuple(inner.validate_tokens([sep, probe] * _FIELDS)
+                                  for probe in chars))
+            else:
+                runs.append(None)
         return tuple(runs)
 
     def step_state(self) -> tuple:
