@@ -361,6 +361,8 @@ SWEEP = {
     "sentences 3": {"sentence_repeats": 3},
     "sentences 6": {"sentence_repeats": 6},
     "numbers off": {"number_digits": 0},
+    "progressions and near off": {"progression_repeats": 0, "near_repeats": 0,
+                                  "sentence_repeats": 0},
 }
 
 

@@ -86,6 +86,8 @@ FRUITS = ("apple banana cherry grape lemon mango melon orange peach pear plum ki
         for i in range(14))),
     # an enumeration of 7 items (up to near_repeats - 1 are kept whole)
     (ORDER, order(range(1, 8))),
+    # three short equal answers: under min_chars together, as the exact detector counts
+    (TAGS, '{"tags": ["A", "A", "A"'),
     # the pattern demands six sentences that restart
     (SAW, '{"s": "' + "".join(f"I saw a {w}. " for w in FRUITS[:6])),
     # three sentences of the same opening is writing, four is the threshold

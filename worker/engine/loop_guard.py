@@ -287,8 +287,10 @@ class LoopGuard:
         run.steps, run.counters = steps, counters
         # exact copies (nothing steps) as the exact detector counts them; counting copies
         # as progressions do (an enumeration of up to near_repeats - 1 items is kept)
-        exact = not any(steps)
-        if run.count >= (self.params.min_repeats if exact else self.params.near_repeats):
+        # (over min_chars together, as there: three short enum answers are not a loop)
+        prm = self.params
+        exact = not any(steps) and (end - start) * prm.min_repeats >= prm.min_chars
+        if run.count >= (prm.min_repeats if exact else prm.near_repeats):
             self._near = (array, run.count, "near", len(self.tokens))
 
     def _sentence_end(self, string: _Level, end: int) -> None:
