@@ -530,13 +530,13 @@ class OpenAIServer:
             await self._end_temp_session(plan)
 
 
-def build_app(args: dict[str, Any] | None = None, *, http_host: str | None = None):
+def build_app(args: dict[str, Any] | None = None):
     """The Serve application (an app builder: ``serve run deploy.serve_app:build_app k=v``
-    and the ``args`` of a Serve config file land here). Refuses (ValueError) to serve a
-    non-loopback ``http_host`` (default: what the Serve controller says, when one runs)
-    with no API key and no ``allow_open``."""
+    and the ``args`` of a Serve config file land here; Serve wants exactly this one
+    parameter). Refuses (ValueError) to serve on a non-loopback ``http_options.host`` (as
+    the Serve controller says, when one runs) with no API key and no ``allow_open``."""
     settings = AppSettings.from_args(args)
-    _refuse_open(settings, http_host if http_host is not None else serve_http_host())
+    _refuse_open(settings, serve_http_host())
     return _application(settings)
 
 
