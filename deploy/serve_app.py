@@ -473,7 +473,8 @@ class OpenAIServer:
                 req = plan.requests[i]
                 params = req.params
                 if params.seed is not None:
-                    params = dataclasses.replace(params, seed=params.seed + 7919)
+                    params = dataclasses.replace(
+                        params, seed=(params.seed + 7919) % (api.MAX_SEED + 1))
                 plan.requests[i] = dataclasses.replace(req, request_id=uuid.uuid4().hex,
                                                        params=params)
                 again.append(plan.requests[i])
