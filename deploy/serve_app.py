@@ -473,7 +473,8 @@ class OpenAIServer:
                 req = plan.requests[i]
                 params = req.params
                 if params.seed is not None:
-                    params = dataclasses.replace(params, seed=params.seed + 7919)
+                    params = dataclasses.replace(
+                        params, seed=(params.seed + 7919) % (api.MAX_SEED + 1))
                 plan.requests[i] = dataclasses.replace(req, request_id=uuid.uuid4().hex,
                                                        params=params)
                 again.append(plan.requests[i])
@@ -530,13 +531,13 @@ class OpenAIServer:
             await self._end_temp_session(plan)
 
 
-def build_app(args: dict[str, Any] | None = None, *, http_host: str | None = None):
+def build_app(args: dict[str, Any] | None = None):
     """The Serve application (an app builder: ``serve run deploy.serve_app:build_app k=v``
-    and the ``args`` of a Serve config file land here). Refuses (ValueError) to serve a
-    non-loopback ``http_host`` (default: what the Serve controller says, when one runs)
-    with no API key and no ``allow_open``."""
+    and the ``args`` of a Serve config file land here; Serve wants exactly this one
+    parameter). Refuses (ValueError) to serve on a non-loopback ``http_options.host`` (as
+    the Serve controller says, when one runs) with no API key and no ``allow_open``."""
     settings = AppSettings.from_args(args)
-    _refuse_open(settings, http_host if http_host is not None else serve_http_host())
+    _refuse_open(settings, serve_http_host())
     return _application(settings)
 
 
