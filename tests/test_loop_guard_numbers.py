@@ -1,8 +1,8 @@
 """The loop guard watches numbers (issue 39): a number whose digits repeat one group of up
 to 16 digits for ``number_digits`` (20) digits and two groups ends there, and the value
 around it closes (or, where the schema wants more, a comma lets it go on). Numbers a
-schema or the world writes (``1000000000``, ``0.3333333333333333``, Avogadro's ``602214076000000000000000``)
-stay whole. Detector on the real tokenizer (xgrammar matcher); engine tests on both
+schema or the world writes (``1000000000``, ``0.3333333333333333``, Avogadro's
+``602214076000000000000000``) stay whole. Detector on the real tokenizer (xgrammar matcher); engine tests on both
 grammar engines with the scripted default model, as tests/test_loop_guard.py does."""
 
 import json

@@ -25,8 +25,9 @@ an enumeration the user asked for loses its tail, not its head.
 A JSON scanner follows the output byte by byte (strings, escapes, numbers, nesting), so
 each token boundary knows its nesting. The loop's value is the innermost string, array or
 object that stays open over the whole repetition; a repetition of tokens inside a number
-or literal is never cut (``1000000`` is not a loop). The cut is the earliest token boundary after one whole copy
-(and after what was already streamed) that lies directly in that value and where the
+or literal is never cut (``1000000`` is not a loop). The cut is the earliest token
+boundary after one whole copy (and after what was already streamed) that lies directly
+in that value and where the
 grammar accepts the value's closer (``"``, ``]`` or ``}``): a string is closed, an array
 ends once its ``minItems`` allow, an object once its required keys are in. A repetition
 the grammar demands (``[5, 5, 5, 5, 5]`` with ``minItems: 5``, ``"aaaa"`` for ``a{4}``)
@@ -50,8 +51,8 @@ once, when it ends (items over 4 KiB are not compared).
 
 A **number** loops when its digits repeat one group of up to 16 digits over
 ``number_digits`` (20) digits and two whole groups within one part of it (``1111...``,
-``0.3333...``, ``9001234567890012...``; xgrammar's grammar bounds a number's digits itself, llguidance's may not): it
-ends at the newest token, and the value around it is closed, or (the schema wants more) a
+``0.3333...``, ``9001234567890012...``; xgrammar's grammar bounds a number's digits
+itself, llguidance's may not): it ends at the newest token, and the value around it is closed, or (the schema wants more) a
 comma lets the object or array go on. A double prints at most 17 significant digits, an
 int64 19, and round numbers people write (``602214076000000000000000``) repeat under 20.
 
