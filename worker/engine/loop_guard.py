@@ -27,9 +27,9 @@ each token boundary knows its nesting. The loop's value is the innermost string,
 object that stays open over the whole repetition; a repetition of tokens inside a number
 or literal is never cut (``1000000`` is not a loop). The cut is the earliest token
 boundary after one whole copy (and after what was already streamed) that lies directly
-in that value and where the
-grammar accepts the value's closer (``"``, ``]`` or ``}``): a string is closed, an array
-ends once its ``minItems`` allow, an object once its required keys are in. A repetition
+in that value and where the grammar accepts the value's closer (``"``, ``]`` or ``}``): a
+string is closed, an array ends once its ``minItems`` allow, an object once its required
+keys are in. A repetition
 the grammar demands (``[5, 5, 5, 5, 5]`` with ``minItems: 5``, ``"aaaa"`` for ``a{4}``)
 has no such boundary before the grammar is satisfied, so it is never shortened.
 
