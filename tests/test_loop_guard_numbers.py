@@ -1,8 +1,8 @@
 """The loop guard watches numbers (issue 39): a number whose digits repeat one group of up
-to 4 digits for ``number_digits`` (20) digits ends there, and the value around it closes
-(or, where the schema wants more, a comma lets it go on). Numbers a schema or the world
-writes (``1000000000``, ``0.3333333333333333``, Avogadro's ``602214076000000000000000``)
-stay whole. Detector on the real tokenizer (xgrammar matcher); engine tests on both
+to 16 digits for ``number_digits`` (20) digits and two groups ends there, and the value
+around it closes (or, where the schema wants more, a comma lets it go on). Numbers a
+schema or the world writes (``1000000000``, ``0.3333333333333333``, Avogadro's
+``602214076000000000000000``) stay whole. Detector on the real tokenizer (xgrammar matcher); engine tests on both
 grammar engines with the scripted default model, as tests/test_loop_guard.py does."""
 
 import json
@@ -39,6 +39,8 @@ NUMBERS = {"type": "object", "properties": {"xs": {"type": "array",
     (ONE_NUMBER, '{"x": 0.' + "3" * 40, '{"x": 0.' + "3" * 20 + "}"),
     (ONE_NUMBER, '{"x": 4.' + "1234" * 10, '{"x": 4.' + "1234" * 5 + "}"),  # a group of 4
     (NUMBERS, '{"xs": [1.5, 2' + "0" * 40, '{"xs": [1.5, 2' + "0" * 20 + "]"),
+    # a group of 11 (bench.clients, llguidance: an author's "born" ran to the budget)
+    (ONE_NUMBER, '{"x": 9' + "00123456789" * 6, '{"x": 9' + ("00123456789" * 3)[:21] + "}"),
 ])
 def test_a_number_whose_digits_repeat_is_ended(default_tokenizer, vocab, schema, text, kept):
     assert detect(default_tokenizer, vocab, schema, text) == kept

@@ -25,10 +25,11 @@ an enumeration the user asked for loses its tail, not its head.
 A JSON scanner follows the output byte by byte (strings, escapes, numbers, nesting), so
 each token boundary knows its nesting. The loop's value is the innermost string, array or
 object that stays open over the whole repetition; a repetition of tokens inside a number
-or literal is never cut (``1000000`` is not a loop). The cut is the earliest token boundary after one whole copy
-(and after what was already streamed) that lies directly in that value and where the
-grammar accepts the value's closer (``"``, ``]`` or ``}``): a string is closed, an array
-ends once its ``minItems`` allow, an object once its required keys are in. A repetition
+or literal is never cut (``1000000`` is not a loop). The cut is the earliest token
+boundary after one whole copy (and after what was already streamed) that lies directly
+in that value and where the grammar accepts the value's closer (``"``, ``]`` or ``}``): a
+string is closed, an array ends once its ``minItems`` allow, an object once its required
+keys are in. A repetition
 the grammar demands (``[5, 5, 5, 5, 5]`` with ``minItems: 5``, ``"aaaa"`` for ``a{4}``)
 has no such boundary before the grammar is satisfied, so it is never shortened.
 
@@ -48,10 +49,10 @@ more that changes at most one word of the one before, or keeps its first 4 words
 it; ``sentence_repeats`` (4) in a row end the string there. Each item and sentence is read
 once, when it ends (items over 4 KiB are not compared).
 
-A **number** loops when its digits repeat one group of up to 4 digits over
-``number_digits`` (20) digits within one part of it (``1111...``, ``0.3333...``,
-``1212...``; xgrammar's grammar bounds a number's digits itself, llguidance's may not): it
-ends at the newest token, and the value around it is closed, or (the schema wants more) a
+A **number** loops when its digits repeat one group of up to 16 digits over
+``number_digits`` (20) digits and two whole groups within one part of it (``1111...``,
+``0.3333...``, ``9001234567890012...``; xgrammar's grammar bounds a number's digits
+itself, llguidance's may not): it ends at the newest token, and the value around it is closed, or (the schema wants more) a
 comma lets the object or array go on. A double prints at most 17 significant digits, an
 int64 19, and round numbers people write (``602214076000000000000000``) repeat under 20.
 
@@ -326,13 +327,15 @@ class LoopGuard:
         return None
 
     def _number(self, may_close) -> LoopCut | None:
-        """A number whose digits repeat one group of up to 4 digits over ``number_digits``
-        digits (``1111...``, ``0.3333...``, ``1212...``) ends at the newest token: the
+        """A number whose digits repeat one group of up to 16 digits over ``number_digits``
+        digits and two groups (``1111...``, ``0.3333...``, ``900123456789001234...``) ends
+        at the newest token: the
         value around it is closed, or where that cannot be, a comma lets it go on."""
         prm, n = self.params, len(self.tokens)
-        span, period = self._digits.longest()
-        if not prm.number_digits or span < prm.number_digits or not self._path:
+        found = self._digits.repeat(prm.number_digits) if prm.number_digits else None
+        if found is None or not self._path:
             return None
+        span, period = found
         options = [self.closers.get(self._path[-1][0]), self.closers.get(",")]
         for closer in options:
             if closer is not None and may_close(n, (closer,)):
@@ -518,33 +521,39 @@ def _depth(state: _State) -> int:
     return state[0][2] if state[0] is not None else 0
 
 
+_DIGIT_PERIOD = 16  # the longest group of digits a number's repetition is looked for in
+
+
 class _DigitRuns:
-    """The digits of the number being read: per period p (1-4) how many digits in a row
+    """The digits of the number being read: per period p (1-16) how many digits in a row
     equal the digit p before them, within one part of it (integer, fraction, exponent)."""
 
     __slots__ = ("last", "run")
 
     def __init__(self):
-        self.last: list[int] = []  # the part's newest digits (4 at most)
-        self.run = [0] * 5
+        self.last: list[int] = []  # the part's newest digits (_DIGIT_PERIOD at most)
+        self.run = [0] * (_DIGIT_PERIOD + 1)
 
     def reset(self) -> None:
         self.last.clear()
-        self.run = [0] * 5
+        self.run = [0] * (_DIGIT_PERIOD + 1)
 
     def add(self, digit: int) -> None:
         last, run = self.last, self.run
-        for p in range(1, 5):
+        for p in range(1, _DIGIT_PERIOD + 1):
             run[p] = run[p] + 1 if len(last) >= p and last[-p] == digit else 0
         last.append(digit)
-        if len(last) > 4:
+        if len(last) > _DIGIT_PERIOD:
             del last[0]
 
-    def longest(self) -> tuple[int, int]:
-        """(digits covered by the longest repetition ending at the newest digit, its
-        period)."""
-        p = max(range(1, 5), key=lambda q: (self.run[q] + q if self.run[q] else 0, -q))
-        return (self.run[p] + p if self.run[p] else 0), p
+    def repeat(self, least: int) -> tuple[int, int] | None:
+        """(digits covered, period) of the shortest-period repetition ending at the newest
+        digit that covers ``least`` digits and two whole groups at least, or None."""
+        for p in range(1, _DIGIT_PERIOD + 1):
+            r = self.run[p]
+            if r >= p and r + p >= least:
+                return r + p, p
+        return None
 
 
 def _scan(state: _State, data: bytes, path: list, digits: _DigitRuns, base: int,
