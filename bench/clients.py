@@ -7,6 +7,12 @@ endpoint with the same schemas.
 
     python -m bench.clients [--quick | --smoke] [--json] [--no-record]
     python -m bench.clients --sweep [--quick | --smoke] [--json]   # the loop guard's settings
+    python -m bench.clients --quick --json --engine auto,xgrammar  # each grammar engine
+
+``--engine`` (default ``auto``, the server's default) sets the workers' grammar engine;
+comma-separated, each runs in turn and ``--json`` prints one object per engine. Every run
+also splits its figures by the engine that served each answer: answers_<engine>,
+parsed_share_<path>_<engine>, length_share_<engine>, loop_cut_share_<engine>.
 
 Nothing is set that a new user would not set: no temperature, no max_tokens (the server's
 defaults: the model's recommended sampling, the default budget, the loop guard on), and no
