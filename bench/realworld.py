@@ -63,7 +63,8 @@ def sample(root: Path | None, per_split: int, seed: int = 0) -> list[tuple[str, 
     return picked
 
 
-def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int) -> dict:
+def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int,
+        progress: bool = False) -> dict:
     import openai
 
     from worker.engine.validation import validate_json
@@ -89,6 +90,9 @@ def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int) 
                 row["refused"] = f"{exc.status_code}: {str(exc)[:120]}"
             else:
                 row["reason"], row["text"] = f"http {exc.status_code}", str(exc)[:200]
+            if progress:
+                print(f'{name}: {row["latency"]:.1f} s, {row["refused"] or row["reason"]}',
+                      file=sys.stderr, flush=True)
             return row
         row["latency"] = time.perf_counter() - start
         c = r.choices[0]
@@ -97,6 +101,9 @@ def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int) 
                    tokens=r.usage.completion_tokens, loop_cut=bool(guided.get("loop_cut")),
                    engine=guided.get("engine"))
         row["valid"] = validate_json(schema, row["text"]) is None
+        if progress:
+            print(f'{name}: {row["latency"]:.1f} s, {row["tokens"]} tokens, {row["reason"]}, '
+                  f'{row["engine"]}, valid={row["valid"]}', file=sys.stderr, flush=True)
         return row
 
     t0 = time.perf_counter()
@@ -148,6 +155,8 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--engine", choices=["auto", "xgrammar", "llguidance"], default=None,
                     help="force the server's grammar engine")
+    ap.add_argument("--progress", action="store_true",
+                    help="one line on stderr per request as it ends")
     args = ap.parse_args(argv)
     if args.engine:  # the engine default of this process and the Ray processes it starts
         os.environ["RAYGUIDE_GRAMMAR_ENGINE"] = args.engine
@@ -158,7 +167,7 @@ def main(argv=None) -> None:
 
     with report.served(args) as (url, name):
         figures = run(url + "/v1", name, items, max_tokens=8 if args.smoke else args.max_tokens,
-                      concurrency=args.concurrency)
+                      concurrency=args.concurrency, progress=args.progress)
     figures["schemas"] = str(args.schemas) if args.schemas and not args.smoke else "built-in"
     figures["engine"] = args.engine or "default"
     body = report.table(
