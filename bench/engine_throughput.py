@@ -8,7 +8,10 @@
    request asked for are counted, for both.
    The same workload sampled (temperature 0.8) on both sides, and the time to draw one
    step's tokens for that many rows, against the per-row exponential race used before.
-3. The same with weight-only int8 Linear layers (``EngineConfig.dtype="int8"``): batch-1
+3. Long-prompt prefill: the time to the first token of one long prompt (6,000 tokens;
+   ``--quick`` 3,000), ours (chunked prefill through the paged KV cache) against one HF
+   forward pass over the whole prompt (``generate`` with one new token).
+4. The same with weight-only int8 Linear layers (``EngineConfig.dtype="int8"``): batch-1
    decode and the mixed workload against the same HF fp32 figures, and quality: top-1
    agreement of int8's greedy next token with fp32's, teacher-forced over a few thousand
    tokens of this repository's docs.
@@ -98,6 +101,21 @@ def hf_b1(hf, ids: list[int], n: int) -> float:
     return (total - prefill) / (n - 1)
 
 
+def ours_prefill(engine: LLMEngine, ids: list[int]) -> float:
+    """Seconds to the first token of one prompt (every prefill chunk, then one token)."""
+    engine.add_request(GenerationRequest(ids, SamplingParams(max_new_tokens=1, temperature=0,
+                                                             ignore_eos=True)))
+    t = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t
+
+
+@torch.no_grad()
+def hf_prefill(hf, ids: list[int]) -> float:
+    return _timed(lambda: hf.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False))
+
+
 # --- mixed workload ----------------------------------------------------------------------------
 
 def mixed_workload(token_pool: list[int], count: int, prompt_range, new_range, seed=0):
@@ -169,6 +187,7 @@ def draw_ms(rows: int, vocab: int, reps: int = 20) -> tuple[float, float]:
 # The full mixed workload; --quick scales count and lengths by QUICK_SCALE (4 HF batches
 # of 8 become 2, every length range halves), keeping the proportions that decide the ratio.
 MIXED_COUNT, MIXED_PROMPTS, MIXED_NEW = 32, (32, 512), (16, 256)
+PREFILL_TOKENS = 6000
 QUICK_SCALE = 0.5
 SMOKE_SCALE = 0.125
 QUALITY_TOKENS = 3000
@@ -235,6 +254,10 @@ def main() -> None:
     ms_ours = ours_mixed(engine, work, SAMPLED_TEMPERATURE)
     ms_hf = hf_mixed(hf, tok.pad_token_id or 0, work, temperature=SAMPLED_TEMPERATURE)
     draw_new, draw_race = draw_ms(mixed_count, engine.model.config.vocab_size)
+    long_ids = (pool * (1 + PREFILL_TOKENS // len(pool)))[:int(PREFILL_TOKENS * scale)]
+    ours_prefill(engine, long_ids[:64])  # warm
+    pf_ours = min(ours_prefill(engine, long_ids) for _ in range(1 if quick else 2))
+    pf_hf = min(hf_prefill(hf, long_ids) for _ in range(1 if quick else 2))
 
     q = None
     if not args.no_int8:
@@ -276,6 +299,8 @@ def main() -> None:
         "preemptions": preemptions,
         "mixed_sampled_ours_tok_s": useful / ms_ours, "mixed_sampled_hf_tok_s": useful / ms_hf,
         "ratio_mixed_sampled_vs_hf": ms_hf / ms_ours,
+        "prefill_tokens": len(long_ids), "prefill_ours_s": pf_ours, "prefill_hf_s": pf_hf,
+        "ratio_prefill_vs_hf": pf_hf / pf_ours,
         "draw_ms_per_step": draw_new, "draw_ms_per_step_exponential_race": draw_race,
     }
     if q:
@@ -299,6 +324,8 @@ def main() -> None:
         [f"mixed, sampled (temperature {SAMPLED_TEMPERATURE:g})", "same as mixed",
          fig["mixed_sampled_ours_tok_s"], fig["mixed_sampled_hf_tok_s"],
          fig["ratio_mixed_sampled_vs_hf"]],
+        ["long-prompt prefill (time to first token)", f"{len(long_ids)}-token prompt",
+         len(long_ids) / pf_ours, len(long_ids) / pf_hf, fig["ratio_prefill_vs_hf"]],
     ]
     if q:
         rows += [

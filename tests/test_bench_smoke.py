@@ -24,7 +24,7 @@ BENCHES = {
                            "ratio_guided_jump_vs_unguided_keys_b1", "forced_token_share_keys",
                            "forced_token_share_tools", "forced_token_share_conformance",
                            "jump_speedup_keys_b8", "jump_speedup_keys_b32"},
-    "engine_throughput.py": {"b1_ours_tok_s", "b1_hf_tok_s", "ratio_b1_vs_hf",
+    "engine_throughput.py": {"b1_ours_tok_s", "b1_hf_tok_s", "ratio_b1_vs_hf", "ratio_prefill_vs_hf",
                              "ratio_mixed_vs_hf", "ratio_mixed_sampled_vs_hf",
                              "draw_ms_per_step", "quant_b1_tok_s", "quant_top1_agreement"},
     "conformance.py": {"valid_share_all", "valid_share_stop", "valid_share_length",
