@@ -91,12 +91,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.client import (INFRASTRUCTURE_ERRORS, ErrorKind, GenerationRequest,
-                            GrammarSpec, GrammarUnavailable, NoWorkers, Overloaded,
-                            RequestOutput, SamplingParams)
+from cluster.client import INFRASTRUCTURE_ERRORS
+from core.errors import ErrorKind, GrammarUnavailable, NoWorkers, Overloaded
+from core.grammar_spec import GrammarSpec
+from core.params import SamplingParams
+from core.request import GenerationRequest, RequestOutput
 from deploy import dialects
 from deploy.openai_api import MAX_SEED
-from grammar_cache.backoff import backoff
+from core.backoff import backoff
 
 FORMAT_KEYS = ("schema", "response_format", "regex", "choice")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
@@ -582,7 +584,7 @@ def runtime_claim_owner() -> str | None:
     """Who holds the claim (another batch job's own runtime is on the cluster), or None."""
     import ray
 
-    from cluster.client import NAMESPACE
+    from cluster.launch import NAMESPACE
 
     try:
         return ray.get(ray.get_actor(RUNTIME_CLAIM, namespace=NAMESPACE).who.remote(),
@@ -597,7 +599,7 @@ def claim_runtime(owner: str) -> bool:
     """Takes the claim for a runtime this job starts; False when another job holds it."""
     import ray
 
-    from cluster.client import NAMESPACE
+    from cluster.launch import NAMESPACE
 
     try:
         claim = _claim_class().options(name=RUNTIME_CLAIM, namespace=NAMESPACE).remote(owner)
@@ -629,7 +631,7 @@ def acquire_runtime(args, *, poll_s: float = 5.0) -> tuple[dict, list[str]]:
 
     from cluster import launch
     from cluster.config import ClusterConfig
-    from cluster.client import NAMESPACE
+    from cluster.launch import NAMESPACE
 
     _connect(args.address)
     me = job_label()
@@ -690,7 +692,7 @@ def release_runtime(owned: list[str], timeout_s: float = 30.0) -> None:
     job waiting for the claim must not find this runtime half dead)."""
     import ray
 
-    from cluster.client import NAMESPACE
+    from cluster.launch import NAMESPACE
 
     def kill(name: str) -> None:
         try:
