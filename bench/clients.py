@@ -377,10 +377,10 @@ def sweep(engine, items, settings: dict, *, seeds: int = 2, budget: int = 512,
     """One row of figures per loop-guard setting, in-process (see the module doc)."""
     from openai.lib._pydantic import to_strict_json_schema
 
-    from grammar_cache.spec import GrammarSpec
-    from worker.engine.loop_guard import LoopGuardParams
+    from core.grammar_spec import GrammarSpec
+    from core.params import LoopGuardParams
     from worker.engine.sampling import SamplingParams
-    from worker.engine.sequence import GenerationRequest
+    from core.request import GenerationRequest
 
     rows = []
     for name, fields in settings.items():

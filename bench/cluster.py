@@ -47,8 +47,9 @@ from ray import serve  # noqa: E402
 from bench.report import finish, parser, table  # noqa: E402
 from bench.report import percentile as pct  # noqa: E402
 from cluster import launch  # noqa: E402
-from cluster.client import (GenerationRequest, RuntimeClient,  # noqa: E402
-                            SamplingParams)
+from cluster.client import RuntimeClient  # noqa: E402
+from core.params import SamplingParams  # noqa: E402
+from core.request import GenerationRequest  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
 from worker.models.tiny_model import build_tiny_model  # noqa: E402
 

@@ -96,11 +96,11 @@ def cases(quick: bool, smoke: bool = False):
 
 def run(engine, items, *, spec_options: dict | None = None, seed: int = 0) -> dict:
     """Sends ``items`` (from ``cases``) through ``engine`` at once; returns the figures."""
-    from grammar_cache.spec import GrammarSpec
+    from core.grammar_spec import GrammarSpec
     from worker.engine.sampling import SamplingParams
-    from worker.engine.sequence import GenerationRequest
+    from core.request import GenerationRequest
     from worker.engine.validation import validate_json
-    from grammar_cache.errors import ErrorKind
+    from core.errors import ErrorKind
 
     reqs, meta = [], []
     for i, (name, schema, prompt, temp, budget) in enumerate(items):

@@ -41,7 +41,7 @@ from bench.report import finish, parser, table  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
-from worker.engine.sequence import GenerationRequest  # noqa: E402
+from core.request import GenerationRequest  # noqa: E402
 from worker.models.loader import resolve_model_dir  # noqa: E402
 from worker.models.tiny_model import build_tiny_model  # noqa: E402
 

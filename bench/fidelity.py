@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a file: the repository's packages, not b
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import report  # noqa: E402
-from grammar_cache.spec import GrammarSpec  # noqa: E402
+from core.grammar_spec import GrammarSpec  # noqa: E402
 from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,  # noqa: E402
                                            EngineRefused, auto_engine, engines_for)
 from worker.engine.schema_rewrites import strict_schema  # noqa: E402

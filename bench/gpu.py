@@ -41,13 +41,13 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import finish, parser, smoke_model, table  # noqa: E402
-from grammar_cache.spec import GrammarSpec  # noqa: E402
+from core.grammar_spec import GrammarSpec  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.engine.model_runner import ModelRunner  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
 from worker.engine.scheduler import ScheduledSeq  # noqa: E402
-from worker.engine.sequence import GenerationRequest  # noqa: E402
+from core.request import GenerationRequest  # noqa: E402
 from worker.models import triton_kernels  # noqa: E402
 from worker.models.llama import LlamaForCausalLM  # noqa: E402
 

@@ -155,7 +155,7 @@ def micro(args) -> tuple[str, dict]:
     from grammar_cache.actor import GrammarCacheConfig, get_or_create_actor, wait_ready
     from grammar_cache.client import GrammarCacheClient
     from grammar_cache.compile import compile_spec
-    from grammar_cache.spec import GrammarSpec
+    from core.grammar_spec import GrammarSpec
     from worker.engine.guided_process import GuidedDecodingManager
     from worker.models.loader import load_tokenizer, resolve_model_dir
 
@@ -264,7 +264,7 @@ def medium_variant(i: int) -> dict:
 
 def grammar_mix(quick: bool) -> list[tuple[str, object]]:
     """100 grammars: (kind, GrammarSpec). Quick: fewer and smaller large ones."""
-    from grammar_cache.spec import GrammarSpec
+    from core.grammar_spec import GrammarSpec
     # distinct large schemas: entity count and a marker field
     large = []
     for i in range(2 if quick else 5):
@@ -330,7 +330,9 @@ def run_side(model: str, mix, schedule, shared: bool, disk_dir: str, size: Clust
     import ray
 
     from cluster import launch
-    from cluster.client import GenerationRequest, RuntimeClient, SamplingParams
+    from cluster.client import RuntimeClient
+    from core.params import SamplingParams
+    from core.request import GenerationRequest
     from cluster.config import ClusterConfig
     cache_config = {"compile_timeout_s": 120, "compile_memory_mb": 16384,
                     "disk": shared, "disk_dir": disk_dir, "shared": shared, "replicate": shared,
@@ -423,7 +425,8 @@ def warm_worker(config, handles, mix, schedule, size: ClusterSize) -> dict:
     first request for each known (hot) grammar, time to the first chunk."""
     import ray
 
-    from cluster.client import GenerationRequest, SamplingParams
+    from core.params import SamplingParams
+    from core.request import GenerationRequest
     from grammar_cache.actor import ACTOR_NAME
     from scheduler.actor import NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX
     from worker.actor import WorkerActor

@@ -51,13 +51,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import finish, parser, smoke_model, table  # noqa: E402
-from grammar_cache.spec import GrammarSpec  # noqa: E402
+from core.grammar_spec import GrammarSpec  # noqa: E402
 from worker.engine import bitmask  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.engine.grammar_engines import LLGUIDANCE, XGRAMMAR  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
-from worker.engine.sequence import GenerationRequest, RequestOutput  # noqa: E402
+from core.request import GenerationRequest, RequestOutput  # noqa: E402
 
 SCHEMA = {
     "type": "object",

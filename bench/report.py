@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from grammar_cache import percentile as shared
+from core import percentile as shared
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -64,7 +64,7 @@ def record(name: str, body: str) -> None:
     DOCS.write_text(text)
 
 
-# the tree's one percentile (grammar_cache/percentile.py); nan without samples
+# the tree's one percentile (core/percentile.py); nan without samples
 percentile = functools.partial(shared.percentile, default=math.nan)
 
 

@@ -280,7 +280,7 @@ def run_generate(args) -> int:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     from worker.engine.sampling import SamplingParams
-    from worker.engine.sequence import GenerationRequest
+    from core.request import GenerationRequest
 
     try:
         params = SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,

@@ -7,8 +7,8 @@ stopped (at most ``max_failovers`` times; after that, a clear error chunk, never
 truncation).
 
 Requests and chunks cross Ray as typed objects (``GenerationRequest`` with its
-``GrammarSpec`` and cached key, ``RequestOutput``). This module is the front ends' one door
-into the runtime: it re-exports what they need, so deploy/ imports nothing below cluster/.
+``GrammarSpec`` and cached key, ``RequestOutput``: core/). This module is the front ends'
+one door into the runtime, so deploy/ imports nothing below cluster/ but core/.
 """
 
 from __future__ import annotations
@@ -22,22 +22,13 @@ from typing import AsyncIterator
 
 import ray
 from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError,
-                            RayActorError, RayTaskError)
+                            RayActorError)
 
-from grammar_cache.backoff import backoff
-from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
-from grammar_cache.percentile import percentile
-from grammar_cache.spec import GrammarSpec
+from core.backoff import backoff
+from core.errors import ErrorKind, NoWorkers
+from core.percentile import percentile
+from core.request import GenerationRequest, RequestOutput
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
-from scheduler.routing import NoWorkers, Overloaded
-from worker.engine.loop_guard import LoopGuardParams
-from worker.engine.params import SamplingParams
-from worker.engine.sequence import GenerationRequest, RequestOutput
-
-__all__ = ["RuntimeClient", "RuntimeClientStats", "INFRASTRUCTURE_ERRORS", "GenerationRequest", "RequestOutput", "SamplingParams",
-           "LoopGuardParams",
-           "GrammarSpec", "ErrorKind", "GrammarError", "GrammarUnavailable", "NoWorkers",
-           "Overloaded", "RayTaskError", "NAMESPACE"]
 
 logger = logging.getLogger(__name__)
 

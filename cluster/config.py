@@ -17,7 +17,7 @@ the top level), ``grammar_cache`` a GrammarCacheConfig, ``scheduler`` a Schedule
 They are passed on as those objects (pickled through Ray), never as dicts to validate
 again. Unknown keys and bad values are errors naming the key (``engine.max_num_seqs: Input
 should be a valid integer (got '8')``; ``section.key: unknown key; known keys: ...``),
-grammar_cache.config's one formatter, so a typo never passes silently.
+core.config's one formatter, so a typo never passes silently.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from pathlib import Path
 import yaml
 from pydantic import Field, model_validator
 
-from grammar_cache.config import ConfigModel, GrammarCacheConfig
+from core.config import ConfigModel
+from grammar_cache.config import GrammarCacheConfig
 from scheduler.actor import SchedulerConfig
 from worker.engine.config import EngineConfig
 

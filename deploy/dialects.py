@@ -17,7 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cluster.client import ErrorKind, GrammarError, GrammarSpec
+from core.errors import ErrorKind, GrammarError
+from core.grammar_spec import GrammarSpec
 
 # A schema nested deeper than this is refused before anything walks it recursively (the
 # JSON encoder, xgrammar's converter): real schemas stay far below it.

@@ -1,6 +1,6 @@
 """Errors as a client sees them: OpenAI's shape, and the one table from ErrorKind to HTTP.
 
-Every failure below the edge carries a ``grammar_cache.errors.ErrorKind`` (on the final
+Every failure below the edge carries a ``core.errors.ErrorKind`` (on the final
 output chunk, or on the exception); ``STATUS`` maps each kind to its HTTP status, and
 nothing here decides a status by reading a message. A client's mistake is a 4xx naming
 what to change; an infrastructure failure is a 503 with a ``Retry-After`` hint; a 500 is a
@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from cluster.client import (INFRASTRUCTURE_ERRORS, ErrorKind, GrammarError,
-                            GrammarUnavailable, NoWorkers, Overloaded, RayTaskError)
+from ray.exceptions import RayTaskError
+
+from cluster.client import INFRASTRUCTURE_ERRORS
+from core.errors import ErrorKind, GrammarError, GrammarUnavailable, NoWorkers, Overloaded
 
 try:  # the chat templates' engine (a dependency of the tokenizers' chat templates)
     from jinja2 import TemplateError, TemplateSyntaxError

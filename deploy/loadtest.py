@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 from pydantic import ConfigDict, Field
 
-from grammar_cache.config import ConfigModel  # a leaf: pydantic only
-from grammar_cache.percentile import percentile
+from core.config import ConfigModel
+from core.percentile import percentile
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {
@@ -385,7 +385,7 @@ async def read_worker_gauges(url: str, api_key: str | None = None) -> dict:
 
 
 def _pct(values: list[float], p: float) -> float | None:
-    """The p-th percentile to 0.1 ms (grammar_cache.percentile), None without samples."""
+    """The p-th percentile to 0.1 ms (core.percentile), None without samples."""
     value = percentile(values, p)
     return None if value is None else round(value, 4)
 

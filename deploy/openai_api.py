@@ -20,11 +20,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cluster.client import GenerationRequest, GrammarSpec, LoopGuardParams, SamplingParams
+from core.grammar_spec import GrammarSpec
+from core.params import LoopGuardParams, SamplingParams
+from core.request import GenerationRequest
 from deploy import dialects, tools
 from deploy.errors import APIError, bad_request, for_kind
 from deploy.settings import Limits
-from grammar_cache.config import config_error_message  # a leaf: pydantic only
+from core.config import config_error_message
 
 Validation = Literal["flag", "retry", "off"]
 

@@ -23,7 +23,7 @@ import time
 import uuid
 from typing import Any
 
-from cluster.client import RequestOutput
+from core.request import RequestOutput
 from deploy import tools
 from deploy.errors import for_kind
 from deploy.openai_api import Plan

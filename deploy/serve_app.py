@@ -35,7 +35,9 @@ from ray import serve
 from ray.serve.config import BackpressureConfig
 
 from cluster import launch
-from cluster.client import ErrorKind, RequestOutput, RuntimeClient
+from cluster.client import RuntimeClient
+from core.errors import ErrorKind
+from core.request import RequestOutput
 from deploy import dialects, exposure
 from deploy import openai_api as api
 from deploy import responses
@@ -44,7 +46,7 @@ from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_
 from deploy.metrics import Metrics
 from deploy.openai_api import Plan
 from deploy.settings import AppSettings
-from grammar_cache.config import config_error_message  # a leaf: pydantic only
+from core.config import config_error_message
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import os
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.config import ClusterConfig
-from grammar_cache.config import config_error_message  # a leaf: pydantic only, no Ray
+from core.config import config_error_message
 
 
 class Limits(BaseModel):

@@ -14,7 +14,8 @@ import json
 import re
 import uuid
 
-from cluster.client import ErrorKind, GrammarSpec
+from core.errors import ErrorKind
+from core.grammar_spec import GrammarSpec
 from deploy.dialects import DialectError, check_depth
 from deploy.errors import bad_request
 

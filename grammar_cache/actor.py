@@ -56,10 +56,10 @@ from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool, CompileResult
 from grammar_cache.config import GrammarCacheConfig
-from grammar_cache.errors import ErrorKind, GrammarError
+from core.errors import ErrorKind, GrammarError
 from grammar_cache.hot_list import HotList
-from grammar_cache.percentile import percentile
-from grammar_cache.spec import GrammarSpec
+from core.percentile import percentile
+from core.grammar_spec import GrammarSpec
 from grammar_cache.stats import CacheStats
 
 __all__ = ["ACTOR_NAME", "NAMESPACE", "GrammarCache", "GrammarCacheActor", "GrammarCacheConfig",

@@ -64,12 +64,12 @@ import xgrammar as xgr
 from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.actor import ACTOR_NAME, LEASE_SERIALIZE_S, NAMESPACE
-from grammar_cache.backoff import backoff
+from core.backoff import backoff
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool
 from grammar_cache.config import GrammarCacheConfig
-from grammar_cache.errors import ErrorKind, GrammarUnavailable
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind, GrammarUnavailable
+from core.grammar_spec import GrammarSpec
 from grammar_cache.stats import ClientStats
 
 logger = logging.getLogger(__name__)

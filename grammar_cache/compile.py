@@ -10,8 +10,8 @@ import re
 
 import xgrammar as xgr
 
-from grammar_cache.errors import GrammarError
-from grammar_cache.spec import GrammarSpec
+from core.errors import GrammarError
+from core.grammar_spec import GrammarSpec
 
 __all__ = ["GrammarError", "compile_spec", "explain_compile_error", "tokenizer_fingerprint"]
 

@@ -53,8 +53,8 @@ import msgpack
 from grammar_cache import envelope
 from grammar_cache.compile_worker import _LEN, COMPILED, READY, timeout_message
 from grammar_cache.config import GrammarCacheConfig
-from grammar_cache.errors import ErrorKind, GrammarError
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind, GrammarError
+from core.grammar_spec import GrammarSpec
 
 logger = logging.getLogger(__name__)
 

@@ -105,8 +105,8 @@ def main() -> None:
 
     from grammar_cache import envelope
     from grammar_cache.compile import compile_spec
-    from grammar_cache.errors import ErrorKind, GrammarError
-    from grammar_cache.spec import GrammarSpec
+    from core.errors import ErrorKind, GrammarError
+    from core.grammar_spec import GrammarSpec
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     compilers: dict[str, object] = {}

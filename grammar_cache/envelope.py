@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
+from core.errors import ErrorKind, GrammarError, GrammarUnavailable
 
 if TYPE_CHECKING:
     import xgrammar as xgr

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from grammar_cache.config import GrammarCacheConfig
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 
 
 @dataclass

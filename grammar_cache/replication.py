@@ -27,8 +27,8 @@ from concurrent.futures import Future
 from typing import Callable
 
 from grammar_cache.config import GrammarCacheConfig
-from grammar_cache.errors import GrammarError
-from grammar_cache.spec import GrammarSpec
+from core.errors import GrammarError
+from core.grammar_spec import GrammarSpec
 from grammar_cache.stats import ReplicationStats
 
 logger = logging.getLogger(__name__)

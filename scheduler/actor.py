@@ -24,7 +24,7 @@ import ray
 from pydantic import Field
 from ray.exceptions import ActorDiedError
 
-from grammar_cache.config import ConfigModel  # a leaf: pydantic only
+from core.config import ConfigModel
 from scheduler.routing import RoutingTable
 
 logger = logging.getLogger(__name__)

@@ -27,17 +27,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-
-class Overloaded(RuntimeError):
-    """Every worker's queue is over its limit; retry later."""
-
-
-class TooManySessions(Overloaded):
-    """A new session would pass the live-session cap (per worker or in total)."""
-
-
-class NoWorkers(RuntimeError):
-    """No live worker is registered."""
+from core.errors import NoWorkers, Overloaded, TooManySessions
 
 
 @dataclass

@@ -5,10 +5,10 @@ import threading
 
 import pytest
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.async_engine import AsyncEngine
 from worker.engine.sampling import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration
 

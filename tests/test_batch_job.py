@@ -29,9 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.client import GenerationRequest, RequestOutput, SamplingParams
+from core.params import SamplingParams
+from core.request import GenerationRequest, RequestOutput
 from deploy import batch_job
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,8 +20,8 @@ import types
 import pytest
 from ray.exceptions import ActorDiedError
 
-from cluster.client import (ErrorKind, GrammarError, GrammarUnavailable, NoWorkers,
-                            RequestOutput)
+from core.errors import ErrorKind, GrammarError, GrammarUnavailable, NoWorkers
+from core.request import RequestOutput
 from deploy import batch_job
 
 pytestmark = pytest.mark.unit

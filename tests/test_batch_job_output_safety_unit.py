@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from cluster.client import RequestOutput
+from core.request import RequestOutput
 from deploy import batch_job
 
 pytestmark = pytest.mark.unit

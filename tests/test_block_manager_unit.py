@@ -6,7 +6,8 @@ import torch
 from worker.engine.block_manager import BlockManager
 from worker.engine.sampling import SamplingParams
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import GenerationRequest, Sequence
+from core.request import GenerationRequest
+from worker.engine.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 

@@ -12,11 +12,11 @@ import pytest
 import xgrammar as xgr
 
 from grammar_cache.compile import compile_spec
-from grammar_cache.errors import ErrorKind
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind
+from core.grammar_spec import GrammarSpec
 from tests.test_budget_bound_unit import LONG, SHORTEST
 from worker.engine.sampling import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 from worker.engine.shortest_bound import TokenCapacity, schema_counts
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import deploy.serve_app as serve_app
-from cluster.client import RequestOutput
+from core.request import RequestOutput
 from deploy import openai_api as api
 from deploy.settings import AppSettings
 

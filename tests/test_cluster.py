@@ -11,9 +11,11 @@ import pytest
 import ray
 
 from cluster import launch
-from cluster.client import GenerationRequest, RuntimeClient, SamplingParams
+from cluster.client import RuntimeClient
+from core.params import SamplingParams
+from core.request import GenerationRequest
 from cluster.config import ClusterConfig
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """One config system: every layer's config is a pydantic model (extra="forbid"), built once
 by ClusterConfig into typed sections (launch.up passes them on as objects); every unknown
 key and bad value, in any section or at a YAML file's top level, is the one "message
-naming the key" (grammar_cache.config.config_error_message)."""
+naming the key" (core.config.config_error_message)."""
 
 import ast
 import importlib

@@ -10,8 +10,8 @@ import time
 import pytest
 import xgrammar as xgr
 
-from grammar_cache.errors import ErrorKind, GrammarError
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind, GrammarError
+from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import (LLGUIDANCE, XGRAMMAR, EngineRefused,
                                            LLGuidanceEngine, _llguidance_grammar)
 from worker.engine.guided_process import GuidedDecodingManager

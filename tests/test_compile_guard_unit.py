@@ -23,8 +23,8 @@ from grammar_cache.actor import CompileQueue, GrammarCache, QueueFull
 from grammar_cache.client import GrammarCacheClient
 from grammar_cache.compile_pool import CompilePool, CompileResult
 from grammar_cache.config import MAX_REPETITION, GrammarCacheConfig
-from grammar_cache.errors import ErrorKind, GrammarError, GrammarUnavailable
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind, GrammarError, GrammarUnavailable
+from core.grammar_spec import GrammarSpec
 
 pytestmark = pytest.mark.unit
 

@@ -14,8 +14,8 @@ import xgrammar as xgr
 from grammar_cache.actor import GrammarCacheConfig, get_or_create_actor, wait_ready
 from grammar_cache.client import GrammarCacheClient
 from grammar_cache.compile import tokenizer_fingerprint
-from grammar_cache.errors import ErrorKind, GrammarUnavailable
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind, GrammarUnavailable
+from core.grammar_spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from grammar_cache.errors import ErrorKind
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind
+from core.grammar_spec import GrammarSpec
 from worker.engine.sampling import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 from worker.engine.validation import validate_json
 from worker.engine.validation import validate_json
 

@@ -17,8 +17,8 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import bucket_sizes
 from worker.engine.engine import LLMEngine
-from worker.engine.params import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.params import SamplingParams
+from core.request import GenerationRequest
 from worker.models import triton_kernels
 
 pytestmark = pytest.mark.integration
@@ -148,7 +148,7 @@ def test_cuda_greedy_output_equals_the_eager_path(model_dir):
 
 @pytest.mark.cuda
 def test_cuda_graphs_serve_n_samples_a_continuation_and_streams(model_dir):
-    from grammar_cache.spec import GrammarSpec
+    from core.grammar_spec import GrammarSpec
     from worker.engine.async_engine import AsyncEngine
 
     engine = _cuda_engine(model_dir, True)

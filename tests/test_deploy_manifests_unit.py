@@ -92,12 +92,12 @@ def test_runtime_errors_map_to_statuses():
     """What the ingress answers when the runtime refuses or fails (no Ray needed)."""
     import asyncio
 
-    from cluster.client import NoWorkers, Overloaded
+    from core.errors import NoWorkers, Overloaded
     from deploy.errors import for_exception, for_kind
     assert for_exception(Overloaded("all queues full")).status == 429
     assert for_exception(NoWorkers("none")).status == 503
     # a full compile queue is a 429, a compile service failure a 503
-    from grammar_cache.errors import ErrorKind, GrammarUnavailable
+    from core.errors import ErrorKind, GrammarUnavailable
     assert for_exception(GrammarUnavailable("queue full", ErrorKind.OVERLOADED)).status == 429
     assert for_exception(GrammarUnavailable("crashed")).status == 503
     assert for_exception(ValueError("max_new_tokens must be >= 1")).status == 400

@@ -15,11 +15,11 @@ import jsonschema
 import pytest
 import torch
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.config import EngineConfig
 from worker.engine.engine import LLMEngine
-from worker.engine.params import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.params import SamplingParams
+from core.request import GenerationRequest
 from worker.models import triton_kernels
 
 pytestmark = pytest.mark.integration

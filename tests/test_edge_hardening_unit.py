@@ -15,7 +15,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from starlette.responses import JSONResponse
 
 import deploy.serve_app as serve_app
-from cluster.client import NoWorkers, RequestOutput
+from core.errors import NoWorkers
+from core.request import RequestOutput
 from deploy import openai_api as api, responses
 from deploy.errors import APIError, for_exception
 from deploy.settings import AppSettings, Limits

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from cluster.client import ErrorKind, RequestOutput
+from core.errors import ErrorKind
+from core.request import RequestOutput
 from deploy import dialects, openai_api as api, responses, tools
 from deploy.errors import STATUS, APIError, for_exception, for_kind
 from deploy.settings import AppSettings, Limits
@@ -41,7 +42,7 @@ def test_transient_failures_say_retry_and_carry_a_hint():
 
 
 def test_exceptions_map_by_type_never_by_text():
-    from cluster.client import GrammarError, GrammarUnavailable, NoWorkers, Overloaded
+    from core.errors import GrammarError, GrammarUnavailable, NoWorkers, Overloaded
     assert for_exception(Overloaded("busy")).status == 429
     assert for_exception(NoWorkers("none")).status == 503
     assert for_exception(GrammarUnavailable("over the limit")).status == 503

@@ -16,7 +16,10 @@ import pytest
 import ray
 
 from cluster import launch
-from cluster.client import GenerationRequest, GrammarSpec, RuntimeClient, SamplingParams
+from cluster.client import RuntimeClient
+from core.grammar_spec import GrammarSpec
+from core.params import SamplingParams
+from core.request import GenerationRequest
 from cluster.config import ClusterConfig
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},

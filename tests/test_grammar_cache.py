@@ -19,8 +19,8 @@ from grammar_cache import envelope
 from grammar_cache.actor import GrammarCache, GrammarCacheConfig, get_or_create_actor, wait_ready
 from grammar_cache.client import GrammarCacheClient
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
-from grammar_cache.errors import ErrorKind, GrammarUnavailable
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind, GrammarUnavailable
+from core.grammar_spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
 
@@ -426,7 +426,7 @@ def test_engines_compile_through_the_shared_cache(actor_name, default_model,
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     from worker.engine.sampling import SamplingParams
-    from worker.engine.sequence import GenerationRequest
+    from core.request import GenerationRequest
 
     actor = new_actor(actor_name)
     clients = []

@@ -3,7 +3,7 @@ force one, the 400s, and the response's ``guided.engine``."""
 
 import pytest
 
-from cluster.client import RequestOutput
+from core.request import RequestOutput
 from deploy import openai_api as api
 from deploy import responses
 from deploy.errors import APIError
@@ -85,7 +85,7 @@ def test_metrics_count_grammars_and_requests_per_engine():
 
 
 def test_the_family_is_the_same_for_every_engine():
-    from grammar_cache.spec import GrammarSpec
+    from core.grammar_spec import GrammarSpec
 
     specs = [GrammarSpec.json_schema(SCHEMA, engine=e) for e in ("auto", "xgrammar", "llguidance")]
     assert len({s.family for s in specs}) == 1

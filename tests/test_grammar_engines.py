@@ -10,8 +10,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from grammar_cache.errors import ErrorKind, GrammarError
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind, GrammarError
+from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,
                                            EngineRefused, auto_engine, compile_auto,
                                            engines_for)

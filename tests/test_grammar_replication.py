@@ -19,7 +19,7 @@ from grammar_cache import envelope
 from grammar_cache.actor import GrammarCache, GrammarCacheConfig
 from grammar_cache.compile import tokenizer_fingerprint
 from grammar_cache.disk import DiskStore
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 
 pytestmark = pytest.mark.integration
 
@@ -276,7 +276,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
 
 
 def guided(schema, max_tokens=24):
-    from cluster.client import GenerationRequest, SamplingParams
+    from core.params import SamplingParams
+    from core.request import GenerationRequest
     return GenerationRequest([{"role": "user", "content": "JSON please"}],
                              SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
                              grammar=GrammarSpec.json_schema(schema))

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
 from worker.engine.schema_rewrites import exact_rewrites, strict_schema
 from worker.engine.validation import validate_json

@@ -6,9 +6,9 @@ import re
 import jsonschema
 import pytest
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.sampling import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration
 

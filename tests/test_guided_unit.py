@@ -10,8 +10,8 @@ import torch
 import xgrammar as xgr
 
 from grammar_cache.compile import GrammarError, choice_ebnf
-from grammar_cache.errors import ErrorKind
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind
+from core.grammar_spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace, reference_apply
 from worker.engine.guided_process import GuidedDecodingManager
 from worker.engine.logits_process import FusedLogitsProcessor

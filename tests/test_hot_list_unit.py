@@ -7,7 +7,7 @@ import pytest
 
 from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.hot_list import HotList
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 
 pytestmark = pytest.mark.unit
 

@@ -21,7 +21,7 @@ STARTS_RAY = re.compile(r"\bray\.init\(|\bCluster\(|\blaunch\.up\(|\bservice\.st
                         r"\bray_runtime\b")
 
 HEAVY = ("torch", "transformers", "xgrammar")
-LIGHT = ["worker.actor", "cluster.client", "scheduler.actor", "worker.engine.params",
+LIGHT = ["worker.actor", "cluster.client", "scheduler.actor", "core.params", "core.request",
          "worker.engine.sequence", "grammar_cache.actor", "cluster.launch", "deploy.service",
          "deploy.serve_app", "cli.main"]
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.jump_forward import JumpForward
 from worker.engine.sampling import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 from worker.engine.validation import validate_json
 
 # --- the boundary rules, on a hand-made vocabulary --------------------------------------

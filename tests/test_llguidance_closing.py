@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.guided_process import GuidedDecodingManager
 from worker.engine.validation import validate_json
 

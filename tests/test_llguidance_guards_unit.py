@@ -12,8 +12,8 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from grammar_cache.compile import json_schema_ebnf
-from grammar_cache.errors import ErrorKind
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind
+from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
 from worker.engine.schema_rewrites import number_guards
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import _llguidance_grammar, ascii_classes
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,7 @@ answer cut by its loop guard inside ``iglu:a/b/c/1-0-0`` came back unterminated)
 
 import pytest
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import LLGuidanceMatcher, _llguidance_grammar, _run_probes
 
 pytestmark = pytest.mark.unit

@@ -14,10 +14,11 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from grammar_cache.spec import GrammarSpec
-from worker.engine.loop_guard import LoopGuard, LoopGuardParams, closer_ids, token_shapes
+from core.grammar_spec import GrammarSpec
+from core.params import LoopGuardParams
+from worker.engine.loop_guard import LoopGuard, closer_ids, token_shapes
 from worker.engine.sampling import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,8 @@ and the response's report."""
 
 import pytest
 
-from cluster.client import LoopGuardParams, RequestOutput
+from core.params import LoopGuardParams
+from core.request import RequestOutput
 from deploy import openai_api as api
 from deploy import responses
 from deploy.errors import APIError

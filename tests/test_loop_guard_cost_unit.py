@@ -10,7 +10,8 @@ import tracemalloc
 
 import pytest
 
-from worker.engine.loop_guard import LoopGuard, LoopGuardParams, closer_ids, token_shapes
+from core.params import LoopGuardParams
+from worker.engine.loop_guard import LoopGuard, closer_ids, token_shapes
 
 pytestmark = pytest.mark.unit
 

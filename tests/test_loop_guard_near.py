@@ -12,11 +12,11 @@ import json
 import jsonschema
 import pytest
 
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from tests.test_loop_guard import STORE, detect, scripted, vocab  # noqa: F401 (a fixture)
-from worker.engine.loop_guard import LoopGuardParams
+from core.params import LoopGuardParams
 from worker.engine.sampling import SamplingParams
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration
 

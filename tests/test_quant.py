@@ -132,11 +132,11 @@ def test_default_model_int8_top1_agreement(default_model, int8_model, default_to
 
 @pytest.mark.integration
 def test_int8_engine_serves_a_guided_request(default_model_dir, default_tokenizer, int8_model):
-    from grammar_cache.spec import GrammarSpec
+    from core.grammar_spec import GrammarSpec
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
     from worker.engine.sampling import SamplingParams
-    from worker.engine.sequence import GenerationRequest
+    from core.request import GenerationRequest
 
     schema = {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},

@@ -9,11 +9,11 @@ import random
 import jsonschema
 import pytest
 
-from grammar_cache.errors import ErrorKind
-from grammar_cache.spec import GrammarSpec
-from worker.engine.params import SamplingParams
+from core.errors import ErrorKind
+from core.grammar_spec import GrammarSpec
+from core.params import SamplingParams
 from worker.engine.reasoning import ReasoningMarkers, Thinking, thought_end
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration
 

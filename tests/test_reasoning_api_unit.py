@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cluster.client import RequestOutput
+from core.request import RequestOutput
 from deploy import openai_api as api
 from deploy import responses
 from deploy.errors import APIError

@@ -5,11 +5,11 @@ from the config, several tokens each in its vocabulary)."""
 
 import pytest
 
-from grammar_cache.spec import GrammarSpec
-from worker.engine.params import SamplingParams
+from core.grammar_spec import GrammarSpec
+from core.params import SamplingParams
 from worker.engine.reasoning import (CLOSED, OPEN, ReasoningMarkers, opens_thought,
                                      prompt_thought)
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration
 

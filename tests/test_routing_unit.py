@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 
 from cluster.config import ClusterConfig
-from scheduler.routing import NoWorkers, Overloaded, RoutingTable
+from core.errors import NoWorkers, Overloaded
+from scheduler.routing import RoutingTable
 
 pytestmark = pytest.mark.unit
 

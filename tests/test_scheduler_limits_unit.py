@@ -5,7 +5,8 @@ import pytest
 
 from deploy.errors import for_exception
 from scheduler.actor import SchedulerConfig
-from scheduler.routing import Overloaded, RoutingTable, TooManySessions
+from core.errors import Overloaded, TooManySessions
+from scheduler.routing import RoutingTable
 
 pytestmark = pytest.mark.unit
 

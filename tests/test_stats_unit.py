@@ -17,8 +17,8 @@ import pytest
 
 from cluster.client import RuntimeClient, RuntimeClientStats
 from deploy.metrics import Metrics, ReplicaStats
-from grammar_cache.backoff import backoff
-from grammar_cache.percentile import percentile
+from core.backoff import backoff
+from core.percentile import percentile
 from grammar_cache.stats import (CacheStats, ClientStats, DiskStats, GrammarRequestStats,
                                  ReplicationStats)
 from scheduler.actor import SchedulerStats, _shown

@@ -11,7 +11,7 @@ import pytest
 from deploy import openai_api as api
 from deploy.errors import APIError
 from deploy.settings import AppSettings, Limits
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.validation import validate_json
 
 pytestmark = pytest.mark.unit

@@ -12,7 +12,9 @@ import ray
 from cluster import launch
 from cluster.client import RuntimeClient
 from cluster.config import ClusterConfig
-from cluster.client import GenerationRequest, GrammarSpec, SamplingParams
+from core.grammar_spec import GrammarSpec
+from core.params import SamplingParams
+from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration
 

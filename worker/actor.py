@@ -23,7 +23,7 @@ import ray
 # scheduler, every front end), so the engine (torch, transformers, xgrammar) is imported
 # in __init__, in the worker's own process only
 from grammar_cache.stats import ClientStats, GrammarRequestStats, ReplicationStats
-from worker.engine.sequence import GenerationRequest
+from core.request import GenerationRequest
 
 if TYPE_CHECKING:
     from grammar_cache.config import GrammarCacheConfig

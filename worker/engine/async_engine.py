@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from worker.engine.engine import EngineStats, LLMEngine
-from worker.engine.sequence import GenerationRequest, RequestOutput
+from core.request import GenerationRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 

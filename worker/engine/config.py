@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, field_validator
 
-from grammar_cache.config import ConfigModel  # a leaf: pydantic only
+from core.config import ConfigModel
 
 GRAMMAR_ENGINES = ("auto", "xgrammar", "llguidance")
 # dtype names; torch is imported only where a name is resolved (front ends build this

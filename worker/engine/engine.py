@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grammar_cache.errors import ErrorKind
+from core.errors import ErrorKind
 from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
@@ -45,7 +45,8 @@ from worker.engine.reasoning import (CLOSED, Thinking, from_template, opens_thou
                                      prompt_thought, thought_end)
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import GenerationRequest, RequestOutput, Sequence, SeqStatus
+from core.request import GenerationRequest, RequestOutput
+from worker.engine.sequence import Sequence, SeqStatus
 from worker.engine.validation import not_checked
 from worker.models import loader
 

@@ -94,8 +94,8 @@ import torch
 import xgrammar as xgr
 
 from grammar_cache.compile import compile_spec
-from grammar_cache.errors import ErrorKind, GrammarError
-from grammar_cache.spec import GrammarSpec
+from core.errors import ErrorKind, GrammarError
+from core.grammar_spec import GrammarSpec
 from worker.engine.schema_rewrites import (MAX_LLGUIDANCE_FRAC_DIGITS,
                                            MAX_LLGUIDANCE_INT_DIGITS, RewriteBudget,
                                            SchemaTooComplex, any_value_guarded,

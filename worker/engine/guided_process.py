@@ -36,7 +36,7 @@ import xgrammar as xgr
 
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.config import MAX_REPETITION
-from grammar_cache.spec import GrammarSpec
+from core.grammar_spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace
 from worker.engine.closing import NEXT_BYTE, CompletionSearch
 from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, LLGUIDANCE_AUTO_KINDS,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grammar_cache.errors import ErrorKind
+from core.errors import ErrorKind
 from worker.engine.sampling import SamplingInputs, apply_penalties
 
 _fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bitmask-fill")

@@ -73,6 +73,8 @@ import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from core.params import LoopGuardParams
+
 # an open nesting level: (kind "o"/"a"/"s", the level it is in or None, its depth from 1,
 # the output byte it opened at);
 # a state's innermost level leads to all of them, so a state never copies its stack
@@ -82,54 +84,6 @@ _State = tuple
 _START: _State = (None, False, False)
 _NUMBER = frozenset(b"-0123456789.eE+")
 _CLOSER = {"s": b'"', "a": b"]", "o": b"}", ",": b","}
-
-
-@dataclass(frozen=True)
-class LoopGuardParams:
-    """How a request's loop guard decides (per request; the server's default otherwise).
-    ``hold_tokens``: how many of the newest tokens are held back from the stream, so that a
-    cut can still remove them (0: a loop found after its text was sent ends where it is)."""
-
-    enabled: bool = True
-    min_repeats: int = 3
-    long_span: int = 8
-    min_chars: int = 16
-    max_period: int = 48
-    hold_tokens: int = 16
-    max_cuts: int = 8
-    progression_repeats: int = 8  # 0: progressions are not looked for
-    number_digits: int = 20  # a number's digits repeating this long end it (0: never)
-    near_repeats: int = 8  # array items in a row equal but for stepping numbers (0: off)
-    sentence_repeats: int = 4  # sentences in a row restarting with a changed word (0: off)
-
-    def __post_init__(self):
-        for name, low in (("min_repeats", 2), ("long_span", 1), ("min_chars", 1),
-                          ("max_period", 1), ("hold_tokens", 0), ("max_cuts", 0),
-                          ("progression_repeats", 0), ("number_digits", 0),
-                          ("near_repeats", 0), ("sentence_repeats", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"invalid loop_guard.{name}={value!r}: must be an integer "
-                                 f">= {low}")
-        if self.max_period > 256 or self.hold_tokens > 256:
-            raise ValueError("loop_guard.max_period and loop_guard.hold_tokens must be <= 256")
-        for name in ("progression_repeats", "near_repeats", "sentence_repeats"):
-            if getattr(self, name) == 1:
-                raise ValueError(f"loop_guard.{name} must be 0 (off) or >= 2")
-
-    @classmethod
-    def from_value(cls, value) -> "LoopGuardParams":
-        """A request's ``loop_guard``: true / false, or an object of these fields."""
-        if isinstance(value, bool):
-            return cls(enabled=value)
-        if isinstance(value, dict):
-            known = {f for f in cls.__dataclass_fields__}
-            unknown = sorted(set(value) - known)
-            if unknown:
-                raise ValueError(f"unknown loop_guard field(s) {unknown}; known: "
-                                 f"{sorted(known)}")
-            return cls(**value)
-        raise ValueError("loop_guard must be true, false or an object of its fields")
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ from typing import Callable
 
 from worker.engine.closing import Completion
 from worker.engine.config import EngineConfig
-from worker.engine.loop_guard import (LoopCut, LoopGuard, LoopGuardParams, closer_ids,
-                                      token_shapes)
-from worker.engine.sequence import RequestOutput, Sequence
+from core.params import LoopGuardParams
+from worker.engine.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
+from core.request import RequestOutput
+from worker.engine.sequence import Sequence
 from worker.engine.shortest_bound import TokenCapacity, schema_counts
 from worker.engine.validation import approximated_keywords, validate_json
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.engine.params import MAX_LOGPROBS, TEMPERATURE_FLOOR, SamplingParams
+from core.params import MAX_LOGPROBS, TEMPERATURE_FLOOR, SamplingParams
 
 __all__ = ["MAX_LOGPROBS", "TEMPERATURE_FLOOR", "SamplingParams", "SamplingRow",
            "SamplingInputs", "ARSamplingStrategy", "SampleResult", "Sampler", "SamplingPlan",

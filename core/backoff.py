@@ -1,6 +1,6 @@
 """backoff: the one exponential backoff of the tree (the worker's tokenizer registration,
 the front end's scheduler calls, watch and re-routes after a worker died, the batch job's
-retries). In grammar_cache, the lowest layer, so every layer may import it."""
+retries)."""
 
 from __future__ import annotations
 

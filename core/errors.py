@@ -12,6 +12,9 @@ Two families matter to callers:
 - transient (``ErrorKind.transient``): the compile service crashed or is unreachable, a
   grammar was not ready in time under load, a worker died. These are never cached as a
   verdict on the grammar and never reported as the client's fault.
+
+The scheduler's refusals (``Overloaded``, ``TooManySessions``, ``NoWorkers``) are here too:
+the routing table raises them and the front ends map them to a status.
 """
 
 from __future__ import annotations
@@ -86,3 +89,15 @@ class GrammarUnavailable(RuntimeError):
 
     def __reduce__(self):  # keeps ``kind`` across pickling (Ray, processes)
         return (type(self), (str(self), self.kind))
+
+
+class Overloaded(RuntimeError):
+    """Every worker's queue is over its limit; retry later."""
+
+
+class TooManySessions(Overloaded):
+    """A new session would pass the live-session cap (per worker or in total)."""
+
+
+class NoWorkers(RuntimeError):
+    """No live worker is registered."""

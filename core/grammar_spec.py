@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from grammar_cache.errors import ErrorKind, GrammarError
+from core.errors import ErrorKind, GrammarError
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
 ALIASES = {"regex_schema": "regex", "grammar": "ebnf", "gbnf": "ebnf", "json": "json_schema"}

@@ -1,6 +1,5 @@
 """percentile: the one percentile helper of the tree (the cache's compile times, a front
-end's failover pauses, the load tool, the benches). It lives in grammar_cache, the lowest
-layer, because that layer imports no other and every other layer may import it."""
+end's failover pauses, the load tool, the benches)."""
 
 from __future__ import annotations
 

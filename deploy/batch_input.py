@@ -1,0 +1,199 @@
+"""The batch job's input (deploy/batch_job.py): each JSONL line read into an ``Item``, the
+request it becomes or what is wrong with it, and which lines a run does (the plan)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.grammar_spec import GrammarSpec
+from core.params import SamplingParams
+from core.request import GenerationRequest
+from deploy import dialects
+from deploy.openai_api import MAX_SEED
+
+FORMAT_KEYS = ("schema", "response_format", "regex", "choice")
+MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+JSON_KINDS = ("json_schema", "json_object")
+# the job's requests are one client of the grammar cache's compile queue (each HTTP client
+# has its own line: deploy/openai_api.client_identity), so a job with many new grammars
+# takes its round-robin turn beside the endpoint's users rather than ahead of them
+BATCH_CLIENT = "batch"
+
+
+class LineError(ValueError):
+    """What is wrong with one input line (it becomes that line's ``error``)."""
+
+
+@dataclass
+class Item:
+    """One input line to run: its id, the request for the runtime (or why there is none),
+    and whether its output is JSON."""
+
+    line: int
+    id: Any
+    request: GenerationRequest | None = None
+    error: str | None = None
+    is_json: bool = False
+
+
+def id_key(value: Any) -> str:
+    """Ids compare as JSON text: 3 and "3" are different ids."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+def _valid_id(value: Any) -> bool:
+    return isinstance(value, (str, int)) and not isinstance(value, bool)
+
+
+def line_id(obj: Any, line: int) -> Any:
+    """The line's id: its ``id`` when that is a string or an integer, else the line number."""
+    if isinstance(obj, dict) and _valid_id(obj.get("id")):
+        return obj["id"]
+    return line
+
+
+def grammar_of(obj: dict, default: GrammarSpec | None) -> GrammarSpec | None:
+    """The line's grammar (deploy/dialects.py reads the batch keys); else the default."""
+    try:
+        return dialects.from_batch_line(obj, default)
+    except ValueError as exc:
+        raise LineError(f"invalid {getattr(exc, 'param', None) or 'format'}: {exc}") from None
+
+
+def prompt_of(obj: dict):
+    has_prompt, has_messages = obj.get("prompt") is not None, obj.get("messages") is not None
+    if has_prompt and has_messages:
+        raise LineError("give `prompt` or `messages`, not both")
+    if has_prompt:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise LineError("`prompt` must be a non-empty string")
+        return obj["prompt"]
+    if has_messages:
+        msgs = obj["messages"]
+        if (not isinstance(msgs, list) or not msgs
+                or any(not isinstance(m, dict) or "role" not in m for m in msgs)):
+            raise LineError("`messages` must be a non-empty list of {role, content} objects")
+        return msgs
+    raise LineError("the line has no `prompt` or `messages`")
+
+
+def params_of(obj: dict, defaults: dict) -> SamplingParams:
+    known = {f for f in SamplingParams.__dataclass_fields__}
+    params = dict(defaults)
+    given = [k for k in MAX_TOKENS_KEYS if obj.get(k) is not None]
+    if len(given) > 1:
+        raise LineError(f"give one of {', '.join(given)}")
+    if given:
+        params["max_new_tokens"] = obj[given[0]]
+    for name in known - {"max_new_tokens"}:
+        if obj.get(name) is not None:
+            params[name] = obj[name]
+    seed = params.get("seed")
+    if isinstance(seed, int) and not 0 <= seed <= MAX_SEED:
+        raise LineError(f"seed must be in [0, {MAX_SEED}] (2^63 - 1), got {seed}")
+    try:
+        return SamplingParams.from_dict(params)  # a bad value fails its line at once
+    except (ValueError, TypeError) as exc:
+        raise LineError(str(exc)) from None
+
+
+def parse_line(text: str | None, line: int, *, defaults: dict,
+               default_grammar: GrammarSpec | None, run_tag: str) -> Item:
+    """The Item for one input line (text None: not UTF-8); its ``error`` says what is
+    wrong, if anything."""
+    if text is None:
+        return Item(line, line, error=f"line {line} is not valid UTF-8")
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:  # not JSON, or an integer of 4,300+ digits
+        return Item(line, line, error=f"line {line} is not valid JSON: {exc}")
+    except RecursionError:
+        return Item(line, line, error=f"line {line} is nested too deeply to read")
+    item = Item(line, line_id(obj, line))
+    try:
+        if not isinstance(obj, dict):
+            raise LineError(f"line {line} is not a JSON object")
+        if obj.get("id") is not None and not _valid_id(obj["id"]):
+            raise LineError("`id` must be a string or an integer")
+        grammar = grammar_of(obj, default_grammar)
+        item.request = GenerationRequest(prompt_of(obj), params_of(obj, defaults),
+                                         request_id=f"batch-{run_tag}-{line}", grammar=grammar,
+                                         client=BATCH_CLIENT)
+        item.is_json = grammar is not None and grammar.kind in JSON_KINDS
+    except LineError as exc:
+        item.error = str(exc)
+    return item
+
+
+def load_schema(value: str) -> GrammarSpec:
+    """--schema: a file with a JSON schema (or the schema inline)."""
+    if os.path.exists(value):
+        with open(value) as f:
+            text = f.read()
+    elif value.lstrip().startswith(("{", "[")):
+        text = value
+    else:
+        raise ValueError(f"--schema {value}: no such file")
+    try:
+        return dialects.json_schema(text, "--schema")
+    except ValueError as exc:
+        raise ValueError(f"--schema {value}: {exc}") from None
+
+
+@dataclass
+class WorkPlan:
+    todo: list[int] = field(default_factory=list)  # line numbers to run, in order
+    duplicates: dict[int, str] = field(default_factory=dict)  # line -> error
+    skipped: int = 0
+
+
+def plan(input_path: str, skip: set[str]) -> WorkPlan:
+    """First pass over the input: which lines to run (ids not yet in the output)."""
+    p, first_line = WorkPlan(), {}
+    for line, text in input_lines(input_path):
+        if text is not None and not text.strip():
+            continue
+        try:
+            key = id_key(line_id(json.loads(text), line))
+        except (TypeError, ValueError, RecursionError):
+            # not UTF-8, not JSON, an integer of 4,300+ digits, nesting past the recursion
+            # limit: the line's id is its number, and parse_line makes it its error
+            key = id_key(line)
+        if key in skip:
+            p.skipped += 1
+            continue
+        if key in first_line:
+            p.duplicates[line] = f"duplicate id {key} (first on line {first_line[key]})"
+        else:
+            first_line[key] = line
+        p.todo.append(line)
+    return p
+
+
+def input_lines(path: str):
+    """(line number, text) per line; text is None for a line that is not valid UTF-8."""
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            try:
+                yield line, raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield line, None
+
+
+def items(input_path: str, p: WorkPlan, **parse_kwargs):
+    """Second pass: the Items of the planned lines, in order."""
+    wanted = iter(p.todo)
+    next_line = next(wanted, None)
+    for line, text in input_lines(input_path):
+        if next_line is None:
+            return
+        if line != next_line:
+            continue
+        item = parse_line(text, line, **parse_kwargs)
+        if line in p.duplicates:
+            item.request, item.error = None, p.duplicates[line]
+        yield item
+        next_line = next(wanted, None)

@@ -1,0 +1,179 @@
+"""The batch job's output (deploy/batch_job.py): a line's result row, and the output file:
+its lock for the run's length, the resume's scan (and atomic rewrite), and the appends.
+Nothing is opened through a symbolic link."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import stat
+import sys
+import tempfile
+
+from core.errors import ErrorKind
+from core.request import RequestOutput
+from deploy.batch_input import Item, id_key
+
+def error_row(item: Item, error: str, out: RequestOutput | None = None, *,
+              kind: ErrorKind | None = None) -> dict:
+    """A failed line's row. A ``kind`` that is transient (the runtime failed underneath:
+    a worker died, the grammar cache was down) marks the row ``transient``: a resume runs
+    that line again rather than skipping it."""
+    out = out or RequestOutput("")
+    row = {"id": item.id, "line": item.line, "text": out.text, "finish_reason": "error",
+           "usage": {"prompt_tokens": out.prompt_tokens,
+                     "completion_tokens": out.completion_tokens},
+           "error": error}
+    if kind is not None:
+        row["error_kind"] = kind.value
+        if kind.transient:
+            row["transient"] = True
+    return row
+
+
+def result_row(item: Item, out: RequestOutput) -> dict:
+    if out.finish_reason == "error":
+        kind = ErrorKind.parse(getattr(out.error_kind, "value", out.error_kind)) \
+            if out.error_kind is not None else None
+        return error_row(item, out.error or "the request failed", out, kind=kind)
+    row = {"id": item.id, "line": item.line, "text": out.text,
+           "finish_reason": out.finish_reason,
+           "usage": {"prompt_tokens": out.prompt_tokens,
+                     "completion_tokens": out.completion_tokens}}
+    if getattr(out, "validation", None) is not None:
+        row["validation"] = out.validation
+        if getattr(out, "validation_error", None):
+            row["validation_error"] = out.validation_error
+    if item.is_json:
+        try:
+            row["json"] = json.loads(row["text"])
+        except (ValueError, RecursionError):
+            pass  # cut short by max_tokens (or beyond what Python reads): the text is there
+    return row
+
+
+def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
+    """Prepares the output file for appending and returns (ids to skip, error rows
+    dropped). Cuts a half-written last line; rewrites the file (atomically) without the
+    rows to run again, so those lines appear once: rows marked ``transient`` (the runtime
+    failed underneath them) always, every error row with retry_errors."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return set(), 0
+    with os.fdopen(fd, "r+b") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            print(f"batch_job: cutting a half-written last line off {path}", file=sys.stderr)
+            f.truncate(end)
+            data = data[:end]
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+
+    def redo(row: dict | None) -> bool:
+        return row is not None and bool(row.get("error")) and (
+            retry_errors or row.get("transient") is True)
+
+    done, failed, rows = set(), set(), []
+    for raw in data.splitlines(keepends=True):
+        try:
+            row = json.loads(raw)
+            key = id_key(row["id"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            rows.append((raw, None))
+            continue
+        if not row.get("error"):
+            done.add(key)
+        elif not redo(row):
+            failed.add(key)
+        rows.append((raw, row))
+    dropped = [raw for raw, row in rows if redo(row)]
+    if dropped:
+        # a new file of a random name, created exclusively (never through a link someone
+        # planted at a guessable name), then renamed over the output
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), mode)
+                f.writelines(raw for raw, row in rows if not redo(row))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    return done | failed, len(dropped)
+
+
+def lock_output(path: str) -> int:
+    """An exclusive lock (``fcntl.flock``) on ``PATH.lock`` for the run's length, so two
+    runs never append to one output; returns its file descriptor. Raises ValueError when
+    another run holds it (flock works between processes of one machine, and on NFS v4)."""
+    lock_path = f"{path}.lock"
+    while True:
+        try:  # never through a link: it would make the job write the holder line elsewhere
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise ValueError(f"{lock_path} is a symbolic link; a batch job's lock file "
+                             "must be a plain file: remove the link") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 256).decode("utf-8", "replace").strip()
+            os.close(fd)
+            raise ValueError(f"--output {path} is in use by another batch job "
+                             f"({holder or 'it holds ' + lock_path}); wait for it to end or "
+                             "give another --output") from None
+        try:
+            ours = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            ours = False
+        if ours:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+            return fd
+        os.close(fd)  # its holder removed it as we opened it: lock the new one
+
+
+def unlock_output(path: str, fd: int) -> None:
+    """Removes the lock file (while holding it: nobody else can) and releases it."""
+    try:
+        os.unlink(f"{path}.lock")
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+
+
+def open_output(path: str):
+    """The output, opened for appending. Never through a symbolic link (O_NOFOLLOW): a
+    link planted at the output's path must not redirect the job's writes elsewhere."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def write_row(out_file, row: dict) -> None:
+    """Appends one row and flushes it (a lone surrogate in a text is written escaped)."""
+    text = json.dumps(row, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(row)
+    out_file.write(text + "\n")
+    out_file.flush()
+
+
+def close_quietly(f) -> None:
+    """Closes the output; after a failed write its buffer still holds the row that could
+    not be written, and closing retries (and fails) that write: the job already says so."""
+    try:
+        f.close()
+    except OSError:
+        pass
