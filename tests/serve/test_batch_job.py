@@ -33,7 +33,7 @@ from cluster.client import GenerationRequest, RequestOutput, SamplingParams
 from deploy import batch_job
 from grammar_cache.spec import GrammarSpec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ---- unit: parsing -------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from grammar_cache.spec import GrammarSpec
 
 pytestmark = pytest.mark.unit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def schema(**string):

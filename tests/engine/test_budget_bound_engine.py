@@ -14,7 +14,7 @@ import xgrammar as xgr
 from grammar_cache.compile import compile_spec
 from grammar_cache.errors import ErrorKind
 from grammar_cache.spec import GrammarSpec
-from tests.test_budget_bound_unit import LONG, SHORTEST
+from tests.unit.test_budget_bound_unit import LONG, SHORTEST
 from worker.engine.sampling import SamplingParams
 from worker.engine.sequence import GenerationRequest
 from worker.engine.shortest_bound import TokenCapacity, schema_counts
