@@ -49,12 +49,12 @@ test-xgrammar test-llguidance: install
 
 # The long multi-node load and fault runs (5x the CI counts), printing each fault's cost.
 load-test: install
-	RAYGUIDE_LOAD_SCALE=5 $(PY) -m pytest -q -s tests/test_load_cluster.py \
-		tests/test_load_default_model.py "tests/test_serve.py::test_load_tool_default_model"
+	RAYGUIDE_LOAD_SCALE=5 $(PY) -m pytest -q -s tests/cluster/test_load_cluster.py \
+		tests/cluster/test_load_default_model.py "tests/serve/test_serve.py::test_load_tool_default_model"
 
-# The hostile-input fuzzers (tests/test_fuzz.py) at 10x the CI count, printing the statuses.
+# The hostile-input fuzzers (tests/serve/test_fuzz.py) at 10x the CI count, printing the statuses.
 fuzz: install
-	RAYGUIDE_FUZZ_EXAMPLES=1200 $(PY) -m pytest -q -s tests/test_fuzz.py
+	RAYGUIDE_FUZZ_EXAMPLES=1200 $(PY) -m pytest -q -s tests/serve/test_fuzz.py
 
 bench: install
 	$(PY) bench/engine_throughput.py

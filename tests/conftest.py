@@ -10,7 +10,7 @@ import torch
 
 # Tests count compiles and cache hits: the grammar cache's disk tier is off by default in
 # the whole session (this process and the Ray processes, which inherit the environment),
-# and any cache that turns it on (tests/test_grammar_replication.py) writes to a folder of
+# and any cache that turns it on (tests/cluster/test_grammar_replication.py) writes to a folder of
 # this run's own, never to the user's ~/.cache (a second run would find it warm)
 os.environ["RAYGUIDE_GRAMMAR_DISK"] = "0"
 os.environ["RAYGUIDE_GRAMMAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="rayguide-grammars-")

@@ -20,7 +20,7 @@ from worker.engine.config import EngineConfig
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("cli", "cluster", "deploy", "grammar_cache", "scheduler", "worker")
 # classes named like configs that are not settings: a model checkpoint's own config.json
 NOT_SETTINGS = {"worker.models.loader.ModelConfig"}

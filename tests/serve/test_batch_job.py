@@ -34,7 +34,7 @@ from core.request import GenerationRequest, RequestOutput
 from deploy import batch_job
 from core.grammar_spec import GrammarSpec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ---- unit: parsing -------------------------------------------------------------------------
 

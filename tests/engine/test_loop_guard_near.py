@@ -5,7 +5,7 @@ sentences that restart with a changed word. Ended after ``near_repeats`` (8) ite
 ``sentence_repeats`` (4) sentences in a row, the copies seen kept; never what the schema
 demands (minItems, a pattern) nor a list of distinct items. Detector on the real
 tokenizer (xgrammar matcher); the engine on both grammar engines, with the scripted
-default model as tests/test_loop_guard.py does."""
+default model as tests/engine/test_loop_guard.py does."""
 
 import json
 
@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from core.grammar_spec import GrammarSpec
-from tests.test_loop_guard import STORE, detect, scripted, vocab  # noqa: F401 (a fixture)
+from tests.engine.test_loop_guard import STORE, detect, scripted, vocab  # noqa: F401 (a fixture)
 from core.params import LoopGuardParams
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest

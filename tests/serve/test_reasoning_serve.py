@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cluster.launch import free_port
-from tests.test_serve_cli import BIN, env, interrupt, wait_healthy
+from tests.serve.test_serve_cli import BIN, env, interrupt, wait_healthy
 
 pytestmark = pytest.mark.integration
 

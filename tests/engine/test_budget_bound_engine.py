@@ -14,7 +14,7 @@ import xgrammar as xgr
 from grammar_cache.compile import compile_spec
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
-from tests.test_budget_bound_unit import LONG, SHORTEST
+from tests.unit.test_budget_bound_unit import LONG, SHORTEST
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
 from worker.engine.shortest_bound import TokenCapacity, schema_counts

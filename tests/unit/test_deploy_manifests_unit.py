@@ -18,7 +18,7 @@ from deploy.settings import AppSettings
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 IMAGE_ROOT = "/home/ray/rayguide/"  # where the Dockerfile puts the repository
 

@@ -174,7 +174,7 @@ def test_second_run_on_the_same_output_is_refused(tmp_path, capsys):
     holder = subprocess.Popen(  # another process holds the lock, as a running job does
         [sys.executable, "-c", "import sys; from deploy import batch_job; "
          f"batch_job.lock_output({str(out)!r}); print('locked', flush=True); "
-         "sys.stdin.read()"], cwd=os.path.dirname(os.path.dirname(__file__)),
+         "sys.stdin.read()"], cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"

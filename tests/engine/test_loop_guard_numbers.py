@@ -3,7 +3,7 @@ to 16 digits for ``number_digits`` (20) digits and two groups ends there, and th
 around it closes (or, where the schema wants more, a comma lets it go on). Numbers a
 schema or the world writes (``1000000000``, ``0.3333333333333333``, Avogadro's
 ``602214076000000000000000``) stay whole. Detector on the real tokenizer (xgrammar matcher); engine tests on both
-grammar engines with the scripted default model, as tests/test_loop_guard.py does."""
+grammar engines with the scripted default model, as tests/engine/test_loop_guard.py does."""
 
 import json
 
@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from core.grammar_spec import GrammarSpec
-from tests.test_loop_guard import detect, scripted, vocab  # noqa: F401 (a fixture)
+from tests.engine.test_loop_guard import detect, scripted, vocab  # noqa: F401 (a fixture)
 from core.params import LoopGuardParams
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest

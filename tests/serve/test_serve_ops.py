@@ -16,11 +16,11 @@ import httpx2 as httpx
 import pytest
 
 from cluster.launch import free_port
-from tests.test_serve_cli import guided_request, interrupt, wait_healthy
+from tests.serve.test_serve_cli import guided_request, interrupt, wait_healthy
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 # what a normal start and stop must not print (Ray's and ours)
 ALARMING = re.compile(r"WARNING|Traceback|ERROR|Error:|failed", re.IGNORECASE)

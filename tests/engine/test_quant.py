@@ -120,7 +120,7 @@ def int8_model(default_model_dir):
 
 @pytest.mark.integration
 def test_default_model_int8_top1_agreement(default_model, int8_model, default_tokenizer):
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     ids = default_tokenizer(text)["input_ids"][:600]
     agreement = quant.top1_agreement(default_model, int8_model, ids)
     assert agreement >= MIN_TOP1_AGREEMENT, agreement

@@ -3,7 +3,7 @@ module wherever one of its handles is unpickled (the scheduler, every front end)
 scheduler restarts and front ends start in the time their imports take. Each module is
 imported in a fresh interpreter and must not pull in torch, transformers or xgrammar.
 
-And the ``unit`` mark means what it says: every ``tests/*_unit.py`` module carries it on
+And the ``unit`` mark means what it says: every ``tests/**/*_unit.py`` module carries it on
 every test, and none starts Ray or a runtime."""
 
 import re
@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 # what starts Ray or a runtime (a unit test may import the ray package, e.g. for its version)
 STARTS_RAY = re.compile(r"\bray\.init\(|\bCluster\(|\blaunch\.up\(|\bservice\.start\(|"
                         r"\bray_runtime\b")
@@ -36,7 +36,7 @@ def test_module_imports_no_engine(module):
 
 
 def test_unit_files_are_marked_unit_and_start_no_ray():
-    files = sorted(TESTS.glob("test_*_unit.py"))
+    files = sorted(TESTS.rglob("test_*_unit.py"))
     assert len(files) >= 10
     starts = [f.name for f in files if STARTS_RAY.search(f.read_text())]
     assert not starts, f"unit test files that start Ray: {starts}"

@@ -1,6 +1,6 @@
 """The load tool with the real default model on a 3-node ray.cluster_utils.Cluster, 3
 workers (slow on 2 cores: part of `make load-test`, not CI; CI runs the default model
-through the load tool on one node in tests/test_serve.py)."""
+through the load tool on one node in tests/serve/test_serve.py)."""
 
 import pytest
 import ray
@@ -9,7 +9,7 @@ from ray.cluster_utils import Cluster
 
 from cluster.config import ClusterConfig
 from deploy import service
-from tests.test_load_cluster import SCALE, load, show
+from tests.cluster.test_load_cluster import SCALE, load, show
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ from core.grammar_spec import GrammarSpec
 
 pytestmark = pytest.mark.unit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def schema(**string):

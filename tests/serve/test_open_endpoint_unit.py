@@ -1,7 +1,7 @@
 """The open-endpoint refusal outside the CLI: an app built from a Serve config whose
 ``http_options.host`` is not loopback, with no API key and no ``allow_open``, is refused
 by ``build_app`` (which asks the Serve controller for the host), by each replica as it
-starts (an app deployed without ``build_app``). No Ray here: tests/test_open_endpoint_serve.py
+starts (an app deployed without ``build_app``). No Ray here: tests/serve/test_open_endpoint_serve.py
 checks the controller lookup on a real Serve, and ``service.start``."""
 
 import pytest

@@ -2,7 +2,7 @@
 creates before it starts a runtime of its own. One claim at a time on a cluster; the
 holder is named to whoever finds it; release_runtime frees it (after the runtime's actors),
 so the next job can claim. The waiting logic around it is in
-tests/test_batch_job_hardening_unit.py."""
+tests/serve/test_batch_job_hardening_unit.py."""
 
 import pytest
 

@@ -357,7 +357,7 @@ def test_load_tool_default_model(svc):
 def readme_curl_bodies() -> list[dict]:
     """The JSON bodies of the README's curl examples (so the README and this test cannot
     drift apart)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     bodies = []
     for m in re.finditer(r"curl (?:-N )?\$U -H \"\$H\" -d '(.*?)'", text, re.DOTALL):
         bodies.append(json.loads(m.group(1)))  # single quotes: the shell passes it as is
