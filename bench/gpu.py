@@ -18,7 +18,7 @@ decode as fast as real ones of the same shape.
 
     python -m bench.gpu [--quick | --smoke] [--json] [--no-record] [--shape 8b|1b]
 
-``--smoke`` runs the same code on the CPU with the tiny model (tests/test_bench_smoke.py).
+``--smoke`` runs the same code on the CPU with the tiny model (tests/serve/test_bench_smoke.py).
 Keys: tok_s_b1, tok_s_b64, bw_share_b1, ratio_vs_hf_static_b1,
 ratio_guided_unguided_b{1,8,32,64}, prefill_ttft_ms_2048, sampled_vs_greedy_b1,
 ops_per_layer_decode, host_us_per_row_b64 (and more; see the JSON line). The figures above

@@ -4,7 +4,7 @@ JSON object of figures as the last line.
 
 Every bench takes ``--quick`` (the same shape, scaled down: figures worth reading) and
 ``--smoke`` (seconds, the tiny random-weight model where the model does not matter: the
-same code path, figures meaningless; tests/test_bench_smoke.py runs it), neither recorded."""
+same code path, figures meaningless; tests/serve/test_bench_smoke.py runs it), neither recorded."""
 
 from __future__ import annotations
 

@@ -273,7 +273,7 @@ def acquire_runtime(args, *, poll_s: float = 5.0) -> tuple[dict, list[str]]:
         return ClusterConfig(**{k: v for k, v in overrides.items() if v is not None})
 
     # the claim's functions are passed from this module's names, so the job's tests can
-    # stand in for a cluster (tests/test_batch_job_hardening_unit.py)
+    # stand in for a cluster (tests/serve/test_batch_job_hardening_unit.py)
     handles, owned = job_runtime.acquire_runtime(
         make_config, label=job_label(), poll_s=poll_s,
         say=lambda message: print(f"batch_job: {message}", file=sys.stderr),

@@ -63,7 +63,7 @@ class Metrics:
         ``cache``: the grammar cache actor's ``stats()`` (``rayguide_grammar_cache_<name>``,
         its disk tier ``rayguide_grammar_cache_store_<name>``). Every number in them is
         exported under its field's name (the stats dataclasses: grammar_cache/stats.py,
-        SchedulerStats, RuntimeClientStats, EngineStats; tests/test_stats_unit.py)."""
+        SchedulerStats, RuntimeClientStats, EngineStats; tests/unit/test_stats_unit.py)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
         reg = CollectorRegistry()
         if client is not None and not isinstance(client, dict):

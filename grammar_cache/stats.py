@@ -1,7 +1,7 @@
 """The grammar cache's counters, one dataclass per component: incremented as typed fields
 where they happen, turned into a dict (``as_dict``) only where they cross Ray, and rendered
 to /metrics field by field (deploy/metrics.py), so a typo is an AttributeError, never a
-silent zero, and a new field that /metrics does not export fails tests/test_stats_unit.py.
+silent zero, and a new field that /metrics does not export fails tests/unit/test_stats_unit.py.
 
 - ``CacheStats``: the cluster-wide cache (the actor's ``GrammarCache``).
 - ``DiskStats``: a node's disk tier (``DiskStore``), in the actor and in each worker.

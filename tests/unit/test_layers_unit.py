@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # most specific first: a module belongs to the first layer its name starts with
 LAYERS = ("worker.engine", "worker.models", "worker", "core", "grammar_cache", "scheduler",
           "cluster", "deploy", "cli")

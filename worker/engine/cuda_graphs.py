@@ -17,7 +17,7 @@ entries past a row's context are never read, so a step writes only each row's ow
 
 Without CUDA (tests), ``capture=False`` keeps everything but the recording: the same static
 buffers, padding and bucket choice, the forward run eagerly on them
-(tests/test_cuda_graphs.py holds its greedy output equal to the eager runner's).
+(tests/engine/test_cuda_graphs.py holds its greedy output equal to the eager runner's).
 """
 
 from __future__ import annotations

@@ -402,7 +402,7 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         raise EngineRefused(LLGUIDANCE, f"the schema could not be prepared for llguidance: "
                             f"{exc}", ErrorKind.GRAMMAR_TOO_LARGE) from None
     except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
-        # a shape the rewrites do not read (tests/test_grammar_rewrites_unit.py fuzzes
+        # a shape the rewrites do not read (tests/unit/test_grammar_rewrites_unit.py fuzzes
         # them): refused here, so auto serves it on xgrammar, which names what is wrong
         raise EngineRefused(LLGUIDANCE, f"the schema could not be prepared for llguidance "
                             f"({type(exc).__name__}: {_first_line(str(exc))})") from None

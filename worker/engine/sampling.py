@@ -9,7 +9,7 @@ own generator (so a seeded request gives the same tokens whatever shares its bat
 inverting the row's cumulative distribution (``_draw``). Every tensor stays on the logits'
 device: the host's per-row choices go there as one tensor, and the step's results come
 back in one copy (``sample_on_device`` is the device part, tested for device mixing on the
-meta device by tests/test_sampling_device_unit.py).
+meta device by tests/engine/test_device_step_unit.py).
 
 A temperature below ``TEMPERATURE_FLOOR`` is greedy: dividing logits by 1e-40 overflows
 them to inf and the softmax to NaN, which can pick any token, a masked one included.

@@ -3,7 +3,7 @@ layers through one small C library (kernels/layer_ops_cpu.c) for fp32 tensors on
 
 Each function returns None where it does not apply (CUDA, bf16, a layout it does not
 take, no C compiler or no AVX2: see ``native``), and the caller runs its torch code, which
-is the definition these are tested against (tests/test_layer_ops.py).
+is the definition these are tested against (tests/engine/test_layer_ops.py).
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@
 
 The GEMMs are torch's (cuBLAS); the five others live here. Each wrapper states its
 semantics in plain torch in its docstring and is tested against that reference
-(tests/test_triton_kernels_unit.py) with CPU tensors under Triton's interpreter
+(tests/engine/test_triton_kernels_unit.py) with CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``), and on CUDA where there is a device. On the
 ``meta`` device a wrapper only makes its outputs: a whole step can then run on any
 machine to count its kernels (``count_kernels``) or to catch a tensor on the wrong
-device (tests/test_device_step_unit.py).
+device (tests/engine/test_device_step_unit.py).
 
 Attention reads the KV cache in place through the block tables: one kernel serves decode
 rows and prefill chunks alike (a tile of one sequence's query tokens against that

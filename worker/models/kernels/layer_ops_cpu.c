@@ -7,7 +7,7 @@
  * casts): about 5 ms of a 17 ms int8 decode step for the default model's 30 layers. One
  * C call does each in 1-5 us. Rows are split across the OpenMP runtime torch loaded, and
  * only where there are enough of them to pay for waking the threads (prefill chunks).
- * Semantics: exactly worker/models/llama.py's torch path (tests/test_layer_ops.py).
+ * Semantics: exactly worker/models/llama.py's torch path (tests/engine/test_layer_ops.py).
  */
 #include <immintrin.h>
 #include <math.h>
