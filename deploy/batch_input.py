@@ -3,6 +3,7 @@ request it becomes or what is wrong with it, and which lines a run does (the pla
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -30,13 +31,22 @@ class LineError(ValueError):
 @dataclass
 class Item:
     """One input line to run: its id, the request for the runtime (or why there is none),
-    and whether its output is JSON."""
+    whether its output is JSON, its grammar's id (``grammar_id``: what ``POST
+    /v1/grammars`` answers for the same spec) and which attempt at the line this is
+    (``--retry-failed`` runs it again)."""
 
     line: int
     id: Any
     request: GenerationRequest | None = None
     error: str | None = None
     is_json: bool = False
+    grammar: str | None = None
+    attempt: int = 1
+
+
+def grammar_id(spec: GrammarSpec) -> str:
+    """The spec's stable id: its key without a tokenizer (kind, source, options, engine)."""
+    return "grammar-" + spec.key("")
 
 
 def id_key(value: Any) -> str:
@@ -123,6 +133,7 @@ def parse_line(text: str | None, line: int, *, defaults: dict,
                                          request_id=f"batch-{run_tag}-{line}", grammar=grammar,
                                          client=BATCH_CLIENT)
         item.is_json = grammar is not None and grammar.kind in JSON_KINDS
+        item.grammar = grammar_id(grammar) if grammar is not None else None
     except LineError as exc:
         item.error = str(exc)
     return item
@@ -148,14 +159,20 @@ class WorkPlan:
     todo: list[int] = field(default_factory=list)  # line numbers to run, in order
     duplicates: dict[int, str] = field(default_factory=dict)  # line -> error
     skipped: int = 0
+    lines: int = 0  # the input's lines (blank ones not counted): one output row each
+    # line -> how --retry-failed runs it again: overrides (max_tokens, engine) and attempt
+    retries: dict[int, dict] = field(default_factory=dict)
 
 
-def plan(input_path: str, skip: set[str]) -> WorkPlan:
-    """First pass over the input: which lines to run (ids not yet in the output)."""
+def plan(input_path: str, skip: set[str], retries: dict[str, dict] | None = None) -> WorkPlan:
+    """First pass over the input: which lines to run (ids not yet in the output).
+    ``retries``: by id key, how a line that --retry-failed runs again is changed."""
     p, first_line = WorkPlan(), {}
+    retries = retries or {}
     for line, text in input_lines(input_path):
         if text is not None and not text.strip():
             continue
+        p.lines += 1
         try:
             key = id_key(line_id(json.loads(text), line))
         except (TypeError, ValueError, RecursionError):
@@ -169,6 +186,8 @@ def plan(input_path: str, skip: set[str]) -> WorkPlan:
             p.duplicates[line] = f"duplicate id {key} (first on line {first_line[key]})"
         else:
             first_line[key] = line
+            if key in retries:
+                p.retries[line] = retries[key]
         p.todo.append(line)
     return p
 
@@ -195,5 +214,22 @@ def items(input_path: str, p: WorkPlan, **parse_kwargs):
         item = parse_line(text, line, **parse_kwargs)
         if line in p.duplicates:
             item.request, item.error = None, p.duplicates[line]
+        elif line in p.retries:
+            retried(item, p.retries[line])
         yield item
         next_line = next(wanted, None)
+
+
+def retried(item: Item, retry: dict) -> None:
+    """Applies a --retry-failed override to the line's request: a larger ``max_tokens``,
+    another grammar ``engine``; ``attempt`` counts the runs of the line."""
+    item.attempt = retry.get("attempt", 2)
+    if item.request is None:
+        return
+    params, grammar = item.request.params, item.request.grammar
+    if retry.get("max_tokens"):
+        params = dataclasses.replace(params, max_new_tokens=retry["max_tokens"])
+    if retry.get("engine") and grammar is not None:
+        grammar = dataclasses.replace(grammar, engine=retry["engine"])
+    item.request = dataclasses.replace(item.request, params=params, grammar=grammar,
+                                       request_id=f"{item.request.request_id}-a{item.attempt}")

@@ -33,6 +33,20 @@ down, no worker, every worker overloaded, a call timed out) are retried with bac
 tries over about 35 s, each under a new request id. One that outlasts them is written as
 an error row with ``transient: true``.
 
+Every row also carries its account (deploy/batch_account.py): ``outcome`` (``valid``,
+``closed_at_budget``, ``loop_cut``, ``invalid``, ``refused``, ``grammar_error`` or
+``infrastructure``), ``grammar`` (the line's grammar id, as ``POST /v1/grammars`` gives it),
+``max_tokens``, ``grammar_engine`` (the backend that served it), ``loop_cuts`` and
+``attempt`` (from 2 on: a retry). The job ends with a table of the output's rows by outcome
+and by grammar (stderr), and writes it as JSON to ``OUTPUT.summary.json`` (rows,
+input_lines, missing, valid_share, outcomes, retryable, by_grammar); stdout's last line is
+``batch_job: summary=PATH valid_share=X``. The progress bar shows the run's valid share.
+
+``--retry-failed`` runs again the lines a retry can help: closed at the budget (or refused
+for a budget below the grammar's shortest output) with twice the budget (at most
+``--retry-max-tokens``, 4096), ``invalid`` on the other grammar backend, infrastructure
+errors as they were; at most two retries per line. Valid rows and the rest stay as they are.
+
 Resume: re-running with the same ``--output`` skips every id that already has a result
 there and appends the rest (a half-written last line is cut off first). Rows marked
 ``transient`` are removed and their lines run again. Other error rows are skipped too,
@@ -86,7 +100,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster import job_runtime
@@ -98,6 +112,8 @@ from cluster.job_runtime import (RUNTIME_CLAIM, claim_runtime, job_label, releas
 from core.backoff import backoff
 from core.errors import ErrorKind, GrammarUnavailable, NoWorkers, Overloaded
 # the job's parts, by concern: its input lines, its output file, the runtime it runs on
+from deploy.batch_account import (DEFAULT_RETRY_MAX_TOKENS, account_of, outcome_of,
+                                  retry_for, write_summary)
 from deploy.batch_input import (BATCH_CLIENT, Item, LineError, WorkPlan, id_key, items,
                                 load_schema, params_of, parse_line, plan)
 from deploy.batch_output import (close_quietly, error_row, lock_output, open_output,
@@ -105,7 +121,7 @@ from deploy.batch_output import (close_quietly, error_row, lock_output, open_out
 
 __all__ = ["main", "parse_args", "process", "run_item", "transient_kind", "BatchCounts",
            "OutputWriteError", "acquire_runtime", "release_runtime", "RUNTIME_CLAIM",
-           "runtime_claim_owner", "claim_runtime", "BATCH_CLIENT", "Item", "LineError",
+           "runtime_claim_owner", "claim_runtime", "outcome_of", "retry_for", "BATCH_CLIENT", "Item", "LineError",
            "WorkPlan", "id_key", "items", "load_schema", "params_of", "parse_line", "plan",
            "error_row", "result_row", "scan_output", "lock_output", "unlock_output",
            "open_output"]
@@ -180,11 +196,12 @@ async def run_item(client, item: Item) -> dict:
 
 @dataclass
 class BatchCounts:
-    """The job's summary: rows written, error rows among them, and those of them marked
-    ``transient`` (a resume runs their lines again)."""
+    """This run's rows: written, error rows among them, those of them marked ``transient``
+    (a resume runs their lines again), and the rows whose outcome is ``valid``."""
     done: int = 0
     errors: int = 0
     transient: int = 0
+    valid: int = field(default=0, compare=False)  # for the progress bar's share
 
 
 class OutputWriteError(OSError):
@@ -222,7 +239,10 @@ async def process(item_iter, client, out_file, *, concurrency: int = 32, progres
                 counts.done += 1
                 counts.errors += "error" in r
                 counts.transient += r.get("transient") is True
+                counts.valid += r.get("outcome") == "valid"
                 if progress is not None:
+                    progress.set_postfix_str(f"valid {counts.valid / counts.done:.0%}",
+                                             refresh=False)
                     progress.update(1)
                 state["next"] += 1
             advanced.notify_all()
@@ -299,6 +319,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (32)")
     p.add_argument("--retry-errors", action="store_true",
                    help="run again the lines whose result in --output is an error")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="run again the lines whose outcome a retry can help: closed at the "
+                        "budget (twice the budget), invalid (the other grammar backend), "
+                        "infrastructure errors")
+    p.add_argument("--retry-max-tokens", type=int, default=DEFAULT_RETRY_MAX_TOKENS,
+                   help="the largest budget --retry-failed gives a line "
+                        f"({DEFAULT_RETRY_MAX_TOKENS})")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="default max_tokens for lines without one (256)")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -341,8 +368,11 @@ def main(argv=None) -> int:
             raise ValueError(f"--output {args.output} is a symbolic link (to "
                              f"{os.path.realpath(args.output)}); give the real path")
         lock = lock_output(args.output)
-        skip, dropped = scan_output(args.output, args.retry_errors)
-        work = plan(args.input, skip)
+        retries: dict = {}
+        skip, dropped = scan_output(args.output, args.retry_errors,
+                                    retry_failed=args.retry_failed, retries=retries,
+                                    max_tokens_cap=args.retry_max_tokens)
+        work = plan(args.input, skip, retries)
     except (ValueError, OSError) as exc:
         if lock is not None:
             unlock_output(args.output, lock)
@@ -357,6 +387,21 @@ def main(argv=None) -> int:
 def _run(args, work: WorkPlan, dropped: int, default_grammar, started: float) -> int:
     if dropped:
         print(f"batch_job: running again {dropped} lines that failed before", file=sys.stderr)
+    code = _run_lines(args, work, default_grammar, started)
+    if code in (0, 130):  # the account of every row in the output, this run's and before
+        acc = account_of(args.output, args.retry_max_tokens)
+        print("batch_job: outcomes of the rows in the output\n" + acc.table(), file=sys.stderr)
+        try:
+            path = write_summary(args.output, acc.summary(
+                output=os.path.abspath(args.output), input_lines=work.lines,
+                missing=max(0, work.lines - acc.rows)))
+            print(f"batch_job: summary={path} valid_share={acc.valid_share:.4f}", flush=True)
+        except OSError as exc:
+            print(f"batch_job: could not write the summary ({exc})", file=sys.stderr)
+    return code
+
+
+def _run_lines(args, work: WorkPlan, default_grammar, started: float) -> int:
     counts = BatchCounts()
     owned: list[str] = []
     code = 0

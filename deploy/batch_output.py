@@ -16,7 +16,9 @@ import tempfile
 
 from core.errors import ErrorKind
 from core.request import RequestOutput
+from deploy.batch_account import DEFAULT_RETRY_MAX_TOKENS, outcome_of, retry_for
 from deploy.batch_input import Item, id_key
+
 
 def error_row(item: Item, error: str, out: RequestOutput | None = None, *,
               kind: ErrorKind | None = None) -> dict:
@@ -32,6 +34,24 @@ def error_row(item: Item, error: str, out: RequestOutput | None = None, *,
         row["error_kind"] = kind.value
         if kind.transient:
             row["transient"] = True
+    return _accounted(row, item)
+
+
+def _accounted(row: dict, item: Item, out: RequestOutput | None = None) -> dict:
+    """The row's account fields: its grammar's id, its budget, the backend that served it,
+    its loop cuts, which attempt at the line it is, and its ``outcome``
+    (deploy/batch_account.py)."""
+    if item.grammar is not None:
+        row["grammar"] = item.grammar
+    if item.request is not None:
+        row["max_tokens"] = item.request.params.max_new_tokens
+    if out is not None and out.grammar_engine:
+        row["grammar_engine"] = out.grammar_engine
+    if out is not None and out.loop_cuts:
+        row["loop_cuts"] = out.loop_cuts
+    if item.attempt > 1:
+        row["attempt"] = item.attempt
+    row["outcome"] = outcome_of(row)
     return row
 
 
@@ -53,14 +73,19 @@ def result_row(item: Item, out: RequestOutput) -> dict:
             row["json"] = json.loads(row["text"])
         except (ValueError, RecursionError):
             pass  # cut short by max_tokens (or beyond what Python reads): the text is there
-    return row
+    return _accounted(row, item, out)
 
 
-def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
-    """Prepares the output file for appending and returns (ids to skip, error rows
-    dropped). Cuts a half-written last line; rewrites the file (atomically) without the
-    rows to run again, so those lines appear once: rows marked ``transient`` (the runtime
-    failed underneath them) always, every error row with retry_errors."""
+def scan_output(path: str, retry_errors: bool, *, retry_failed: bool = False,
+                retries: dict | None = None,
+                max_tokens_cap: int = DEFAULT_RETRY_MAX_TOKENS) -> tuple[set[str], int]:
+    """Prepares the output file for appending and returns (ids to skip, rows dropped).
+    Cuts a half-written last line; rewrites the file (atomically) without the rows to run
+    again, so those lines appear once: rows marked ``transient`` (the runtime failed
+    underneath them) always, every error row with retry_errors, and with retry_failed
+    every row a retry can help (``batch_account.retry_for``), whose overrides (and next
+    attempt) go into ``retries`` by id key."""
+    retries = retries if retries is not None else {}
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -75,8 +100,11 @@ def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
         mode = stat.S_IMODE(os.fstat(fd).st_mode)
 
     def redo(row: dict | None) -> bool:
-        return row is not None and bool(row.get("error")) and (
-            retry_errors or row.get("transient") is True)
+        if row is None:
+            return False
+        if retry_failed and retry_for(row, max_tokens_cap) is not None:
+            return True
+        return bool(row.get("error")) and (retry_errors or row.get("transient") is True)
 
     done, failed, rows = set(), set(), []
     for raw in data.splitlines(keepends=True):
@@ -86,9 +114,12 @@ def scan_output(path: str, retry_errors: bool) -> tuple[set[str], int]:
         except (ValueError, KeyError, TypeError, RecursionError):
             rows.append((raw, None))
             continue
-        if not row.get("error"):
+        if redo(row):
+            retry = (retry_for(row, max_tokens_cap) if retry_failed else None) or {}
+            retries[key] = {**retry, "attempt": row.get("attempt", 1) + 1}
+        elif not row.get("error"):
             done.add(key)
-        elif not redo(row):
+        else:
             failed.add(key)
         rows.append((raw, row))
     dropped = [raw for raw, row in rows if redo(row)]

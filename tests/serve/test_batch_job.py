@@ -178,7 +178,8 @@ def test_order_errors_and_concurrency(tmp_path):
     assert rows[9]["json"] == {"a": 1} and "error" not in rows[9]
     assert "duplicate id" in rows[11]["error"]
     assert rows[0] == {"id": "p0", "line": 1, "text": "echo n0", "finish_reason": "stop",
-                       "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+                       "max_tokens": 256, "outcome": "valid"}
     assert counts == batch_job.BatchCounts(done=40, errors=4)
     assert 1 < client.max_in_flight <= 4
 
