@@ -16,8 +16,9 @@ Every output row carries ``outcome``, one of OUTCOMES:
   every worker was unavailable, an internal error) after the job's own retries.
 
 ``--retry-failed`` runs again only the rows a retry can help (``retry_for``): closed at the
-budget, or refused for a budget below the grammar's shortest output, with a larger budget
-(twice what it used, at most ``--retry-max-tokens``); ``invalid`` on the other grammar backend;
+budget with twice the budget, refused for a budget below the grammar's shortest output with
+twice what the refusal says it needs (four times a structural lower bound), at most
+``--retry-max-tokens``; ``invalid`` on the other grammar backend;
 ``infrastructure`` as it was. A row is retried at most ``MAX_ATTEMPTS - 1`` times (its
 ``attempt`` counts). Loop cuts, refusals of the line and grammar errors stay: retrying them
 as they are gives the same answer (the summary says what to change instead).
@@ -42,7 +43,11 @@ _GRAMMAR_KINDS = {ErrorKind.INVALID_GRAMMAR, ErrorKind.GRAMMAR_TOO_LARGE,
                   ErrorKind.COMPILE_TIMEOUT, ErrorKind.COMPILE_MEMORY}
 # the runtime's failures (also a bug of ours: a retry may well pass)
 _INFRASTRUCTURE_KINDS = {ErrorKind.INTERNAL, ErrorKind.REJECTED}
-_NEEDS = re.compile(r"at least (\d+) tokens")
+# the admission's refusal names what the grammar's shortest output needs: "about N" (what
+# its search found), "at least N" (the schema's structural lower bound: often well short
+# of a real output) or "more than N" (nothing found within N)
+_NEEDS = re.compile(r"needs (at least|about|more than) (\d+) tokens")
+_NEED_FACTOR = {"about": 2, "at least": 4, "more than": 4}
 OTHER_BACKEND = {"xgrammar": "llguidance", "llguidance": "xgrammar"}
 
 # what to do about each outcome, in the summary
@@ -104,8 +109,9 @@ def retry_for(row: dict, max_tokens_cap: int = DEFAULT_RETRY_MAX_TOKENS) -> dict
         return {"max_tokens": new} if new > budget else None
     if outcome == "refused" and _kind(row) == ErrorKind.BUDGET_TOO_SMALL:
         m = _NEEDS.search(row.get("error") or "")
-        needs = int(m.group(1)) if m else 0
-        new = min(max_tokens_cap, max(2 * needs, 2 * (row.get("max_tokens") or 0), 16))
+        needs = int(m.group(2)) if m else 0
+        factor = _NEED_FACTOR[m.group(1)] if m else 2
+        new = min(max_tokens_cap, max(factor * needs, 2 * (row.get("max_tokens") or 0), 16))
         return {"max_tokens": new} if new >= needs else None
     if outcome == "invalid":
         other = OTHER_BACKEND.get(row.get("grammar_engine"))

@@ -46,7 +46,10 @@ def test_retry_for():
     assert retry({"finish_reason": "length", "max_tokens": 4096}, 4096) is None  # at the cap
     assert retry({"error": "the json_schema grammar's shortest output needs at least 224 "
                            "tokens, but max_tokens allows 64", "error_kind": "budget_too_small",
-                  "max_tokens": 64}) == {"max_tokens": 448}
+                  "max_tokens": 64}) == {"max_tokens": 896}  # a structural lower bound: x4
+    assert retry({"error": "the json_schema grammar's shortest output needs about 75 tokens, "
+                           "but max_tokens allows 44", "error_kind": "budget_too_small",
+                  "max_tokens": 44}) == {"max_tokens": 150}
     assert retry({"error": "needs at least 9000 tokens", "error_kind": "budget_too_small",
                   "max_tokens": 64}, 4096) is None  # more than the cap allows
     assert retry({"validation": "invalid", "grammar_engine": "xgrammar"}) == {
@@ -160,7 +163,7 @@ def test_retry_failed_redoes_only_what_a_retry_can_help(tmp_path):
     assert dropped == 4
     # the retried lines only, with a larger budget or the other backend
     assert sorted(client.calls) == sorted([("long", 64, "auto"), ("approx", 32, "llguidance"),
-                                           ("budget", 80, "auto"), ("broken", 32, None)])
+                                           ("budget", 160, "auto"), ("broken", 32, None)])
     after = (tmp_path / "out.jsonl").read_text().splitlines()
     kept = [x for x in before if json.loads(x)["id"] not in ("long", "approx", "budget",
                                                              "broken")]
@@ -170,7 +173,7 @@ def test_retry_failed_redoes_only_what_a_retry_can_help(tmp_path):
     assert retried["approx"]["outcome"] == "valid"
     assert retried["approx"]["grammar_engine"] == "llguidance"
     assert retried["approx"]["grammar"] == rows[6]["grammar"]  # the line's grammar, not the retry's
-    assert retried["budget"]["outcome"] == "valid" and retried["budget"]["max_tokens"] == 80
+    assert retried["budget"]["outcome"] == "valid" and retried["budget"]["max_tokens"] == 160
     acc = batch_account.account_of(str(tmp_path / "out.jsonl"))
     assert acc.rows == len(LINES) and acc.valid_share > valid_before
     # the budget doubles again, up to the cap; then the line is left alone
