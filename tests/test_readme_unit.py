@@ -494,3 +494,19 @@ def test_docs_pages_name_real_files():
             if not (ROOT / path).is_file():
                 missing.append(f"{name}: {path}")
     assert not missing, missing
+
+
+def test_docs_pages_links_reach_headings():
+    """Links between the docs pages (``[x](reference.md#limits)``) reach a file and a
+    heading."""
+    checked = 0
+    for name in DOCS:
+        page = ROOT / "docs" / name
+        for target, anchor in re.findall(r"\]\(([\w.-]+\.md)(?:#([^)]+))?\)", page.read_text()):
+            doc = page.parent / target
+            assert doc.is_file(), f"docs/{name} links to {target}, which does not exist"
+            if anchor:
+                slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", doc.read_text(), re.M)}
+                assert anchor in slugs, f"docs/{name} links to {target}#{anchor}: no heading"
+            checked += 1
+    assert checked >= 10
