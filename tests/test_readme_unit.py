@@ -54,7 +54,7 @@ OPENAI_NAMES = {
 # batch output lines (deploy/batch_job.py writes them; not a model's fields)
 BATCH_OUTPUT = {"finish_reason", "error_kind"}
 # what a command may start with but this test does not check beyond its name
-UNCHECKED_COMMANDS = {"export", "git", "docker", "pip", "curl_assign"}
+UNCHECKED_COMMANDS = {"export", "git", "docker", "pip"}
 
 
 # ---- reading the README ------------------------------------------------------------------
@@ -253,8 +253,12 @@ def check_command(tokens: list[str], monkeypatch) -> None:
             if arg == "-f":
                 assert (ROOT / args[i + 1]).is_file(), f"{where}: no file {args[i + 1]}"
     elif name == "curl":
-        url = next(a for a in args if a.startswith(("http://", "https://", "$U")))
-        path = "/v1/chat/completions" if url == "$U" else urlparse(url).path
+        url = next(a for a in args if a.startswith(("http://", "https://", "$")))
+        if url.startswith("$"):  # a shell variable the README sets: U=http://...
+            m = re.search(r"\b" + re.escape(url[1:]) + r"=(\S+?);?(?:\s|$)", _text())
+            assert m, f"{where}: {url} is set nowhere in the README"
+            url = m.group(1)
+        path = urlparse(url).path
         method = args[args.index("-X") + 1] if "-X" in args else ("POST" if "-d" in args
                                                                   else "GET")
         assert _route_exists(method, path), f"{where}: no route {method} {path}"
