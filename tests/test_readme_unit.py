@@ -265,8 +265,11 @@ def check_command(tokens: list[str], monkeypatch) -> None:
         if "-d" in args:
             from deploy import openai_api as api
 
-            body = json.loads(args[args.index("-d") + 1])
-            api.parse_request(api.ChatCompletionRequest, body)
+            body = json.loads(args[args.index("-d") + 1])  # any route's body is JSON
+            model = {"/v1/chat/completions": api.ChatCompletionRequest,
+                     "/v1/completions": api.CompletionRequest}.get(path)
+            if model is not None:  # unknown fields are 400s naming them
+                api.parse_request(model, body)
     else:
         assert name in UNCHECKED_COMMANDS, f"the README shows an unknown command: {where}"
 
