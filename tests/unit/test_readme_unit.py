@@ -300,14 +300,16 @@ def _known_names() -> set[str]:
     from deploy import openai_api as api
     from deploy.responses import guided_report
     from deploy.settings import AppSettings
-    from grammar_cache.errors import ErrorKind
+    from core.errors import ErrorKind
+    from deploy.batch_account import OUTCOMES
 
     class _Out:
         pass
 
     return (_fields(ClusterConfig) | _fields(AppSettings) | set(api.ChatCompletionRequest
             .model_fields) | set(api.CompletionRequest.model_fields) | set(guided_report(
-            _Out())) | {k.value for k in ErrorKind} | OPENAI_NAMES | BATCH_OUTPUT)
+            _Out())) | {k.value for k in ErrorKind} | OPENAI_NAMES | BATCH_OUTPUT
+            | set(OUTCOMES))
 
 
 def _config_path(dotted: str) -> bool:
