@@ -231,8 +231,8 @@ class GuidedDecodingManager:
         try:
             spec.check_repetitions(self.max_repetition)
             ll.compile(spec)
-        except GrammarError as exc:
-            return exc
+        except ValueError as exc:  # GrammarError, or a ValueError of llguidance's own
+            return exc if isinstance(exc, GrammarError) else EngineRefused(LLGUIDANCE, str(exc))
         return None
 
     def resolve(self, spec: GrammarSpec) -> str:
