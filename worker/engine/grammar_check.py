@@ -154,13 +154,13 @@ class GrammarChecker:
 
     def _xgrammar(self, spec, schema, compiled, error) -> EngineVerdict:
         served = compiled is not None and compiled.engine == XGRAMMAR
+        source = "compile" if served else "schema"
         if error is not None and getattr(error, "engine", XGRAMMAR) == XGRAMMAR:
             return EngineVerdict("refused", "compile", message=str(error))
         if spec.kind not in JSON_KINDS:
-            return EngineVerdict("compiled" if served else "not_tried", "compile" if served else "schema")
+            return EngineVerdict("compiled" if served else "not_tried", source)
         found = approximated_paths(schema) if schema is not None else []
-        return EngineVerdict("approximated" if found else "exact", "compile" if served else "schema",
-                             found)
+        return EngineVerdict("approximated" if found else "exact", source, found)
 
     def _llguidance(self, spec, schema, compiled, error) -> EngineVerdict:
         if spec.kind not in LLGUIDANCE_KINDS:
