@@ -359,9 +359,9 @@ class RuntimeClient:
             try:
                 await asyncio.wait_for(cache.remember_checked.remote(grammar_id, spec, report),
                                        self.scheduler_wait_s)
-            except (*_WORKER_GONE, asyncio.TimeoutError):
-                logger.warning("could not keep grammar %s in the grammar cache; only this "
-                               "front end knows it", grammar_id)
+            except Exception as exc:  # noqa: BLE001 - kept here all the same
+                logger.warning("could not keep grammar %s in the grammar cache (%r); only "
+                               "this front end knows it", grammar_id, exc)
 
     async def checked(self, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
         """The spec and report checked under ``grammar_id``: this front end's, else the
