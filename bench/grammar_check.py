@@ -15,7 +15,9 @@ approximated, refused, llguidance, xgrammar (schemas each engine serves), compil
 compile_ms_p99, requests, refused_mismatch (refusals not predicted, or predicted and not
 met), exact_invalid (answers invalid under a schema called exact), budget_refused (a
 request at the predicted shortest output refused as too small), below_bound (answers
-shorter than ``at_least``), mismatch_examples.
+shorter than ``at_least``), unpredicted_budget_refused (schemas whose shortest output the
+check did not find in time, refused at twice the bound: no prediction was made),
+mismatch_examples.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
     mismatches: list[str] = []
     counts = {"requests": 0, "refused_mismatch": 0, "exact_invalid": 0, "budget_refused": 0,
-              "below_bound": 0}
+              "below_bound": 0, "unpredicted_budget_refused": 0}
 
     def ask(rep, max_tokens):
         try:
@@ -83,7 +85,9 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
         if rep["status"] == "rejected":
             return out
         short = rep["shortest_output"]
-        budgets = [short["tokens"] or 64] + ([budget] if budget else [])
+        # no shortest output found in time: a budget well over the bound, not a prediction
+        budgets = [short["tokens"] or max(64, 2 * short["at_least"])] + (
+            [budget] if budget else [])
         for max_tokens in budgets:
             r, err = ask(rep, max_tokens)
             out.append((rep, max_tokens, r, err))
@@ -103,6 +107,9 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
                                   f"request got {err or 'an answer'}")
             continue
         if err is not None:
+            if err[1] == "budget_too_small" and short["tokens"] is None:
+                counts["unpredicted_budget_refused"] += 1  # no shortest output was claimed
+                continue
             if err[1] == "budget_too_small":
                 counts["budget_refused"] += 1
                 mismatches.append(f"{name}: max_tokens {max_tokens} (predicted shortest "
