@@ -17,6 +17,7 @@ met), exact_invalid (answers invalid under a schema called exact), budget_refuse
 request at the predicted shortest output refused as too small), below_bound (answers
 shorter than ``at_least``), unpredicted_budget_refused (schemas whose shortest output the
 check did not find in time, refused at twice the bound: no prediction was made),
+exact_cut_unpredicted (answers of such schemas cut unclosed at that budget),
 mismatch_examples.
 """
 
@@ -67,7 +68,8 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
     mismatches: list[str] = []
     counts = {"requests": 0, "refused_mismatch": 0, "exact_invalid": 0, "budget_refused": 0,
-              "below_bound": 0, "unpredicted_budget_refused": 0}
+              "below_bound": 0, "unpredicted_budget_refused": 0,
+              "exact_cut_unpredicted": 0}
 
     def ask(rep, max_tokens):
         try:
@@ -125,6 +127,12 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
                               f"bound {short['at_least']}")
         if rep["status"] == "exact" and validate_json(rep["schema"],
                                                       choice.message.content or "") is not None:
+            if short["tokens"] is None and choice.finish_reason == "length":
+                # cut at a budget the check made no claim for (it found no shortest output)
+                counts["exact_cut_unpredicted"] += 1
+                mismatches.append(f"{name}: (no shortest output found) cut unclosed at "
+                                  f"max_tokens {max_tokens}")
+                continue
             counts["exact_invalid"] += 1
             mismatches.append(f"{name}: called exact, answer invalid at max_tokens "
                               f"{max_tokens}: {(choice.message.content or '')[-100:]!r}")
