@@ -21,10 +21,11 @@ predicts is what that request meets, because the report is read off the same obj
 - ``shortest_output``: ``at_least``, the structural lower bound the admission check
   refuses a budget below (shortest_bound.py, the OutputPolicy's formula, so
   ``max_tokens`` under it is refused as ``budget_too_small`` at any size); ``tokens``,
-  the length of the shortest completion the closing search finds from the grammar's
-  start (the search admission runs, with the engine's time limit): a valid output of
-  that many tokens exists, so a ``max_tokens`` of at least that is not refused as too
-  small; None when none was found in time.
+  the smallest budget the closing search (with the engine's time limit) finds a whole
+  output for from the grammar's start, raised until admission's first, cheap search
+  (its dive) finds one within it alone: a valid output of that many tokens exists, and
+  a ``max_tokens`` of at least that is not refused as too small even when a busy engine
+  cuts admission's exact search short; None when none was found in time.
 - ``compile_ms``: how long this engine took to get the grammar the first time
   (llguidance: its compile; xgrammar: the compile or fetch through the shared cache);
   ``size_bytes``: what it counts against the worker's grammar cache; ``cached``: the
@@ -194,8 +195,19 @@ class GrammarChecker:
         exact = closer.shortest(matcher, SEARCH_LIMIT, exact=True)
         best = min((c.tokens for c in (found, exact) if c.tokens is not None),
                    key=len, default=None)
-        return {"tokens": None if best is None else max(len(best), at_least),
-                "at_least": at_least, "exhausted": exact.exhausted}
+        if best is None:
+            return {"tokens": None, "at_least": at_least, "exhausted": exact.exhausted}
+        # the budget admission's first, cheap search (a dive within 4 x budget + 16
+        # steps: OutputPolicy._budget_search) takes by itself, so it is admitted also
+        # when a busy engine cuts its exact search short
+        budget = len(best)
+        for _ in range(4):
+            dive = closer.shortest(matcher, 4 * budget + 16)
+            if dive.tokens is None or len(dive.tokens) <= budget:
+                break
+            budget = len(dive.tokens)
+        return {"tokens": max(budget, at_least), "at_least": at_least,
+                "exhausted": exact.exhausted}
 
     def bound(self, spec: GrammarSpec) -> int:
         """The admission check's lower bound on the tokens of ``spec``'s shortest output
