@@ -1,5 +1,6 @@
 """The ``rayguide`` command line: serve (the runtime plus its OpenAI endpoint, in the
-foreground), generate (local, no Ray), up / down / status (the runtime on a Ray cluster)."""
+foreground), generate (local, no Ray), grammar check (what a grammar will do, no server),
+up / down / status (the runtime on a Ray cluster)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--replicas", type=int, default=1, help="HTTP front-end replicas")
     gen = sub.add_parser("generate", help="run prompts through the engine locally (no Ray)")
     add_generate_args(gen)
+    gr = sub.add_parser("grammar", help="grammar tools (no server needed)")
+    gr_sub = gr.add_subparsers(dest="grammar_command", required=True)
+    from cli.grammar import add_args as add_grammar_args
+    add_grammar_args(gr_sub.add_parser(
+        "check", help="compile grammars as the server would and say which engine serves "
+        "each, what it approximates or refuses, the shortest output in tokens, the compile "
+        "time and the grammar id (POST /v1/grammars without a server)"))
     up = sub.add_parser("up", help="start the runtime (grammar cache, scheduler, workers) "
                         "as detached Ray actors, on a new Ray head with token auth (or on "
                         "the cluster at --address)")
@@ -57,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "grammar":
+        from cli.grammar import run as run_grammar
+        return run_grammar(args)
     if args.command == "loadtest":
         from deploy.loadtest import run_cli
         return run_cli(args)

@@ -25,9 +25,12 @@ from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutErr
                             RayActorError)
 
 from core.backoff import backoff
-from core.errors import ErrorKind, NoWorkers
+from core.errors import ErrorKind, GrammarUnavailable, NoWorkers
+from core.grammar_spec import GrammarSpec, grammar_id, is_grammar_id
 from core.percentile import percentile
 from core.request import GenerationRequest, RequestOutput
+from grammar_cache.actor import ACTOR_NAME as CACHE_NAME
+from grammar_cache.checked import CheckedGrammars
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,10 @@ class RuntimeClient:
         # moment it dies, and routes then go on from what this client knows, without waiting
         self.scheduler_down_since: float | None = None
         self._watcher: asyncio.Task | None = None
+        # grammars checked through this front end (POST /v1/grammars), by id; the cache
+        # actor holds the cluster's
+        self._checked = CheckedGrammars(max_bytes=16 * 2**20)
+        self._cache = None
 
     async def _call_scheduler(self, method: str, *args):
         """A scheduler call that rides out a scheduler restart: Ray restarts the actor
@@ -314,6 +321,64 @@ class RuntimeClient:
         async for chunk in self.generate(request):
             out.merge(chunk)
         return out
+
+    async def check_grammar(self, spec: GrammarSpec, client: str | None = None) -> dict:
+        """The grammar check's report on ``spec`` (worker/engine/grammar_check.py), from a
+        worker routed to as the spec's requests are (grammar affinity), so the compile it
+        makes is the one they find. A worker that dies before answering costs a retry
+        elsewhere; a transient compile failure raises (GrammarUnavailable, in a
+        RayTaskError), a grammar error is in the report."""
+        died_on: set[str] = set()
+        for attempt in range(self.max_attempts):
+            route = await self._route_after_deaths(None, 0, spec.family, died_on)
+            try:
+                report = await route["handle"].check_grammar.remote(spec, client)
+            except _WORKER_GONE:
+                died_on.add(route["worker_id"])
+                await self._report_failed(route["worker_id"])
+                continue
+            report["worker_id"] = route["worker_id"]
+            return report
+        raise NoWorkers(f"the grammar check failed on {self.max_attempts} workers in a row "
+                        "(each died before answering)")
+
+    async def remember_checked(self, grammar_id: str, spec: GrammarSpec, report: dict) -> None:
+        """Keeps the checked grammar under its id: in this front end, and in the shared
+        cache actor (where every front end finds it) when the runtime has one."""
+        self._checked.put(grammar_id, spec, report)
+        cache = await self._cache_actor()
+        if cache is not None:
+            try:
+                await asyncio.wait_for(cache.remember_checked.remote(grammar_id, spec, report),
+                                       self.scheduler_wait_s)
+            except Exception as exc:  # noqa: BLE001 - kept here all the same
+                logger.warning("could not keep grammar %s in the grammar cache (%r); only "
+                               "this front end knows it", grammar_id, exc)
+
+    async def checked(self, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
+        """The spec and report checked under ``grammar_id``: this front end's, else the
+        shared cache actor's; None when neither knows it."""
+        found = self._checked.get(grammar_id)
+        if found is not None:
+            return found
+        cache = await self._cache_actor()
+        if cache is None:
+            return None
+        found = await asyncio.wait_for(cache.checked.remote(grammar_id), self.scheduler_wait_s)
+        if found is not None:
+            self._checked.put(grammar_id, *found)
+        return found
+
+    async def _cache_actor(self):
+        """The shared grammar cache actor, looked up by name (None: the runtime runs
+        without one)."""
+        if self._cache is None:
+            try:
+                self._cache = await asyncio.to_thread(ray.get_actor, CACHE_NAME,
+                                                      namespace=NAMESPACE)
+            except ValueError:
+                return None
+        return self._cache
 
     async def end_session(self, session_id: str) -> bool:
         """Ends the session; True when it was live (the scheduler had it pinned)."""

@@ -332,3 +332,20 @@ def _check_choices(choices) -> None:
                            f"{MAX_CHOICES}", ErrorKind.GRAMMAR_TOO_LARGE)
     if any(not isinstance(c, str) or not c for c in choices):
         raise ValueError("every choice must be a non-empty string")
+
+
+# the stable id of a spec: what POST /v1/grammars answers and a request's grammar_id names
+ID_PREFIX = "grammar-"
+_ID = re.compile(re.escape(ID_PREFIX) + "[0-9a-f]{32}")
+
+
+def grammar_id(spec: GrammarSpec) -> str:
+    """The spec's stable id: its key without a tokenizer (``GrammarSpec.key``: kind,
+    source, options and engine), so equal specs get equal ids in every process, for
+    every model, across restarts."""
+    return ID_PREFIX + spec.key("")
+
+
+def is_grammar_id(text) -> bool:
+    """Whether ``text`` is shaped like a ``grammar_id`` (known or not)."""
+    return isinstance(text, str) and _ID.fullmatch(text) is not None

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.grammar_spec import GrammarSpec
+from core.grammar_spec import GrammarSpec, grammar_id
 from core.params import SamplingParams
 from core.request import GenerationRequest
 from deploy import dialects
@@ -42,11 +42,6 @@ class Item:
     is_json: bool = False
     grammar: str | None = None
     attempt: int = 1
-
-
-def grammar_id(spec: GrammarSpec) -> str:
-    """The spec's stable id: its key without a tokenizer (kind, source, options, engine)."""
-    return "grammar-" + spec.key("")
 
 
 def id_key(value: Any) -> str:

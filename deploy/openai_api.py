@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from core.grammar_spec import GrammarSpec
+from core.grammar_spec import GrammarSpec, is_grammar_id
 from core.params import LoopGuardParams, SamplingParams
 from core.request import GenerationRequest
 from deploy import dialects, tools
@@ -85,6 +85,9 @@ class _Request(BaseModel):
     guided_decoding_backend: str | None = None
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # rayguide: a grammar checked before (POST /v1/grammars answers its id), instead of
+    # the guided fields
+    grammar_id: str | None = None
 
 
 class ChatCompletionRequest(_Request):
@@ -107,6 +110,13 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class GrammarCheckRequest(ChatCompletionRequest):
+    """POST /v1/grammars: any chat or completion request body (its guided fields or tools
+    are checked, the rest is read and ignored), or just the guided fields."""
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
 
 
 def parse_request(cls: type[_Request], body: Any) -> _Request:
@@ -195,8 +205,9 @@ class Plan:
 
 
 def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None = None,
-              client: str | None = None) -> Plan:
-    """The chat request's plan; ``client``: its client_identity() (None: the shared line)."""
+              client: str | None = None, named: GrammarSpec | None = None) -> Plan:
+    """The chat request's plan; ``client``: its client_identity() (None: the shared line);
+    ``named``: the checked grammar its ``grammar_id`` names (None: unknown to the edge)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -208,17 +219,9 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None 
                      logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     messages = _messages(req.messages)
     _check_prompt_chars(_chars(messages), limits)
-    grammar = _grammar(req)
-    functions, mode = None, None
+    grammar = _grammar(req, named)
+    functions, mode, tool_spec = _tools(req, limits)
     if req.tools:
-        if len(req.tools) > limits.max_tools:
-            raise bad_request(f"{len(req.tools)} tools is over the limit of "
-                              f"{limits.max_tools}", "tools")
-        try:
-            functions, mode, tool_spec = tools.tool_grammar(req.tools, req.tool_choice,
-                                                            req.parallel_tool_calls)
-        except dialects.DialectError as exc:
-            raise for_kind(exc.kind, str(exc), exc.param) from None
         if mode is not None:
             if grammar is not None:
                 raise bad_request("tools cannot be combined with response_format or guided "
@@ -242,8 +245,8 @@ def plan_chat(req: ChatCompletionRequest, limits: Limits, served: Served | None 
 
 
 def plan_completion(req: CompletionRequest, limits: Limits, served: Served | None = None,
-                    client: str | None = None) -> Plan:
-    """The completion request's plan; ``client`` as for plan_chat."""
+                    client: str | None = None, named: GrammarSpec | None = None) -> Plan:
+    """The completion request's plan; ``client`` and ``named`` as for plan_chat."""
     if req.echo:
         raise bad_request("echo is not supported; leave it false", "echo")
     if req.suffix:
@@ -264,7 +267,7 @@ def plan_completion(req: CompletionRequest, limits: Limits, served: Served | Non
                           f"{limits.max_choices} choices per request (max_choices); send "
                           "fewer", "n" if req.n > 1 else "prompt")
     _check_prompt_chars(sum(len(p) for p in prompts), limits, "prompt")
-    grammar = _grammar(req)
+    grammar = _grammar(req, named)
     if grammar is not None:
         grammar = dialects.with_engine(grammar, _engine(req))
     plan = Plan("completion", [], grammar, stream=req.stream,
@@ -398,14 +401,67 @@ def _params(req: _Request, limits: Limits, max_tokens: int | None, served: Serve
         raise bad_request(str(exc), name) from None
 
 
-def _grammar(req: _Request) -> GrammarSpec | None:
-    """The one grammar a request asks for, from whichever dialect it used."""
+def check_spec(req: GrammarCheckRequest, limits: Limits,
+               named: GrammarSpec | None = None) -> GrammarSpec:
+    """The grammar POST /v1/grammars checks: the one the same body would constrain a
+    chat request with (its guided fields, its tools, its grammar_id; with the engine it
+    forces)."""
+    grammar = _grammar(req, named)
+    _, mode, tool_spec = _tools(req, limits)
+    if mode is not None:
+        if grammar is not None:
+            raise bad_request("tools cannot be combined with response_format or guided "
+                              "fields in one request; send one of them", "tools")
+        grammar = tool_spec
+    if grammar is None:
+        raise bad_request("no grammar to check: send response_format (json_schema, "
+                          "json_object, regex), a guided_* field, structured_outputs, tools "
+                          "(with tool_choice other than 'none') or grammar_id",
+                          "response_format")
+    return dialects.with_engine(grammar, _engine(req))
+
+
+def _tools(req: _Request, limits: Limits) -> tuple[list[dict] | None, str | None,
+                                                    GrammarSpec | None]:
+    """The request's tools as (functions, mode, their grammar); mode None: no tool calls."""
+    if not getattr(req, "tools", None):
+        return None, None, None
+    if len(req.tools) > limits.max_tools:
+        raise bad_request(f"{len(req.tools)} tools is over the limit of "
+                          f"{limits.max_tools}", "tools")
+    try:
+        return tools.tool_grammar(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except dialects.DialectError as exc:
+        raise for_kind(exc.kind, str(exc), exc.param) from None
+
+
+def _grammar(req: _Request, named: GrammarSpec | None = None) -> GrammarSpec | None:
+    """The one grammar a request asks for, from whichever dialect it used, or the checked
+    grammar its ``grammar_id`` names (``named``: what the edge found under it)."""
     fields = {name: getattr(req, name) for name in
               ("response_format", *dialects.VLLM_FIELDS, "structured_outputs")}
     try:
-        return dialects.from_openai(fields)
+        asked = dialects.from_openai(fields)
     except dialects.DialectError as exc:
         raise for_kind(exc.kind, str(exc), exc.param) from None
+    if req.grammar_id is None:
+        return asked
+    if asked is not None:
+        raise bad_request("grammar_id names the grammar; leave out response_format, the "
+                          "guided_* fields and structured_outputs", "grammar_id")
+    if not is_grammar_id(req.grammar_id):
+        raise bad_request("grammar_id is 'grammar-' and 32 hex digits, as POST /v1/grammars "
+                          "answers it", "grammar_id")
+    if named is None:
+        raise grammar_not_found(req.grammar_id, "grammar_id")
+    return named
+
+
+def grammar_not_found(grammar_id: str, param: str | None = None) -> APIError:
+    return APIError(404, f"no checked grammar {grammar_id[:80]!r} here: POST its grammar to "
+                         "/v1/grammars first (checked grammars are kept while the runtime "
+                         "runs, the least recently used forgotten past a bound)",
+                    param=param, code="grammar_not_found")
 
 
 def _engine(req: _Request) -> str | None:

@@ -37,6 +37,7 @@ from ray.serve.config import BackpressureConfig
 from cluster import launch
 from cluster.client import RuntimeClient
 from core.errors import ErrorKind
+from core.grammar_spec import is_grammar_id
 from core.request import RequestOutput
 from deploy import dialects, exposure
 from deploy import openai_api as api
@@ -201,6 +202,75 @@ class OpenAIServer:
     async def completions(self, request: Request):
         return await self._serve(request, api.CompletionRequest, api.plan_completion)
 
+    @fastapi_app.post("/v1/grammars", openapi_extra=_body_schema(api.GrammarCheckRequest))
+    async def check_grammar(self, request: Request):
+        """The grammar check (docs/grammars.md): the body's grammar compiled on a worker's
+        request path (a later request finds it compiled), and what requests with it will
+        meet; 200 with the report, also for a grammar the runtime refuses (its ``status``
+        is "refused" and ``error`` the error a request would get)."""
+        started = time.monotonic()
+        route = "/v1/grammars"
+        try:
+            self._auth(request)
+            parsed = api.parse_request(api.GrammarCheckRequest, await self._body(request))
+            await self._check_model(parsed.model)
+            client = self._client(request, parsed.user)
+            spec = api.check_spec(parsed, self.limits, await self._named(parsed.grammar_id))
+            try:
+                report = await self.runtime.check_grammar(spec, client)
+            except Exception as exc:  # noqa: BLE001 - the runtime's failures, mapped
+                raise for_exception(exc) from None
+            report = self._shape_report(report)
+            await self.runtime.remember_checked(report["id"], spec, report)
+            self._metrics.request(route, 200, time.monotonic() - started)
+            return report
+        except APIError as exc:
+            self._metrics.request(route, exc.status, time.monotonic() - started)
+            raise
+
+    @fastapi_app.get("/v1/grammars/{grammar_id}")
+    async def get_grammar(self, grammar_id: str, request: Request):
+        """The report ``POST /v1/grammars`` answered for this id; 404 when unknown."""
+        self._auth(request)
+        found = await self._checked(grammar_id, None)
+        if found is None:
+            raise api.grammar_not_found(grammar_id)
+        return found[1]
+
+    async def _named(self, grammar_id: str | None):
+        """The checked spec a request's ``grammar_id`` names (None: no id, or unknown; the
+        planner answers the 404 or 400)."""
+        if grammar_id is None or not is_grammar_id(grammar_id):
+            return None
+        found = await self._checked(grammar_id, "grammar_id")
+        return found[0] if found is not None else None
+
+    async def _checked(self, grammar_id: str, param: str | None):
+        if not is_grammar_id(grammar_id):
+            raise bad_request("a grammar id is 'grammar-' and 32 hex digits, as POST "
+                              "/v1/grammars answers it", param)
+        timeout = self.settings.scheduler_timeout_s
+        try:
+            return await asyncio.wait_for(self.runtime.checked(grammar_id), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("could not look up grammar %s: %r", grammar_id, exc)
+            raise APIError(503, f"could not look up the grammar: the grammar cache did not "
+                                f"answer within {timeout:g} s ({type(exc).__name__}); retry",
+                           type_="server_error", code="unavailable") from None
+
+    def _shape_report(self, report: dict) -> dict:
+        """The worker's report as the API answers it: the served model, and a refusal's
+        error in the shape (and with the HTTP status) a request would get it."""
+        report = {**report, "model": self._models[0] if self._models else None}
+        report.pop("worker_id", None)
+        error = report.get("error")
+        if error is not None:
+            refusal = for_kind(error["code"], error["message"])
+            report["error"] = {**refusal.body()["error"], "status": refusal.status}
+        return report
+
     @fastapi_app.delete("/v1/sessions/{session_id}")
     async def end_session(self, session_id: str, request: Request):
         """Ends one of the caller's sessions (``?user=``: the ``user`` its requests gave);
@@ -263,7 +333,8 @@ class OpenAIServer:
             parsed = api.parse_request(model_cls, body)
             await self._check_model(parsed.model)
             plan = planner(parsed, self.limits, self._served,
-                           self._client(request, parsed.user))
+                           self._client(request, parsed.user),
+                           named=await self._named(parsed.grammar_id))
             if plan.stream:
                 response = await self._stream(plan, started)
             else:

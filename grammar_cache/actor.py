@@ -55,6 +55,7 @@ from ray.util import metrics
 from grammar_cache import disk as disk_tier
 from grammar_cache import envelope
 from grammar_cache.compile_pool import WALL_FACTOR, CompilePool, CompileResult
+from grammar_cache.checked import CheckedGrammars
 from grammar_cache.config import GrammarCacheConfig
 from core.errors import ErrorKind, GrammarError
 from grammar_cache.hot_list import HotList
@@ -215,6 +216,7 @@ class GrammarCache:
         # computed); specs and requests per key reported by workers, and the hot lists
         self.distinct: OrderedDict[str, None] = OrderedDict()
         self.hot_list = HotList(config)
+        self.checked = CheckedGrammars()  # POST /v1/grammars' reports, by grammar id
         self._ready = threading.Event()
         self._ready_error: str | None = None
         threading.Thread(target=self._start_pool, name="grammar-pool-start",
@@ -616,6 +618,15 @@ class GrammarCacheActor:
 
     def stats(self) -> dict:
         return self.cache.stats()
+
+    def remember_checked(self, grammar_id: str, spec: GrammarSpec, report: dict) -> None:
+        """Keeps a checked grammar's spec and report under its id (grammar_cache/checked.py)."""
+        self.cache.checked.put(grammar_id, spec, report)
+
+    def checked(self, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
+        """The spec and report checked under ``grammar_id``, None when unknown (never
+        checked, or forgotten: the bound, a restart)."""
+        return self.cache.checked.get(grammar_id)
 
     def compile_pids(self) -> dict[int, str]:
         """pid -> key of each compile process busy compiling (for operators and tests)."""

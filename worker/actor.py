@@ -92,6 +92,7 @@ class WorkerActor:
         self._grammar_counts = GrammarRequestStats()
         self._grammar_lock = threading.Lock()
         self._grammar_log: deque = deque(maxlen=8192)
+        self._checker = None  # the grammar check (built on first use)
         if self.grammar_client is not None and grammar_cache is not None:
             self._start_replicator(*grammar_cache)
         if scheduler is not None:
@@ -192,6 +193,32 @@ class WorkerActor:
                      [tokenizer.decode([alt]) for alt, _ in (lp[1] if lp else ())]]
                     for tid, lp in zip(out.token_ids, out.logprobs)]
             yield out
+
+    async def check_grammar(self, spec, client: str | None = None) -> dict:
+        """The grammar check (worker/engine/grammar_check.py) on this worker's own compile
+        path, so a request for ``spec`` that follows finds it compiled here (and, for
+        xgrammar, in the shared cache); the report as a dict. A grammar error is part of
+        the report; a transient failure (GrammarUnavailable) is raised."""
+        import asyncio
+
+        from worker.engine.grammar_check import GrammarChecker
+
+        guided = self.engine.engine.guided
+        if guided is None:
+            raise ValueError("guided decoding is disabled on this worker (EngineConfig.guided)")
+        self._replicating()
+        if self._checker is None:
+            self._checker = GrammarChecker(guided)
+        future, cached, began = self._checker.start(spec, client)
+        try:
+            await asyncio.wrap_future(future)
+        except Exception:  # noqa: BLE001 - read off the future by report()
+            pass
+        waited = time.perf_counter() - began
+        report = await self.engine.call(
+            lambda _engine: self._checker.report(spec, future, cached, waited))
+        self._note_family(spec)  # routing sends the spec's requests where it is held
+        return report.as_dict()
 
     def _hold(self, family: str) -> None:
         _remember(self.families, family)

@@ -52,6 +52,9 @@ SHORTEST = [
         "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}, "minItems": 1}},
         "required": []}}, "$ref": "#/$defs/T"}, {}),
     ("no-type", {"properties": {"a": {"type": "boolean"}}, "required": ["a"]}, {"a": True}),
+    # properties without a type bind objects only: any other value is an instance (and
+    # llguidance, which serves such a schema under auto, writes one)
+    ("no-type-any", {"properties": {"a": {"type": "boolean"}}, "required": ["a"]}, 0),
     ("prefix", {"type": "array", "prefixItems": [{"type": "string", "minLength": 3}],
                 "items": {"type": "integer"}, "minItems": 3}, ["aaa", 0, 0]),
     ("type-list", {"type": ["string", "integer"], "minLength": 5}, 0),

@@ -32,7 +32,8 @@ MAY_IMPORT = {
                 "worker.models"},
     "deploy": {"core", "cluster"},
     # the command line also runs an engine in its own process (rayguide generate)
-    "cli": {"core", "cluster", "deploy", "worker", "worker.engine", "worker.models"},
+    "cli": {"core", "cluster", "deploy", "grammar_cache", "worker", "worker.engine",
+            "worker.models"},
 }
 RAY_OR_HTTP = {"ray", "fastapi", "starlette", "httpx", "uvicorn", "aiohttp", "requests"}
 HEAVY = RAY_OR_HTTP | {"torch", "transformers", "xgrammar", "llguidance"}

@@ -70,6 +70,14 @@ class AsyncEngine:
         self._post(("stats", None, (loop, fut)))
         return await fut
 
+    async def call(self, fn):
+        """``fn(engine)`` run on the engine thread between steps (what must not race the
+        step loop: the closing search, the output policy's memos); its result or error."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._post(("call", fn, (loop, fut)))
+        return await fut
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -124,6 +132,11 @@ class AsyncEngine:
                     _resolve(reply, None, self.engine.stats())
                 except Exception as exc:  # a bug: the caller sees it, the loop lives on
                     logger.exception("engine stats failed")
+                    _resolve(reply, exc)
+            elif kind == "call":
+                try:
+                    _resolve(reply, None, arg(self.engine))
+                except Exception as exc:  # the caller's to handle; the loop lives on
                     _resolve(reply, exc)
 
     def _deliver(self, out: RequestOutput) -> None:

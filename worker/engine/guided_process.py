@@ -214,6 +214,27 @@ class GuidedDecodingManager:
             cached = self._grammars.get(spec.key(self.fingerprint))
         return isinstance(cached, CompiledGrammar) and cached.engine == LLGUIDANCE
 
+    def held_bytes(self, spec: GrammarSpec) -> int | None:
+        """What ``spec``'s cached grammar counts against ``cache_bytes`` (xgrammar: its own
+        memory estimate; llguidance: a guess), None when it is not cached here."""
+        with self._lock:
+            return self._sizes.get(spec.key(self.fingerprint))
+
+    def llguidance_refusal(self, spec: GrammarSpec) -> GrammarError | None:
+        """What llguidance says of ``spec`` as ``_build`` would ask it (the cache's
+        repetition limit first): its refusal, or None when it compiles (for the grammar
+        check, whatever engine serves the spec; an ``EngineRefused`` when this manager
+        has no llguidance)."""
+        ll = self.llguidance
+        if ll is None:
+            return EngineRefused(LLGUIDANCE, "llguidance is not available in this engine")
+        try:
+            spec.check_repetitions(self.max_repetition)
+            ll.compile(spec)
+        except ValueError as exc:  # GrammarError, or a ValueError of llguidance's own
+            return exc if isinstance(exc, GrammarError) else EngineRefused(LLGUIDANCE, str(exc))
+        return None
+
     def resolve(self, spec: GrammarSpec) -> str:
         """The engine asked for ``spec``: its own, else the default (maybe ``auto``)."""
         return spec.engine if spec.engine != AUTO else self.default_engine

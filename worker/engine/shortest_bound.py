@@ -141,7 +141,9 @@ class _Walk:
     def _typed(self, node: dict, depth: int) -> Counts | None:
         kind = node.get("type")
         if kind is None and isinstance(node.get("properties"), dict):
-            kind = "object"  # as xgrammar reads it
+            # xgrammar reads an object; llguidance, as JSON Schema says, any value (the
+            # properties bind objects only: ``0`` is an instance): the least of both
+            return _least((self._object(node, depth), ANY))
         kinds = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else None
         if not kinds:
             return None

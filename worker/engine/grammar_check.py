@@ -1,0 +1,283 @@
+"""The grammar check: what a grammar will do before any request uses it (``POST
+/v1/grammars`` on a worker, ``rayguide grammar check`` locally).
+
+    checker = GrammarChecker(guided)            # one per engine (the worker's manager)
+    future, cached = checker.start(spec, client)  # the request path's own compile: same
+                                                 # local LRU, shared cache and auto rule
+    report = checker.report(spec, future, ...)   # on the engine thread (its closing search)
+
+A request for the spec afterwards finds the grammar compiled (``start`` is
+``GuidedDecodingManager.get_grammar``, which every request calls), and what the report
+predicts is what that request meets, because the report is read off the same objects:
+
+- ``engine``: the engine that compiled the spec on the request path (``auto``'s choice);
+  ``status``: "refused" (the compile raised a GrammarError: a request gets that error,
+  ``error.code`` its ErrorKind), "exact", "approximated" (JSON kinds: the serving engine
+  accepts outputs the schema forbids; validation flags them) or "compiled" (other kinds);
+  ``approximated``: the list each response's ``guided.approximated`` will carry.
+- ``engines``: per engine, its verdict and the keywords behind it with their JSON
+  pointers: xgrammar's approximations (validation.approximated_keywords, node by node),
+  llguidance's refusal (its message, and the keys it names).
+- ``shortest_output``: ``at_least``, the structural lower bound the admission check
+  refuses a budget below (shortest_bound.py, the OutputPolicy's formula, so
+  ``max_tokens`` under it is refused as ``budget_too_small`` at any size); ``tokens``,
+  the smallest budget the closing search (with the engine's time limit) finds a whole
+  output for from the grammar's start, raised until admission's first, cheap search
+  (its dive) finds one within it alone: a valid output of that many tokens exists, and
+  a ``max_tokens`` of at least that is not refused as too small even when a busy engine
+  cuts admission's exact search short; None when none was found in time.
+- ``compile_ms``: how long this engine took to get the grammar the first time
+  (llguidance: its compile; xgrammar: the compile or fetch through the shared cache);
+  ``size_bytes``: what it counts against the worker's grammar cache; ``cached``: the
+  grammar was compiled here before this check.
+- ``id``: ``grammar_id(spec)``, stable across processes, models and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+
+from core.grammar_spec import grammar_id
+from core.errors import ErrorKind, GrammarError
+from core.grammar_spec import GrammarSpec
+from worker.engine.grammar_engines import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR,
+                                           CompiledGrammar, EngineRefused)
+from worker.engine.shortest_bound import TokenCapacity, schema_counts
+from worker.engine.validation import approximated_keywords, not_checked
+
+JSON_KINDS = ("json_schema", "json_object")
+# the closing search's reach from the grammar's start, in single-character steps (it
+# re-encodes its answer into fewer tokens); the search's time limit is the engine's own
+SEARCH_LIMIT = 4096
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+              "dependentSchemas")  # name -> schema: the names are not keywords
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+
+
+@dataclass
+class EngineVerdict:
+    """One engine's verdict on a spec: "exact", "approximated", "compiled" (a non-JSON
+    kind), "refused" or "not_tried". ``keywords``: ``{"path", "keyword"}`` of what it
+    approximates or refuses; ``source``: "compile" (the engine compiled the spec, or
+    refused to, in this check or on the request path) or "schema" (read off the schema:
+    the other engine served it)."""
+
+    verdict: str
+    source: str = "schema"
+    keywords: list[dict] = field(default_factory=list)
+    message: str | None = None
+
+
+@dataclass
+class GrammarReport:
+    id: str
+    kind: str
+    engine_asked: str
+    engine: str | None
+    status: str
+    approximated: list[str]
+    engines: dict[str, EngineVerdict]
+    shortest_output: dict
+    compile_ms: float | None
+    size_bytes: int | None
+    cached: bool
+    error: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "object": "grammar", **{
+            k: v for k, v in asdict(self).items() if k != "id"}}
+
+
+class GrammarChecker:
+    """The check over one engine's GuidedDecodingManager (see the module doc). ``start``
+    may run on any thread; ``report`` on the thread that owns the manager's closing
+    search (the engine thread: ``CompletionSearch`` is not thread-safe)."""
+
+    def __init__(self, guided):
+        self.guided = guided
+        self._capacity: TokenCapacity | None = None
+
+    def start(self, spec: GrammarSpec, client: str | None = None) -> tuple[Future, bool, float]:
+        """The compile a request would start: (its future, whether the grammar was
+        compiled here already, when the check began)."""
+        cached = self.guided.holds(spec)
+        return self.guided.get_grammar(spec, client), cached, time.perf_counter()
+
+    def check(self, spec: GrammarSpec, client: str | None = None) -> GrammarReport:
+        """``start`` and ``report`` on this thread (the command line: no engine thread)."""
+        future, cached, began = self.start(spec, client)
+        try:
+            future.result()
+        except GrammarError:
+            pass  # the report reads it off the future
+        return self.report(spec, future, cached, time.perf_counter() - began)
+
+    def report(self, spec: GrammarSpec, future: Future, cached: bool,
+               waited_s: float) -> GrammarReport:
+        """The report on ``spec`` once ``future`` (from ``start``) is done. A transient
+        failure (the compile service is down: GrammarUnavailable) is raised, not
+        reported: it says nothing of the grammar."""
+        error = future.exception()
+        if error is not None and not isinstance(error, GrammarError):
+            raise error
+        compiled: CompiledGrammar | None = None if error is not None else future.result()
+        schema = _schema(spec)
+        approximated = (approximated_keywords(spec.source)
+                        if spec.kind == "json_schema" and compiled is not None else [])
+        if compiled is not None and compiled.engine == LLGUIDANCE:
+            approximated = not_checked(approximated)  # as the engine reports it (engine.py)
+        engines = {XGRAMMAR: self._xgrammar(spec, schema, compiled, error),
+                   LLGUIDANCE: self._llguidance(spec, schema, compiled, error)}
+        if compiled is None:
+            status = "refused"
+        elif spec.kind not in JSON_KINDS:
+            status = "compiled"
+        else:
+            status = "approximated" if approximated else "exact"
+        return GrammarReport(
+            id=grammar_id(spec), kind=spec.kind, engine_asked=spec.engine,
+            engine=compiled.engine if compiled is not None else None, status=status,
+            approximated=approximated, engines=engines,
+            shortest_output=self._shortest(spec, compiled),
+            compile_ms=round(1e3 * (compiled.compile_s if compiled is not None else waited_s),
+                             3),
+            size_bytes=self.guided.held_bytes(spec) if compiled is not None else None,
+            cached=cached,
+            error=None if error is None else {"message": str(error),
+                                              "code": ErrorKind(error.kind).value})
+
+    # per engine ---------------------------------------------------------------------------
+
+    def _xgrammar(self, spec, schema, compiled, error) -> EngineVerdict:
+        served = compiled is not None and compiled.engine == XGRAMMAR
+        source = "compile" if served else "schema"
+        if error is not None and getattr(error, "engine", XGRAMMAR) == XGRAMMAR:
+            return EngineVerdict("refused", "compile", message=str(error))
+        if spec.kind not in JSON_KINDS:
+            return EngineVerdict("compiled" if served else "not_tried", source)
+        found = approximated_paths(schema) if schema is not None else []
+        return EngineVerdict("approximated" if found else "exact", source, found)
+
+    def _llguidance(self, spec, schema, compiled, error) -> EngineVerdict:
+        if spec.kind not in LLGUIDANCE_KINDS:
+            return EngineVerdict("refused", message=f"llguidance does not take {spec.kind} "
+                                 "grammars here; xgrammar serves them")
+        if compiled is not None and compiled.engine == LLGUIDANCE:
+            refusal = None
+        elif isinstance(error, EngineRefused) and error.engine == LLGUIDANCE:
+            refusal = error
+        else:
+            refusal = self.guided.llguidance_refusal(spec)
+        if refusal is not None:
+            return EngineVerdict("refused", "compile", refused_paths(schema, str(refusal)),
+                                 str(refusal))
+        if spec.kind not in JSON_KINDS:
+            return EngineVerdict("compiled", "compile")
+        # a custom format constrains nothing, and nothing checks it (validation.py)
+        unknown = [k for k in approximated_paths(schema) if k["keyword"].endswith(
+            " (not checked)")] if schema is not None else []
+        return EngineVerdict("approximated" if unknown else "exact", "compile", unknown)
+
+    # the shortest output ------------------------------------------------------------------
+
+    def _shortest(self, spec: GrammarSpec, compiled: CompiledGrammar | None) -> dict:
+        at_least = self.bound(spec)
+        if compiled is None:
+            return {"tokens": None, "at_least": at_least, "exhausted": False}
+        closer = self.guided.closer
+        matcher = self.guided.new_matcher(compiled)
+        found = closer.shortest(matcher, SEARCH_LIMIT)  # the dive admission tries first
+        exact = closer.shortest(matcher, SEARCH_LIMIT, exact=True)
+        best = min((c.tokens for c in (found, exact) if c.tokens is not None),
+                   key=len, default=None)
+        if best is None:
+            return {"tokens": None, "at_least": at_least, "exhausted": exact.exhausted}
+        # the budget admission's first, cheap search (a dive within 4 x budget + 16
+        # steps: OutputPolicy._budget_search) takes by itself, so it is admitted also
+        # when a busy engine cuts its exact search short
+        budget = len(best)
+        for _ in range(4):
+            dive = closer.shortest(matcher, 4 * budget + 16)
+            if dive.tokens is None or len(dive.tokens) <= budget:
+                break
+            budget = len(dive.tokens)
+        return {"tokens": max(budget, at_least), "at_least": at_least,
+                "exhausted": exact.exhausted}
+
+    def bound(self, spec: GrammarSpec) -> int:
+        """The admission check's lower bound on the tokens of ``spec``'s shortest output
+        (OutputPolicy.shortest_bound: 0 for kinds other than json_schema)."""
+        if spec.kind != "json_schema":
+            return 0
+        if self._capacity is None:
+            self._capacity = TokenCapacity(self.guided.closer.vocab)
+        return self._capacity.min_tokens(schema_counts(spec.source))
+
+
+# keyword paths ------------------------------------------------------------------------------
+
+def _schema(spec: GrammarSpec):
+    if spec.kind != "json_schema":
+        return None
+    try:
+        return json.loads(spec.source)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _pointer(path: tuple) -> str:
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def _nodes(schema, path: tuple = (), depth: int = 0):
+    """(path, node) of every schema node in ``schema`` (depth-first, values of data
+    keywords and the names of name -> schema maps skipped)."""
+    if depth > 64:
+        return
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            yield from _nodes(item, path + (i,), depth + 1)
+        return
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            continue
+        if key in _NAME_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield from _nodes(sub, path + (key, name), depth + 1)
+        elif isinstance(value, (dict, list)):
+            yield from _nodes(value, path + (key,), depth + 1)
+
+
+def approximated_paths(schema) -> list[dict]:
+    """What xgrammar approximates in ``schema``, node by node: ``{"path", "keyword"}`` with
+    the keyword as validation.approximated_keywords names it, at the JSON pointer of the
+    node that holds it."""
+    out = []
+    for path, node in _nodes(schema):
+        # the node alone: its sub-schemas emptied, so only its own keywords count
+        alone = {k: v if k in _DATA_KEYWORDS or not isinstance(v, (dict, list))
+                 else type(v)() for k, v in node.items()}
+        out += [{"path": _pointer(path), "keyword": k} for k in approximated_keywords(alone)]
+    return out
+
+
+def refused_paths(schema, message: str) -> list[dict]:
+    """The keys llguidance's refusal names (``Unimplemented keys: [...]``), at each node
+    of ``schema`` that holds one; [] when the message names none."""
+    m = _UNIMPLEMENTED.search(message)
+    if m is None or schema is None:
+        return []
+    try:
+        keys = {k for k in json.loads(m.group(1)) if isinstance(k, str)}
+    except ValueError:
+        return []
+    return [{"path": _pointer(path), "keyword": k}
+            for path, node in _nodes(schema) for k in node if k in keys]
