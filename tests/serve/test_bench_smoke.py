@@ -1,17 +1,12 @@
 """Every bench runs: each one's ``--smoke --json`` size (seconds, the tiny model where the
 model does not matter, the same code path as a full run) in a subprocess of its own, and
 its last line is one JSON object holding the bench's figures. The figures themselves are
-meaningless at this size; what is checked is that the bench finishes and reports.
-
-The selected runs start together, a few at a time, longest first: most of a smoke run is
-waiting (Ray's start, a server's start, a model's load), so they overlap well, and the
-module takes about as long as its longest run instead of the sum of them."""
+meaningless at this size; what is checked is that the bench finishes and reports."""
 
 import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,39 +57,6 @@ BENCHES = {
 }
 # modules of bench/ that are not benches themselves
 HELPERS = {"__init__.py", "report.py", "llamacpp_side.py"}
-SWEEP = "clients.py --sweep"
-# smoke runs at once, and the longest ones (seconds on 2 cores, quiet) to start first
-PARALLEL = 3
-LONGEST = ["cluster.py", "grammar_cache.py", "clients.py", "load.py", "startup.py",
-           "realworld.py", "guided_overhead.py", "gpu.py"]
-
-
-def _command(run: str) -> list[str]:
-    if run == SWEEP:
-        return [sys.executable, "-m", "bench.clients", "--sweep", "--smoke", "--json"]
-    return [sys.executable, str(BENCH / run), "--smoke", "--json"]
-
-
-@pytest.fixture(scope="module")
-def smoke_runs(request, default_model_dir):
-    """The smoke runs this session selected, started at once (``PARALLEL`` at a time):
-    run name -> a future of its finished process. default_model_dir: the default model
-    converted once, before any bench wants its tokenizer (a conversion inside a bench
-    would count against its timeout)."""
-    wanted = set()
-    for item in request.session.items:
-        if getattr(item, "module", None) is not request.module:
-            continue
-        if item.originalname == "test_clients_sweep_smoke":
-            wanted.add(SWEEP)
-        elif item.originalname == "test_bench_smoke":
-            wanted.add(item.callspec.params["name"])
-    order = sorted(wanted, key=lambda r: (LONGEST.index(r) if r in LONGEST else len(LONGEST), r))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        yield {run: pool.submit(subprocess.run, _command(run), cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=600)
-               for run in order}
 
 
 @pytest.mark.unit
@@ -107,8 +69,12 @@ def test_every_bench_has_a_smoke_run():
 
 @pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(BENCHES))
-def test_bench_smoke(name, smoke_runs):
-    proc = smoke_runs[name].result()
+def test_bench_smoke(name, default_model_dir):
+    # default_model_dir: the default model converted once, before any bench wants its
+    # tokenizer (a conversion inside a bench would count against its timeout)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(BENCH / name), "--smoke", "--json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-3000:])
     assert proc.returncode == 0, tail
     lines = proc.stdout.strip().splitlines()
@@ -120,9 +86,10 @@ def test_bench_smoke(name, smoke_runs):
 
 
 @pytest.mark.integration
-def test_clients_sweep_smoke(smoke_runs):
+def test_clients_sweep_smoke(default_model_dir):
     """bench/clients.py --sweep (how the loop guard's defaults were chosen) runs too."""
-    proc = smoke_runs[SWEEP].result()
+    proc = subprocess.run([sys.executable, "-m", "bench.clients", "--sweep", "--smoke",
+                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["sweep"]
     assert [r["setting"] for r in rows] == ["off", "defaults"]
