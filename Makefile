@@ -11,7 +11,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 PROMPT ?= Give me three facts about the Moon.
 
-.PHONY: install run generate test test-all test-xgrammar test-llguidance load-test fuzz bench clean gpu-wheels
+.PHONY: install run generate test test-fast test-all test-xgrammar test-llguidance load-test fuzz bench clean gpu-wheels
 
 $(STAMP): pyproject.toml
 	@echo "rayguide install [1/4]: a virtual environment in $(VENV)"
@@ -39,6 +39,10 @@ generate: install
 # What CI runs: unit + integration tests (not the slow ones).
 test: install
 	$(PY) -m pytest -m "not slow" -q
+
+# The fast tier (a minute or two): the `unit` tests of every folder (no Ray, no server, no model).
+test-fast: install
+	$(PY) -m pytest -m "unit and not slow" -q
 
 test-all: install
 	$(PY) -m pytest -q

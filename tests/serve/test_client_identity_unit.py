@@ -9,15 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
-import deploy.serve_app as serve_app
 from core.request import RequestOutput
 from deploy import openai_api as api
-from deploy.settings import AppSettings
+from tests.serve.fakes import edge_server
 
 pytestmark = pytest.mark.unit
 
 identity = api.client_identity
-SERVER = getattr(serve_app.OpenAIServer, "func_or_class", serve_app.OpenAIServer)
 
 
 def test_the_user_field_names_the_client_else_the_address():
@@ -59,29 +57,8 @@ class FakeRuntime:
                             finish_reason="stop", prompt_tokens=3, completion_tokens=1)
 
 
-class NoMetrics:
-    def request(self, *_a):
-        pass
-
-    def ttft(self, *_a):
-        pass
-
-    def tokens(self, *_a):
-        pass
-
-
-class _Server(SERVER):
-    def __del__(self):  # Serve's ingress wrapper ends a replica's ASGI app here: none here
-        pass
-
-
 def server(**settings):
-    inst = object.__new__(_Server)
-    inst.settings = AppSettings(start_runtime=False, **settings)
-    inst.limits = inst.settings.limits
-    inst.runtime = FakeRuntime()
-    inst._models, inst._served, inst._metrics = ["m"], api.Served(), NoMetrics()
-    return inst
+    return edge_server(FakeRuntime(), **settings)
 
 
 def request(body: dict, host="10.1.2.3", key=None, path="/v1/chat/completions"):

@@ -14,17 +14,16 @@ import pytest
 from ray.exceptions import RayActorError, RayTaskError
 from starlette.responses import JSONResponse
 
-import deploy.serve_app as serve_app
 from core.errors import NoWorkers
 from core.request import RequestOutput
 from deploy import openai_api as api, responses
 from deploy.errors import APIError, for_exception
 from deploy.settings import AppSettings, Limits
+from tests.serve.fakes import SERVER, edge_server
 
 pytestmark = pytest.mark.unit
 
 LIMITS = Limits()
-SERVER = getattr(serve_app.OpenAIServer, "func_or_class", serve_app.OpenAIServer)
 
 
 def chat(limits=LIMITS, **body):
@@ -76,29 +75,8 @@ class FakeRuntime:
         return await self._end.remote()
 
 
-class NoMetrics:
-    def request(self, *_a):
-        pass
-
-    def ttft(self, *_a):
-        pass
-
-    def tokens(self, *_a):
-        pass
-
-
-class _Server(SERVER):
-    def __del__(self):  # Serve's ingress wrapper ends a replica's ASGI app here: none here
-        pass
-
-
 def server(runtime, **settings) -> object:
-    inst = object.__new__(_Server)
-    inst.settings = AppSettings(start_runtime=False, **settings)
-    inst.limits = inst.settings.limits
-    inst.runtime = runtime
-    inst._models, inst._served, inst._metrics = ["m"], api.Served(), NoMetrics()
-    return inst
+    return edge_server(runtime, **settings)
 
 
 def run(coro):

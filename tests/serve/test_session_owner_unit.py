@@ -14,15 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-import deploy.serve_app as serve_app
 from core.request import RequestOutput
 from deploy import openai_api as api
 from deploy.errors import APIError
-from deploy.settings import AppSettings
+from tests.serve.fakes import SERVER, edge_server
 
 pytestmark = pytest.mark.unit
 
-SERVER = getattr(serve_app.OpenAIServer, "func_or_class", serve_app.OpenAIServer)
 
 
 class SessionRuntime:
@@ -52,29 +50,8 @@ class SessionRuntime:
         return self.sessions.pop(session_id, None) is not None
 
 
-class NoMetrics:
-    def request(self, *_a):
-        pass
-
-    def ttft(self, *_a):
-        pass
-
-    def tokens(self, *_a):
-        pass
-
-
-class _Server(SERVER):
-    def __del__(self):
-        pass
-
-
 def server(**settings):
-    inst = object.__new__(_Server)
-    inst.settings = AppSettings(start_runtime=False, **settings)
-    inst.limits = inst.settings.limits
-    inst.runtime = SessionRuntime()
-    inst._models, inst._served, inst._metrics = ["m"], api.Served(), NoMetrics()
-    return inst
+    return edge_server(SessionRuntime(), **settings)
 
 
 def request(body=None, host="10.1.2.3", key=None, query=None):
