@@ -174,6 +174,11 @@ class GrammarMatcher(ABC):
 
     engine: str
 
+    def failure(self) -> str | None:
+        """Why the matcher can go no further though the grammar was not done (llguidance:
+        a mask step over its limits, ``LLGUIDANCE_LIMITS``), or None."""
+        return None
+
     # xgrammar's names, for code written against xgr.GrammarMatcher
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
         self.fill_bitmask(bitmask, index)
@@ -305,11 +310,16 @@ class LLGuidanceEngine(GrammarEngine):
 
     name = LLGUIDANCE
 
-    def __init__(self, tokenizer: "llguidance.LLTokenizer"):
+    def __init__(self, tokenizer: "llguidance.LLTokenizer", limits: dict | None = None):
+        """``limits``: llguidance's parser limits (``LLGUIDANCE_LIMITS`` by default; any
+        ``LLParserLimits`` field)."""
+        import llguidance
+
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.stop_token_ids = frozenset(tokenizer.eos_tokens)
         self.probes = _run_probes(tokenizer)
+        self.limits = llguidance.LLParserLimits(**{**LLGUIDANCE_LIMITS, **(limits or {})})
 
     @classmethod
     def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -325,15 +335,48 @@ class LLGuidanceEngine(GrammarEngine):
 
         start = time.perf_counter()
         grammar = _llguidance_grammar(spec)
-        start_state = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        # (the construction releases the GIL: the engine thread steps on meanwhile)
+        start_state = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                           limits=self.limits)
         if start_state.is_error():
-            raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
-                                f"{_first_line(start_state.get_error())}")
+            raise _refusal(spec, start_state.get_error())
         return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start)
 
     def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.artifact.deep_copy(), self.stop_token_ids,
                                  self.tokenizer, self.probes)
+
+
+# llguidance's parser limits (LLParserLimits; its own defaults in comments). Each bounds
+# the time or memory of one compile or of one mask step; past one, a compile is refused
+# (grammar_too_large: ``auto`` serves the grammar on xgrammar) and a matcher that reaches
+# one mid-generation fails its request (LLGuidanceMatcher.failure). Chosen by measurement
+# (docs/benchmarks.md): no schema of the conformance bench nor of a 4,000-schema
+# JSONSchemaBench sample is refused or fails within a 40-step random walk that llguidance's
+# defaults take, and the hostile schemas of tests/test_compile_bounds_unit.py stop within
+# about a second of compile and ~10 ms a step.
+LLGUIDANCE_LIMITS = dict(
+    max_grammar_size=100_000,  # symbols of the grammar (500,000): its compile time
+    max_lexer_states=50_000,  # ~1-2 kB each (250,000): a grammar's lexer memory
+    initial_lexer_fuel=1_000_000,  # ~50 per us: building the lexer (1,000,000)
+    step_lexer_fuel=100_000,  # ~14 per us: one mask step's lexer work (200,000)
+    step_max_items=50_000,  # ~20 per us: one mask step's Earley items (50,000)
+    max_items_in_row=2000,  # one row's branching (2,000)
+    verbose_errors=False,  # an error's first line names the limit; no grammar dump
+)
+# llguidance's words for a limit it reached (its errors name the limit, not a kind)
+_LIMIT_WORDS = ("fuel", "too large", "too big", "max is", "limit", "lexer states",
+                "grammar size", "too many")
+
+
+def _refusal(spec: GrammarSpec, error: str) -> EngineRefused:
+    """llguidance's error building ``spec`` as a refusal: over one of its limits
+    (GRAMMAR_TOO_LARGE, naming the limit), else an invalid grammar."""
+    line = _first_line(error)
+    if any(word in line.lower() for word in _LIMIT_WORDS):
+        return EngineRefused(LLGUIDANCE, f"this {spec.kind} grammar is over llguidance's "
+                             f"compile limits: {line}", ErrorKind.GRAMMAR_TOO_LARGE)
+    return EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: {line}")
 
 
 # the characters whose runs tell places apart in llguidance's state key (see
@@ -544,6 +587,13 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def is_completed(self) -> bool:
         return self.terminated or self.inner.is_accepting()
+
+    def failure(self) -> str | None:
+        if not self.inner.is_error():
+            return None
+        return (f"the grammar reached llguidance's per-step limits here "
+                f"({_first_line(self.inner.get_error())}); simplify the grammar or use "
+                "grammar engine 'xgrammar'")
 
     def is_terminated(self) -> bool:
         return self.terminated
