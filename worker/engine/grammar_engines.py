@@ -340,6 +340,16 @@ class LLGuidanceEngine(GrammarEngine):
                                            limits=self.limits)
         if start_state.is_error():
             raise _refusal(spec, start_state.get_error())
+        # the first steps, on a copy: a grammar over the per-step limits where it starts
+        # (an object of hundreds of optional properties) is refused now, where ``auto``
+        # can still serve it on xgrammar, not after its request's first token
+        probe = start_state.deep_copy()
+        probe.compute_bitmask()
+        forced = probe.compute_ff_tokens()
+        if forced and probe.consume_tokens(forced):
+            probe.compute_bitmask()
+        if probe.is_error():
+            raise _refusal(spec, probe.get_error())
         return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start)
 
     def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
@@ -441,6 +451,7 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         if len(text) > _MAX_GROWTH * len(spec.source) + _MAX_GROWTH_BYTES:
             raise SchemaTooComplex(f"rewritten for llguidance it would be {len(text)} "
                                    f"bytes, from {len(spec.source)}")
+        _check_properties(schema)
     except SchemaTooComplex as exc:
         raise EngineRefused(LLGUIDANCE, f"the schema could not be prepared for llguidance: "
                             f"{exc}", ErrorKind.GRAMMAR_TOO_LARGE) from None
@@ -455,6 +466,44 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
     except ValueError as exc:
         raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
                             f"{_first_line(str(exc))}") from None
+
+
+# what llguidance's compile costs grows with a schema's optional properties (their
+# orders) and faster than linearly with one object's properties: on a 2-core machine,
+# 16 objects of 400 optional properties took 2.3 s to build (then past the lexer fuel),
+# one object of 7,500 properties 2.8 s, where 200 objects of 20 took 0.5 s and 8 of 500
+# optional ones 0.95 s. No real-world schema comes near the caps (the most properties in
+# a 7,500-schema JSONSchemaBench sample: 2,173 in all). Beyond 500 optional properties in
+# one object llguidance's first step is over max_items_in_row (4 items a property).
+_MAX_OPTIONAL, _MAX_OPTIONAL_TOTAL, _MAX_OBJECT_PROPERTIES = 500, 4500, 4000
+
+
+def _check_properties(schema) -> None:
+    """Raises SchemaTooComplex where ``schema`` has more properties than llguidance
+    compiles within about a second, or an object more optional ones than its first step
+    takes."""
+    optional_total, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                required = node.get("required")
+                required = set(required) if isinstance(required, list) else set()
+                optional = sum(1 for name in props if name not in required)
+                optional_total += optional
+                if optional > _MAX_OPTIONAL or len(props) > _MAX_OBJECT_PROPERTIES:
+                    raise SchemaTooComplex(
+                        f"an object has {len(props)} properties, {optional} of them "
+                        f"optional; llguidance takes at most {_MAX_OBJECT_PROPERTIES}, "
+                        f"{_MAX_OPTIONAL} optional")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    if optional_total > _MAX_OPTIONAL_TOTAL:
+        raise SchemaTooComplex(f"it has {optional_total} optional properties; llguidance "
+                               f"compiles at most {_MAX_OPTIONAL_TOTAL} within its time "
+                               "bound")
 
 
 # xgrammar reads \d and \w in a regex as ASCII classes, as JSON Schema's patterns do
