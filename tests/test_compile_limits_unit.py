@@ -267,3 +267,38 @@ def test_a_compile_in_a_child_is_bounded_by_the_cache_limits():
         assert err.value.kind == ErrorKind.GRAMMAR_TOO_LARGE
     finally:
         manager.shutdown()
+
+
+def test_a_fetch_from_the_cache_actor_nobody_waits_for_is_cancelled(monkeypatch):
+    """In a cluster the engine's give-up reaches the cache actor: the worker stops
+    waiting and cancels its call (the actor drops the compile if nobody else waits), and
+    neither compiles the grammar itself nor counts the actor as down."""
+    import ray
+
+    from grammar_cache.client import GrammarCacheClient
+
+    info = xgr.TokenizerInfo(["<eos>", "a", "b"], stop_token_ids=[0])
+    client = GrammarCacheClient(info, GrammarCacheConfig(disk=False))
+    ref, cancelled = object(), []
+
+    class Actor:
+        class get:
+            @staticmethod
+            def remote(*args):
+                return ref
+    monkeypatch.setattr(client, "_ready_actor", lambda: Actor)
+    monkeypatch.setattr(client, "_compile_in_child",
+                        lambda *a, **k: pytest.fail("compiled in the worker"))
+    client._registered = True
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (time.sleep(timeout), ([], refs))[1])
+    monkeypatch.setattr(ray, "cancel", cancelled.append)
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    try:
+        t = time.monotonic()
+        with pytest.raises(GrammarUnavailable, match="cancelled"):
+            client.fetch(SLOW, cancel=cancel)
+        assert time.monotonic() - t < 5  # not the call's own timeout (45 s)
+        assert cancelled == [ref] and client._down_until == 0.0
+    finally:
+        client.close()

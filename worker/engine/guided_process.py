@@ -25,13 +25,14 @@ of both, and of their errors.
 A compile nobody waits for stops: a caller that waits (``get_grammar(..., waiter=True)``,
 the engine's requests) calls ``give_up`` when it stops waiting (its grammar wait ran out,
 it was aborted); when the last waiter of a compile gives up, the compile is cancelled (a
-compile still queued never starts, one in a child process is killed at once) and the next
-ask for the spec starts a new one.
+compile still queued never starts, one in a child process is killed at once, a fetch from
+the cache actor is cancelled there) and the next ask for the spec starts a new one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -152,6 +153,10 @@ class GuidedDecodingManager:
         self._pool = ThreadPoolExecutor(max_workers=8 if waits else compile_threads,
                                         thread_name_prefix="grammar-compile")
         self._fetch = fetch or (lambda spec, _client: compile_spec(self.compiler, spec))
+        # a fetch that takes ``cancel`` (GrammarCacheClient.fetch) stops waiting for the
+        # cache actor once nobody waits for the grammar here
+        self._fetch_cancels = fetch is not None and "cancel" in inspect.signature(
+            fetch).parameters
         self.cache_bytes = cache_bytes
         self.error_ttl_s = error_ttl_s
         self.stats = GuidedStats()
@@ -314,6 +319,8 @@ class GuidedDecodingManager:
         t = time.perf_counter()
         if self.compile_pool is not None:
             artifact = self._compile_in_child(spec, cancel)
+        elif self._fetch_cancels:
+            artifact = self._fetch(spec, client, cancel=cancel)
         else:
             artifact = self._fetch(spec, client)
         self.stats.xgrammar_grammars += 1
