@@ -469,12 +469,13 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
 
 
 # what llguidance's compile costs grows with a schema's optional properties (their
-# orders) and faster than linearly with one object's properties: on a 2-core machine,
-# 16 objects of 400 optional properties took 2.3 s to build (then past the lexer fuel),
-# one object of 7,500 properties 2.8 s, where 200 objects of 20 took 0.5 s and 8 of 500
-# optional ones 0.95 s. No real-world schema comes near the caps (the most properties in
-# a 7,500-schema JSONSchemaBench sample: 2,173 in all). Beyond 500 optional properties in
-# one object llguidance's first step is over max_items_in_row (4 items a property).
+# orders) and faster than linearly with one object's properties: one object of 7,500
+# properties took 0.65 s to build on a quiet 2-core machine and 2.8 s on a busy one, 60
+# objects of 100 optional integers 2.6 s there (then past the lexer fuel), where 200
+# objects of 20 properties took 0.2-0.5 s. No real-world schema comes near the caps (the
+# most properties in a 7,500-schema JSONSchemaBench sample: 2,173 in all). Beyond 500
+# optional properties in one object llguidance's first step is over max_items_in_row (4
+# items a property): it built such a schema, then failed its request's first token.
 _MAX_OPTIONAL, _MAX_OPTIONAL_TOTAL, _MAX_OBJECT_PROPERTIES = 500, 4500, 4000
 
 
