@@ -75,10 +75,14 @@ it cannot write (over 10 fraction or 18 integer digits, an integer bound past 64
 which it would clamp) are refused, so ``auto`` serves them on xgrammar.
 
 Every llguidance compile is bounded: the rewrites run under a ``RewriteBudget`` (steps
-and time; schema_rewrites.py), the rewritten schema under ``_MAX_GROWTH`` times its source
-(plus 64 kB), and the compile itself under llguidance's own parser limits (lexer fuel,
-grammar size); past any of them llguidance refuses the schema by name
-(``grammar_too_large``) and ``auto`` serves it on xgrammar.
+and CPU time; schema_rewrites.py), the rewritten schema under ``_MAX_GROWTH`` times its
+source (plus 64 kB) and the property caps of ``_check_properties`` (what llguidance builds
+in about a second), the build itself under our parser limits (``LLGUIDANCE_LIMITS``:
+grammar size, lexer states and fuel), and a probe of its first steps catches a grammar
+over the per-step limits where it starts; past any of them llguidance refuses the schema
+by name (``grammar_too_large``) and ``auto`` serves it on xgrammar. The build releases the
+GIL. Every mask step is bounded by the same limits' step fuel; a matcher that reaches it
+mid-generation ends its request, its ``failure`` naming the limit.
 """
 
 from __future__ import annotations
