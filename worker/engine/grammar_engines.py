@@ -361,21 +361,23 @@ class LLGuidanceEngine(GrammarEngine):
                                  self.tokenizer, self.probes)
 
 
-# llguidance's parser limits (LLParserLimits; its own defaults in comments). Each bounds
-# the time or memory of one compile or of one mask step; past one, a compile is refused
+# llguidance's parser limits (LLParserLimits), passed on every build. Each bounds the time
+# or memory of one compile or of one mask step; past one, a compile is refused
 # (grammar_too_large: ``auto`` serves the grammar on xgrammar) and a matcher that reaches
-# one mid-generation fails its request (LLGuidanceMatcher.failure). Chosen by measurement
-# (docs/benchmarks.md): no schema of the conformance bench nor of a 4,000-schema
-# JSONSchemaBench sample is refused or fails within a 40-step random walk that llguidance's
-# defaults take, and the hostile schemas of tests/test_compile_bounds_unit.py stop within
-# about a second of compile and ~10 ms a step.
+# one mid-generation fails its request (LLGuidanceMatcher.failure). Measured on the
+# conformance bench and a 4,000-schema JSONSchemaBench sample (a build, then a 40-step
+# random walk of masks, docs/benchmarks.md): tighter step limits break real schemas
+# (step_lexer_fuel 100,000 failed Github_trivial/o9908 mid-walk, initial_lexer_fuel 200,000
+# refused Github_ultra/o50639), so those stay at llguidance's defaults, which bound a mask
+# step to ~15 ms of lexer and ~2.5 ms of parser work a row; the grammar size is cut to a
+# fifth (no sampled schema needs a fifth of that).
 LLGUIDANCE_LIMITS = dict(
-    max_grammar_size=100_000,  # symbols of the grammar (500,000): its compile time
-    max_lexer_states=50_000,  # ~1-2 kB each (250,000): a grammar's lexer memory
-    initial_lexer_fuel=1_000_000,  # ~50 per us: building the lexer (1,000,000)
-    step_lexer_fuel=100_000,  # ~14 per us: one mask step's lexer work (200,000)
-    step_max_items=50_000,  # ~20 per us: one mask step's Earley items (50,000)
-    max_items_in_row=2000,  # one row's branching (2,000)
+    max_grammar_size=100_000,  # symbols (default 500,000; the sample builds under 20,000)
+    max_lexer_states=250_000,  # ~1-2 kB each: a grammar's lexer memory (default)
+    initial_lexer_fuel=1_000_000,  # ~50 per us: building the lexer (default)
+    step_lexer_fuel=200_000,  # ~14 per us: one mask step's lexer work (default)
+    step_max_items=50_000,  # ~20 per us: one mask step's Earley items (default)
+    max_items_in_row=2000,  # one row's branching (default)
     verbose_errors=False,  # an error's first line names the limit; no grammar dump
 )
 # llguidance's words for a limit it reached (its errors name the limit, not a kind)
