@@ -47,7 +47,7 @@ import xgrammar as xgr
 from grammar_cache import envelope
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
 from grammar_cache.compile_pool import CompilePool
-from grammar_cache.config import MAX_REPETITION, GrammarCacheConfig
+from grammar_cache.config import GrammarCacheConfig
 from grammar_cache.errors import GrammarUnavailable
 from grammar_cache.spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace
