@@ -302,3 +302,15 @@ def test_a_fetch_from_the_cache_actor_nobody_waits_for_is_cancelled(monkeypatch)
         assert cancelled == [ref] and client._down_until == 0.0
     finally:
         client.close()
+
+
+def test_child_processes_are_the_default_where_an_engine_serves_requests():
+    """A worker (which hands the engine its cluster's compile limits) compiles in child
+    processes; an engine used directly, on a thread (a child's imports take seconds)."""
+    from worker.engine.config import EngineConfig
+
+    limits = GrammarCacheConfig(compile_processes=3)
+    assert EngineConfig().compile_processes(limits) == 3
+    assert EngineConfig().compile_processes(None) == 0
+    assert EngineConfig(grammar_compile_processes=0).compile_processes(limits) == 0
+    assert EngineConfig(grammar_compile_processes=2).compile_processes(None) == 2
