@@ -314,7 +314,8 @@ def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> d
     # workers compile through the cache actor with the cluster's compile limits (their
     # fallback compiles too)
     # (grammar_cache: {shared: false}: each worker compiles by itself, the baseline)
-    cache_link = (CACHE_NAME, NAMESPACE, cache_config) if cache_config.shared else None
+    # (not shared: each worker compiles in child processes of its own, under these limits)
+    cache_link = (CACHE_NAME, NAMESPACE, cache_config)
     workers = []
     for i in range(config.num_workers):
         workers.append(WorkerActor.options(

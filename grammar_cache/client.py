@@ -42,8 +42,9 @@ Paths, each bounded by the limits of the one ``GrammarCacheConfig``:
 Refused before any of these: a grammar with a repetition over ``max_repetition``
 (GrammarError, grammar_too_large; no call to the actor). A full compile queue in the actor
 is GrammarUnavailable with kind OVERLOADED, never a local compile (that would spend this
-worker's cores on what the actor refused). A call to the actor that times out is cancelled
-there, so the actor drops the compile if nobody else waits for it.
+worker's cores on what the actor refused). A call to the actor that times out, or whose
+caller stops waiting (``fetch``'s ``cancel``: the engine's request gave up on its grammar),
+is cancelled there, so the actor drops the compile if nobody else waits for it.
 
 Everything is counted in ``stats()``; a fallback is never silent.
 """
@@ -131,17 +132,20 @@ class GrammarCacheClient:
 
     # the one entry point ------------------------------------------------------------
 
-    def fetch(self, spec: GrammarSpec, client: str | None = None) -> "xgr.CompiledGrammar":
+    def fetch(self, spec: GrammarSpec, client: str | None = None,
+              cancel: threading.Event | None = None) -> "xgr.CompiledGrammar":
         """The compiled grammar for ``spec``. Raises GrammarError (the client's to fix, with
         its ``kind``) or GrammarUnavailable (transient: retry; never cache it; its ``kind``
         is OVERLOADED when the actor's compile queue was full). ``client``: who the request
         is for (an API key's hash, an address), so the actor shares its compile processes
-        fairly between clients; None: one shared line."""
+        fairly between clients; None: one shared line. ``cancel``: set when nobody waits
+        for the grammar any more: the call to the actor is cancelled (the actor drops the
+        compile if nobody else waits for it) and GrammarUnavailable raised."""
         t = time.monotonic()
         with self._lock:
             self._fetching += 1
         try:
-            return self._fetch(spec, client)
+            return self._fetch(spec, client, cancel)
         except GrammarUnavailable:
             with self._lock:
                 self.counts.unavailable += 1
@@ -163,7 +167,8 @@ class GrammarCacheClient:
                                          actor_skipped=time.monotonic() < self._down_until)
         return counts.as_dict()
 
-    def _fetch(self, spec: GrammarSpec, client: str | None = None):
+    def _fetch(self, spec: GrammarSpec, client: str | None = None,
+               cancel: threading.Event | None = None):
         spec.check_repetitions(self.config.max_repetition)
         key = spec.key(self.fingerprint)
         if self.disk is not None:
@@ -181,7 +186,8 @@ class GrammarCacheClient:
                     return self._compile_verdict(spec)
                 except (envelope.EnvelopeMismatch, GrammarUnavailable):
                     pass  # not ours after all (or an error): ask the actor
-        data = self._from_actor(spec, lease=self._may_compile_here(spec), client=client)
+        data = self._from_actor(spec, lease=self._may_compile_here(spec), client=client,
+                                cancel=cancel)
         if data is not None:
             try:
                 compiled = self._unpack(data, key)
@@ -238,8 +244,8 @@ class GrammarCacheClient:
 
     # the actor ----------------------------------------------------------------------
 
-    def _from_actor(self, spec: GrammarSpec, lease: bool = False,
-                    client: str | None = None) -> bytes | None:
+    def _from_actor(self, spec: GrammarSpec, lease: bool = False, client: str | None = None,
+                    cancel: threading.Event | None = None) -> bytes | None:
         """Envelope bytes from the actor, or None (after logging) to compile locally. Never
         returns an empty reply. ``lease``: offer to compile it here (see the module
         docstring); the reply may then be a lease envelope."""
@@ -253,8 +259,8 @@ class GrammarCacheClient:
                 # a wait on another worker's lease may last its compile and serialization
                 ref = actor.get.remote(spec, self.fingerprint, lease, client)
                 try:
-                    data = ray.get(ref, timeout=self.rpc_timeout_s + LEASE_SERIALIZE_S)
-                except ray.exceptions.GetTimeoutError:
+                    data = _get(ref, self.rpc_timeout_s + LEASE_SERIALIZE_S, cancel)
+                except (ray.exceptions.GetTimeoutError, _Cancelled):
                     ray.cancel(ref)  # the actor drops the compile if nobody else waits
                     raise
                 if data:
@@ -262,6 +268,9 @@ class GrammarCacheClient:
                     return data
                 self._registered = False  # a restarted actor forgot our tokenizer
             raise RuntimeError("the actor does not keep this worker's tokenizer")
+        except _Cancelled:  # nobody waits: neither the actor's fault nor a local compile
+            raise GrammarUnavailable(f"the compile of this {spec.kind} grammar was "
+                                     "cancelled (nobody waits for it any more); retry") from None
         except Exception as exc:  # noqa: BLE001 - not found, dead, restarting, timed out
             self._actor = None
             self._actor_ready = self._registered = False
@@ -557,6 +566,26 @@ class GrammarCacheClient:
         self._warm_timer.cancel()
         if self._local is not None:
             self._local.close()
+
+
+class _Cancelled(Exception):
+    """A call to the actor whose caller stopped waiting."""
+
+
+def _get(ref, timeout: float, cancel: threading.Event | None):
+    """``ray.get(ref, timeout)``, given up (``_Cancelled``) once ``cancel`` is set."""
+    if cancel is None:
+        return ray.get(ref, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        ready, _ = ray.wait([ref], timeout=max(0.0, min(0.1, left)))
+        if ready:
+            return ray.get(ref)
+        if cancel.is_set():
+            raise _Cancelled
+        if left <= 0:
+            raise ray.exceptions.GetTimeoutError(f"no answer within {timeout:g} s")
 
 
 def _grammar_bytes(compiled) -> int:

@@ -25,7 +25,8 @@ large envelope only to read them. Outcomes:
 - a repetition over ``max_repetition`` (``GrammarSpec.check_repetitions``): refused without
   a child, GRAMMAR_TOO_LARGE;
 - cancelled by the caller (``cancel``, a threading.Event: nobody waits for it any more):
-  the child is killed and replaced, GRAMMAR_UNAVAILABLE.
+  the child is killed and replaced, GRAMMAR_UNAVAILABLE; a compile cancelled while it
+  waits for a free child never takes one.
 
 Children are started from one long-lived thread and ask the kernel to kill them when that
 thread's process dies (``compile_worker``: PR_SET_PDEATHSIG): the signal follows the thread
@@ -256,7 +257,12 @@ class CompilePool:
             return self._error(str(exc), exc.kind, fingerprint, key)
         if self._idle.empty():
             self._grow()
-        worker = self._idle.get()
+        worker = self._take(cancel)
+        if worker is None:  # cancelled while every child was busy
+            self.cancelled += 1
+            return self._error(f"the compile of this {spec.kind} grammar was cancelled "
+                               "(nobody waits for it any more); retry",
+                               ErrorKind.GRAMMAR_UNAVAILABLE, fingerprint, key)
         t = time.monotonic()
         busy_pid = None
         try:
@@ -329,6 +335,17 @@ class CompilePool:
                 self._idle.put(worker)
             else:
                 _stop(worker)
+
+    def _take(self, cancel: threading.Event | None) -> _Worker | None:
+        """The next idle child (waiting while all are busy), or None once ``cancel`` is
+        set: a compile nobody waits for must not take a child after its waiters left."""
+        while True:
+            if cancel is not None and cancel.is_set():
+                return None
+            try:
+                return self._idle.get(timeout=0.05)
+            except queue.Empty:
+                continue
 
     @staticmethod
     def _error(message: str, kind: ErrorKind, fingerprint: str, key: str) -> CompileResult:

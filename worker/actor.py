@@ -58,8 +58,10 @@ class WorkerActor:
         """engine_config: the engine's config, built once (ClusterConfig.engine) and passed
         as the object. scheduler: (name, namespace) of the scheduler actor to register with, at start
         and again whenever Ray restarts this actor. grammar_cache: (name, namespace,
-        GrammarCacheConfig) of the shared cache actor to compile through; None:
-        compile in-process."""
+        GrammarCacheConfig) of the shared cache actor to compile through (unless its
+        ``shared`` is off) and whose limits bound this worker's own compiles; None: this
+        worker compiles in child processes of its own under the default limits."""
+        from grammar_cache.config import GrammarCacheConfig
         from worker.engine.async_engine import AsyncEngine
         from worker.engine.config import EngineConfig
         from worker.engine.engine import LLMEngine
@@ -69,10 +71,13 @@ class WorkerActor:
         self.worker_id = worker_id or f"worker-{os.getpid()}"
         self.grammar_client = None
         self.replicator = None
-        fetch = None
+        fetch = limits = None
         if grammar_cache is not None:
-            fetch = self._cache_fetch(*grammar_cache)
-        self.engine = AsyncEngine(LLMEngine(config, grammar_fetch=fetch))
+            limits = grammar_cache[2]  # its compile limits bound this worker's compiles too
+            if limits.shared:
+                fetch = self._cache_fetch(*grammar_cache)
+        self.engine = AsyncEngine(LLMEngine(config, grammar_fetch=fetch,
+                                            grammar_limits=limits or GrammarCacheConfig()))
         self.node_id = ray.get_runtime_context().get_node_id()
         self.device = config.device
         self.model_name = served_model_name(config.model)

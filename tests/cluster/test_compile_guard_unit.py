@@ -337,7 +337,7 @@ def test_client_passes_overloaded_on_and_does_not_compile_locally(client, monkey
                                spec.key(client.fingerprint), ErrorKind.OVERLOADED)
     seen = {}
 
-    def from_actor(spec, lease=False, client=None):
+    def from_actor(spec, lease=False, client=None, cancel=None):
         seen["client"] = client
         return busy
     monkeypatch.setattr(client, "_from_actor", from_actor)

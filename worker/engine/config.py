@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, field_validator
 
 from core.config import ConfigModel
+from grammar_cache.config import GrammarCacheConfig
 
 GRAMMAR_ENGINES = ("auto", "xgrammar", "llguidance")
 # dtype names; torch is imported only where a name is resolved (front ends build this
@@ -48,6 +49,13 @@ class EngineConfig(ConfigModel):
     # a request whose grammar is not ready this long after it arrived fails (a backstop
     # above the compile limit: a compile over its limit fails sooner, as a bad grammar)
     grammar_timeout_s: float = 60.0
+    # where an xgrammar compile of an engine without the shared grammar cache runs: in N
+    # killable child processes under the grammar cache's limits (compile_timeout_s,
+    # compile_memory_mb), or with 0 on a thread of this process (xgrammar cannot stop it
+    # there). None: child processes (grammar_cache.compile_processes of them) in a worker,
+    # which serves requests; a thread in an engine used directly (`rayguide generate`,
+    # the benches, tests: a child's imports take seconds)
+    grammar_compile_processes: int | None = Field(None, ge=0)
     # the engine's local LRU of compiled grammars, bounded by their size in memory
     grammar_cache_bytes: int = Field(1 << 30, ge=0)
     # budget-aware closing: once a guided request has at most this many tokens of budget
@@ -86,6 +94,13 @@ class EngineConfig(ConfigModel):
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 512 if self.device == "cpu" else 8192
+
+    def compile_processes(self, limits: "GrammarCacheConfig | None") -> int:
+        """``grammar_compile_processes``, or its default: ``limits.compile_processes``
+        where the engine was given compile limits (a worker), else 0."""
+        if self.grammar_compile_processes is not None:
+            return self.grammar_compile_processes
+        return limits.compile_processes if limits is not None else 0
 
     @field_validator("model", mode="before")
     @classmethod

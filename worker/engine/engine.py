@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grammar_cache.config import GrammarCacheConfig
 from core.errors import ErrorKind
 from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
@@ -97,10 +98,14 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None,
-                 model_dir=None, grammar_fetch: GrammarFetchFactory | None = None):
+                 model_dir=None, grammar_fetch: GrammarFetchFactory | None = None,
+                 grammar_limits: GrammarCacheConfig | None = None):
         """``grammar_fetch(tokenizer_info)`` returns the function that turns a GrammarSpec
         into a compiled grammar (a worker in a cluster passes
-        ``lambda info: GrammarCacheClient(info, ...).fetch``); None compiles in-process."""
+        ``lambda info: GrammarCacheClient(info, ...).fetch``); None compiles here, under
+        ``grammar_limits`` (the grammar cache's compile limits; a worker that serves
+        requests passes its cluster's, which also makes ``grammar_compile_processes``
+        default to child processes)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -136,7 +141,9 @@ class LLMEngine:
             self.guided = GuidedDecodingManager.from_tokenizer(
                 tokenizer, model.config.vocab_size, sorted(self.eos_ids),
                 max_batch_size=config.max_num_seqs, grammar_fetch=grammar_fetch,
-                cache_bytes=config.grammar_cache_bytes, default_engine=config.grammar_engine)
+                cache_bytes=config.grammar_cache_bytes, default_engine=config.grammar_engine,
+                compile_processes=config.compile_processes(grammar_limits),
+                compile_limits=grammar_limits)
             self.guided.closer.time_limit_s = config.closing_search_ms / 1000
             if self.runner.device.type == "cpu":  # compile the mask kernel off the hot path
                 threading.Thread(target=bitmask.warmup, daemon=True).start()
@@ -209,7 +216,8 @@ class LLMEngine:
         seq.resumed_text = already  # what the caller has, for validating the whole output
         self.seqs[seq.request_id] = seq
         if seq.grammar is not None:
-            seq.grammar_future = self.guided.get_grammar(seq.grammar, request.client)
+            seq.grammar_future = self.guided.get_grammar(seq.grammar, request.client,
+                                                         waiter=True)
             seq.status = SeqStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar.append(seq)
         else:
@@ -627,6 +635,7 @@ class LLMEngine:
         if seq.status is SeqStatus.WAITING_FOR_GRAMMAR:
             self.waiting_for_grammar.remove(seq)
             seq.status = SeqStatus.FINISHED
+            self.guided.give_up(seq.grammar, seq.grammar_future)  # the last one stops it
         else:
             self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)

@@ -75,10 +75,14 @@ it cannot write (over 10 fraction or 18 integer digits, an integer bound past 64
 which it would clamp) are refused, so ``auto`` serves them on xgrammar.
 
 Every llguidance compile is bounded: the rewrites run under a ``RewriteBudget`` (steps
-and time; schema_rewrites.py), the rewritten schema under ``_MAX_GROWTH`` times its source
-(plus 64 kB), and the compile itself under llguidance's own parser limits (lexer fuel,
-grammar size); past any of them llguidance refuses the schema by name
-(``grammar_too_large``) and ``auto`` serves it on xgrammar.
+and CPU time; schema_rewrites.py), the rewritten schema under ``_MAX_GROWTH`` times its
+source (plus 64 kB) and the property caps of ``_check_properties`` (what llguidance builds
+in about a second), the build itself under our parser limits (``LLGUIDANCE_LIMITS``:
+grammar size, lexer states and fuel), and a probe of its first steps catches a grammar
+over the per-step limits where it starts; past any of them llguidance refuses the schema
+by name (``grammar_too_large``) and ``auto`` serves it on xgrammar. The build releases the
+GIL. Every mask step is bounded by the same limits' step fuel; a matcher that reaches it
+mid-generation ends its request, its ``failure`` naming the limit.
 """
 
 from __future__ import annotations
@@ -173,6 +177,11 @@ class GrammarMatcher(ABC):
     def has_parser_state(self) -> bool: ...
 
     engine: str
+
+    def failure(self) -> str | None:
+        """Why the matcher can go no further though the grammar was not done (llguidance:
+        a mask step over its limits, ``LLGUIDANCE_LIMITS``), or None."""
+        return None
 
     # xgrammar's names, for code written against xgr.GrammarMatcher
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
@@ -305,11 +314,16 @@ class LLGuidanceEngine(GrammarEngine):
 
     name = LLGUIDANCE
 
-    def __init__(self, tokenizer: "llguidance.LLTokenizer"):
+    def __init__(self, tokenizer: "llguidance.LLTokenizer", limits: dict | None = None):
+        """``limits``: llguidance's parser limits (``LLGUIDANCE_LIMITS`` by default; any
+        ``LLParserLimits`` field)."""
+        import llguidance
+
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size
         self.stop_token_ids = frozenset(tokenizer.eos_tokens)
         self.probes = _run_probes(tokenizer)
+        self.limits = llguidance.LLParserLimits(**{**LLGUIDANCE_LIMITS, **(limits or {})})
 
     @classmethod
     def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -325,15 +339,60 @@ class LLGuidanceEngine(GrammarEngine):
 
         start = time.perf_counter()
         grammar = _llguidance_grammar(spec)
-        start_state = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        # (the construction releases the GIL: the engine thread steps on meanwhile)
+        start_state = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                           limits=self.limits)
         if start_state.is_error():
-            raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
-                                f"{_first_line(start_state.get_error())}")
+            raise _refusal(spec, start_state.get_error())
+        # the first steps, on a copy: a grammar over the per-step limits where it starts
+        # (an object of hundreds of optional properties) is refused now, where ``auto``
+        # can still serve it on xgrammar, not after its request's first token
+        probe = start_state.deep_copy()
+        probe.compute_bitmask()
+        forced = probe.compute_ff_tokens()
+        if forced and probe.consume_tokens(forced):
+            probe.compute_bitmask()
+        if probe.is_error():
+            raise _refusal(spec, probe.get_error())
         return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start)
 
     def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.artifact.deep_copy(), self.stop_token_ids,
                                  self.tokenizer, self.probes)
+
+
+# llguidance's parser limits (LLParserLimits), passed on every build. Each bounds the time
+# or memory of one compile or of one mask step; past one, a compile is refused
+# (grammar_too_large: ``auto`` serves the grammar on xgrammar) and a matcher that reaches
+# one mid-generation fails its request (LLGuidanceMatcher.failure). Measured on the
+# conformance bench and a 4,000-schema JSONSchemaBench sample (a build, then a 40-step
+# random walk of masks, docs/benchmarks.md): tighter step limits break real schemas
+# (step_lexer_fuel 100,000 failed Github_trivial/o9908 mid-walk, initial_lexer_fuel 200,000
+# refused Github_ultra/o50639), so those stay at llguidance's defaults, which bound a mask
+# step to ~15 ms of lexer and ~2.5 ms of parser work a row; the grammar size is cut to a
+# fifth (no sampled schema needs a fifth of that).
+LLGUIDANCE_LIMITS = dict(
+    max_grammar_size=100_000,  # symbols (default 500,000; the sample builds under 20,000)
+    max_lexer_states=250_000,  # ~1-2 kB each: a grammar's lexer memory (default)
+    initial_lexer_fuel=1_000_000,  # ~50 per us: building the lexer (default)
+    step_lexer_fuel=200_000,  # ~14 per us: one mask step's lexer work (default)
+    step_max_items=50_000,  # ~20 per us: one mask step's Earley items (default)
+    max_items_in_row=2000,  # one row's branching (default)
+    verbose_errors=False,  # an error's first line names the limit; no grammar dump
+)
+# llguidance's words for a limit it reached (its errors name the limit, not a kind)
+_LIMIT_WORDS = ("fuel", "too large", "too big", "max is", "limit", "lexer states",
+                "grammar size", "too many")
+
+
+def _refusal(spec: GrammarSpec, error: str) -> EngineRefused:
+    """llguidance's error building ``spec`` as a refusal: over one of its limits
+    (GRAMMAR_TOO_LARGE, naming the limit), else an invalid grammar."""
+    line = _first_line(error)
+    if any(word in line.lower() for word in _LIMIT_WORDS):
+        return EngineRefused(LLGUIDANCE, f"this {spec.kind} grammar is over llguidance's "
+                             f"compile limits: {line}", ErrorKind.GRAMMAR_TOO_LARGE)
+    return EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: {line}")
 
 
 # the characters whose runs tell places apart in llguidance's state key (see
@@ -398,6 +457,7 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
         if len(text) > _MAX_GROWTH * len(spec.source) + _MAX_GROWTH_BYTES:
             raise SchemaTooComplex(f"rewritten for llguidance it would be {len(text)} "
                                    f"bytes, from {len(spec.source)}")
+        _check_properties(schema)
     except SchemaTooComplex as exc:
         raise EngineRefused(LLGUIDANCE, f"the schema could not be prepared for llguidance: "
                             f"{exc}", ErrorKind.GRAMMAR_TOO_LARGE) from None
@@ -412,6 +472,45 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
     except ValueError as exc:
         raise EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: "
                             f"{_first_line(str(exc))}") from None
+
+
+# what llguidance's compile costs grows with a schema's optional properties (their
+# orders) and faster than linearly with one object's properties: one object of 7,500
+# properties took 0.65 s to build on a quiet 2-core machine and 2.8 s on a busy one, 60
+# objects of 100 optional integers 2.6 s there (then past the lexer fuel), where 200
+# objects of 20 properties took 0.2-0.5 s. No real-world schema comes near the caps (the
+# most properties in a 7,500-schema JSONSchemaBench sample: 2,173 in all). Beyond 500
+# optional properties in one object llguidance's first step is over max_items_in_row (4
+# items a property): it built such a schema, then failed its request's first token.
+_MAX_OPTIONAL, _MAX_OPTIONAL_TOTAL, _MAX_OBJECT_PROPERTIES = 500, 4500, 4000
+
+
+def _check_properties(schema) -> None:
+    """Raises SchemaTooComplex where ``schema`` has more properties than llguidance
+    compiles within about a second, or an object more optional ones than its first step
+    takes."""
+    optional_total, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                required = node.get("required")
+                required = set(required) if isinstance(required, list) else set()
+                optional = sum(1 for name in props if name not in required)
+                optional_total += optional
+                if optional > _MAX_OPTIONAL or len(props) > _MAX_OBJECT_PROPERTIES:
+                    raise SchemaTooComplex(
+                        f"an object has {len(props)} properties, {optional} of them "
+                        f"optional; llguidance takes at most {_MAX_OBJECT_PROPERTIES}, "
+                        f"{_MAX_OPTIONAL} optional")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    if optional_total > _MAX_OPTIONAL_TOTAL:
+        raise SchemaTooComplex(f"it has {optional_total} optional properties; llguidance "
+                               f"compiles at most {_MAX_OPTIONAL_TOTAL} within its time "
+                               "bound")
 
 
 # xgrammar reads \d and \w in a regex as ASCII classes, as JSON Schema's patterns do
@@ -544,6 +643,13 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def is_completed(self) -> bool:
         return self.terminated or self.inner.is_accepting()
+
+    def failure(self) -> str | None:
+        if not self.inner.is_error():
+            return None
+        return (f"the grammar reached llguidance's per-step limits here "
+                f"({_first_line(self.inner.get_error())}); simplify the grammar or use "
+                "grammar engine 'xgrammar'")
 
     def is_terminated(self) -> bool:
         return self.terminated

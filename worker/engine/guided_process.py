@@ -12,17 +12,27 @@ Which engine compiles a spec (``resolve``): the spec's ``engine`` when it names 
 the manager's ``default_engine`` (``EngineConfig.grammar_engine``), and ``auto`` by the rule
 in grammar_engines.py (llguidance for a JSON grammar it compiles, xgrammar elsewhere).
 
-Where an xgrammar compile happens is pluggable: by default in-process on the manager's
-thread pool; with ``fetch`` (for a worker in a cluster, ``GrammarCacheClient(info,
-...).fetch``, injected by the worker actor: the engine imports no Ray) through the shared
-cache actor. llguidance grammars always compile here: compiling one costs less than an
-actor round trip (figures in README.md and docs/benchmarks.md). The manager's cache is the
-worker's local LRU of both, and of their errors.
+Where an xgrammar compile happens is pluggable: with ``fetch`` (for a worker in a cluster,
+``GrammarCacheClient(info, ...).fetch``, injected by the worker actor: the engine imports
+no Ray) through the shared cache actor; with ``compile_processes`` in this engine's own
+``CompilePool`` (grammar_cache/compile_pool.py: killable child processes under the
+grammar cache's time and memory limits); else in-process on the manager's thread pool
+(xgrammar cannot stop a compile there: for tests and one-off use). llguidance grammars
+always compile here: compiling one costs less than an actor round trip, and llguidance's
+own limits bound it (grammar_engines.py). The manager's cache is the worker's local LRU
+of both, and of their errors.
+
+A compile nobody waits for stops: a caller that waits (``get_grammar(..., waiter=True)``,
+the engine's requests) calls ``give_up`` when it stops waiting (its grammar wait ran out,
+it was aborted); when the last waiter of a compile gives up, the compile is cancelled (a
+compile still queued never starts, one in a child process is killed at once, a fetch from
+the cache actor is cancelled there) and the next ask for the spec starts a new one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -34,8 +44,11 @@ from typing import Callable
 import torch
 import xgrammar as xgr
 
+from grammar_cache import envelope
 from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
-from grammar_cache.config import MAX_REPETITION
+from grammar_cache.compile_pool import CompilePool
+from grammar_cache.config import MAX_REPETITION, GrammarCacheConfig
+from core.errors import GrammarUnavailable
 from core.grammar_spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace
 from worker.engine.closing import NEXT_BYTE, CompletionSearch
@@ -72,9 +85,20 @@ class GuidedStats:
     xgrammar_requests: int = 0  # matchers created per engine (one per guided request)
     llguidance_requests: int = 0
     llguidance_refusals: int = 0  # auto: grammars llguidance refused, served by xgrammar
+    cancelled: int = 0  # compiles stopped because their last waiter gave up
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(eq=False)
+class _Inflight:
+    """One compile in progress: its future, how many callers wait for it, and the event
+    that cancels it once none does."""
+
+    future: Future | None = None
+    waiters: int = 0
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class GuidedDecodingManager:
@@ -83,14 +107,17 @@ class GuidedDecodingManager:
                  error_ttl_s: float = 60.0, fetch: GrammarFetch | None = None,
                  encode: Callable[[str], list[int]] | None = None,
                  llguidance: Callable[[], LLGuidanceEngine] | None = None,
-                 default_engine: str = AUTO, max_repetition: int = MAX_REPETITION):
-        """``fetch``: compiles (or fetches) an xgrammar spec; None compiles in-process.
-        ``encode``: the tokenizer's text -> ids, used to cost forced strings in closing
-        searches. ``llguidance``: builds the llguidance engine (on first use; None: no
-        llguidance here, ``auto`` is xgrammar). ``default_engine``: what a spec whose
-        engine is ``auto`` gets (``auto``: the rule). ``max_repetition``: the cache's
-        repetition limit, applied to llguidance compiles as the cache applies it to
-        xgrammar's."""
+                 default_engine: str = AUTO, max_repetition: int | None = None,
+                 compile_processes: int = 0, compile_limits: GrammarCacheConfig | None = None):
+        """``fetch``: compiles (or fetches) an xgrammar spec; None compiles here: in
+        ``compile_processes`` child processes under ``compile_limits`` (a
+        GrammarCacheConfig: compile_timeout_s, compile_memory_mb, max_repetition), or with
+        0 on ``compile_threads`` threads of this process. ``encode``: the tokenizer's text
+        -> ids, used to cost forced strings in closing searches. ``llguidance``: builds the
+        llguidance engine (on first use; None: no llguidance here, ``auto`` is xgrammar).
+        ``default_engine``: what a spec whose engine is ``auto`` gets (``auto``: the rule).
+        ``max_repetition``: the repetition limit (default: ``compile_limits``'), applied to
+        llguidance compiles as the cache applies it to xgrammar's."""
         if default_engine not in (AUTO, *ENGINES):
             raise ValueError(f"grammar engine {default_engine!r} is not one of "
                              f"{(AUTO, *ENGINES)}")
@@ -111,18 +138,31 @@ class GuidedDecodingManager:
         self._sizes: dict[str, int] = {}  # key -> bytes it counts against cache_bytes
         self.cached_bytes = 0
         self._error_time: dict[str, float] = {}
-        self._inflight: dict[str, Future] = {}
+        self._inflight: dict[str, _Inflight] = {}
         self._lock = threading.Lock()
-        # with a remote fetch (the cache actor) the threads mostly wait: several, so one
-        # slow answer does not hold every other new grammar behind it
-        self._pool = ThreadPoolExecutor(max_workers=compile_threads if fetch is None else 8,
+        self.compile_limits = compile_limits or GrammarCacheConfig()
+        # xgrammar compiles of this engine's own: killable child processes, or threads
+        self.compile_pool: CompilePool | None = None
+        if fetch is None and compile_processes:
+            self.compile_pool = CompilePool(self.compile_limits, processes=compile_processes,
+                                            start=1)
+            self._tokenizer_json = tokenizer_info.serialize_json()
+        # with a remote fetch or child processes the threads mostly wait: several, so one
+        # slow compile does not hold every other new grammar behind it
+        waits = fetch is not None or self.compile_pool is not None
+        self._pool = ThreadPoolExecutor(max_workers=8 if waits else compile_threads,
                                         thread_name_prefix="grammar-compile")
         self._fetch = fetch or (lambda spec, _client: compile_spec(self.compiler, spec))
+        # a fetch that takes ``cancel`` (GrammarCacheClient.fetch) stops waiting for the
+        # cache actor once nobody waits for the grammar here
+        self._fetch_cancels = fetch is not None and "cancel" in inspect.signature(
+            fetch).parameters
         self.cache_bytes = cache_bytes
         self.error_ttl_s = error_ttl_s
         self.stats = GuidedStats()
         self.default_engine = default_engine
-        self.max_repetition = max_repetition
+        self.max_repetition = (self.compile_limits.max_repetition if max_repetition is None
+                               else max_repetition)
         self._llguidance_factory = llguidance
         self._llguidance: LLGuidanceEngine | None = None
         self._ll_lock = threading.Lock()
@@ -174,11 +214,14 @@ class GuidedDecodingManager:
 
     # grammars ---------------------------------------------------------------------------
 
-    def get_grammar(self, spec: GrammarSpec, client: str | None = None) -> Future:
+    def get_grammar(self, spec: GrammarSpec, client: str | None = None, *,
+                    waiter: bool = False) -> Future:
         """A future of the CompiledGrammar (or of the GrammarError; EngineRefused names
         the engine). Cached grammars and cached failures resolve at once; concurrent asks
         for one spec share one compile, fetched for the ``client`` (the request's
-        GenerationRequest.client) of the ask that started it."""
+        GenerationRequest.client) of the ask that started it. ``waiter``: the caller
+        waits for it and calls ``give_up(spec, future)`` if it stops waiting before the
+        future is done (the compile stops once no waiter is left)."""
         key = spec.key(self.fingerprint)
         with self._lock:
             cached = self._grammars.get(key)
@@ -191,13 +234,32 @@ class GuidedDecodingManager:
                 else:
                     fut.set_result(cached)
                 return fut
-            if key in self._inflight:
+            running = self._inflight.get(key)
+            if running is not None:
                 self.stats.hits += 1
-                return self._inflight[key]
-            self.stats.misses += 1
-            fut = self._pool.submit(self._compile, key, spec, client)
-            self._inflight[key] = fut
-            return fut
+            else:
+                self.stats.misses += 1
+                running = self._inflight[key] = _Inflight()
+                running.future = self._pool.submit(self._compile, key, spec, client, running)
+            running.waiters += waiter
+            return running.future
+
+    def give_up(self, spec: GrammarSpec, future: Future) -> None:
+        """A waiter of ``future`` (``get_grammar(..., waiter=True)``) stopped waiting for
+        it. The last one to do so cancels the compile (see the module docstring)."""
+        key = spec.key(self.fingerprint)
+        with self._lock:
+            running = self._inflight.get(key)
+            if running is None or running.future is not future or future.done():
+                return
+            running.waiters -= 1
+            if running.waiters > 0:
+                return
+            running.cancel.set()
+            del self._inflight[key]  # the next ask starts a compile of its own
+            self.stats.cancelled += 1
+        logger.info("cancelled the compile of %s: nobody waits for it any more",
+                    spec.describe())
 
     def holds(self, spec: GrammarSpec) -> bool:
         """Whether ``spec``'s compiled grammar is ready here (a request for it would not
@@ -249,8 +311,10 @@ class GuidedDecodingManager:
                     self._llguidance = self._llguidance_factory()
         return self._llguidance
 
-    def _build(self, spec: GrammarSpec, client: str | None = None) -> CompiledGrammar:
-        """Compiles ``spec`` on the engine it resolves to; raises GrammarError."""
+    def _build(self, spec: GrammarSpec, client: str | None = None,
+               cancel: threading.Event | None = None) -> CompiledGrammar:
+        """Compiles ``spec`` on the engine it resolves to; raises GrammarError
+        (GrammarUnavailable once ``cancel`` is set)."""
         asked = self.resolve(spec)
         # a spec that names llguidance gets it or its refusal; a server default of
         # llguidance sends it the kinds it takes (the others are in xgrammar's dialects)
@@ -274,30 +338,53 @@ class GuidedDecodingManager:
         # xgrammar's grammars go through the fetch (the shared cache in a cluster) under the
         # request's key, which the cache's hot lists and replication count by
         t = time.perf_counter()
-        artifact = self._fetch(spec, client)
+        if self.compile_pool is not None:
+            artifact = self._compile_in_child(spec, cancel)
+        elif self._fetch_cancels:
+            artifact = self._fetch(spec, client, cancel=cancel)
+        else:
+            artifact = self._fetch(spec, client)
         self.stats.xgrammar_grammars += 1
         return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - t)
 
-    def _compile(self, key: str, spec: GrammarSpec, client: str | None):
+    def _compile_in_child(self, spec: GrammarSpec, cancel: threading.Event | None):
+        """xgrammar's compile in this engine's CompilePool: killed past its limits or
+        once ``cancel`` is set (then GrammarUnavailable; a limit is a GrammarError)."""
+        key = spec.key(self.fingerprint)
+        result = self.compile_pool.compile(spec, self.fingerprint, self._tokenizer_json, key,
+                                           cancel=cancel)
+        return envelope.unpack(result.data, self.tokenizer_info, self.fingerprint, key)
+
+    def _compile(self, key: str, spec: GrammarSpec, client: str | None, running: _Inflight):
         t = time.perf_counter()
         try:
-            result = self._build(spec, client)
+            if running.cancel.is_set():  # every waiter gave up while it was queued
+                raise GrammarUnavailable(f"the compile of this {spec.kind} grammar was "
+                                         "cancelled (nobody waits for it any more); retry")
+            result = self._build(spec, client, running.cancel)
         except GrammarError as exc:
             result = exc
         except BaseException:
-            # not the grammar's fault (the compile service failed): fail this wait, and let
-            # the next request for the spec try again instead of joining a dead future
+            # not the grammar's fault (the compile service failed, or it was cancelled):
+            # fail this wait, and let the next request for the spec try again instead of
+            # joining a dead future
             with self._lock:
-                self._inflight.pop(key, None)
+                self._forget(key, running)
             raise
         with self._lock:
-            self._inflight.pop(key, None)
+            self._forget(key, running)
             self.stats.compiles += 1
             self._store(key, result)
         logger.debug("compiled %s in %.1f ms", spec.describe(), 1e3 * (time.perf_counter() - t))
         if isinstance(result, GrammarError):
             raise result
         return result
+
+    def _forget(self, key: str, running: _Inflight) -> None:
+        """Drops ``running`` from the compiles in progress (unless a newer compile of the
+        key took its place after it was cancelled)."""
+        if self._inflight.get(key) is running:
+            del self._inflight[key]
 
     def _store(self, key: str, result) -> None:
         """Caches a compiled grammar or a failure; evicts least recently used entries
@@ -430,8 +517,14 @@ class GuidedDecodingManager:
         apply_token_bitmask_inplace(logits[:num_rows], self.bitmask[:num_rows])
 
     def shutdown(self) -> None:
-        """Stops the compile threads (a compile in progress finishes on its own)."""
+        """Stops the compile threads (a compile in progress finishes on its own) and the
+        compile processes."""
+        with self._lock:
+            for running in self._inflight.values():
+                running.cancel.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.compile_pool is not None:
+            self.compile_pool.close()
 
 
 def _grammar_bytes(compiled) -> int:

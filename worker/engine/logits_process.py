@@ -148,8 +148,10 @@ class FusedLogitsProcessor:
             if self._may_end.get(row) and token in self.inputs.rows[row].params.stop_token_ids:
                 out[row] = RowStatus(stop=True)  # a stop id where the grammar may end
             elif not matcher.accept_token(token):
-                out[row] = RowStatus(error=f"the grammar rejected token {token}",
-                                     error_kind=ErrorKind.REJECTED)
+                failure = matcher.failure()  # a matcher over its limits, not a bug
+                out[row] = RowStatus(
+                    error=failure or f"the grammar rejected token {token}",
+                    error_kind=ErrorKind.GRAMMAR_TOO_LARGE if failure else ErrorKind.REJECTED)
             elif matcher.is_terminated():
                 out[row] = RowStatus(terminated=True)
         self.timings.accept_us = (time.perf_counter() - t) * 1e6
