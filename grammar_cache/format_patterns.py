@@ -1,0 +1,125 @@
+"""String ``format`` s as patterns that only match what the post-validation accepts.
+
+Both engines' own grammars for some formats are wider than jsonschema-rs (the validator
+of worker/engine/validation.py), so an answer written under them, at its budget or freely,
+can come back ``invalid`` (probed on xgrammar 0.2.8, llguidance 1.9.1, jsonschema-rs 0.60):
+
+- ``email``: a local part over 64 characters, a domain label over 63, a label with
+  ``--`` at its 3rd-4th characters (``xn--abc``: punycode the validator refuses), a domain
+  over 253 characters (both engines);
+- ``hostname``: the same labels and length (a label over 63 on xgrammar only);
+- ``date`` / ``date-time``: February 29th of a year that is not a leap year (both),
+  a day past its month's end (``2024-04-31``, xgrammar);
+- ``time`` / ``date-time``: second 60 that is not a leap second (``12:00:60Z``, both);
+- ``ipv4``: a leading zero (``01.2.3.4``, xgrammar).
+
+``format_patterns`` writes each of these formats as a ``pattern`` (``^...$``, the same
+regex on both engines) that matches a subset of what the validator accepts: long or
+punycode labels, leap seconds, quoted local parts and IP-literal domains of e-mail
+addresses are left out, nothing a model needs. ``idn-email`` / ``idn-hostname`` get the
+ASCII subset (which the validator accepts as IDN): xgrammar would write a plain string,
+llguidance refuses them. The other formats both engines enforce (uuid, ipv6, uri,
+duration ...) matched the validator in the probes (tests/test_format_patterns_unit.py).
+
+A node that has a ``pattern`` of its own keeps its ``format`` as written (one engine
+would read one of the two only). The post-validation still checks the format as the
+client wrote it. Imports nothing of the other layers: the xgrammar compile
+(compile.py) and the llguidance path (worker/engine/grammar_engines.py) both call it.
+"""
+
+from __future__ import annotations
+
+import json
+
+_X, _H = "[A-Za-z0-9]", "[A-Za-z0-9-]"
+
+
+def _label(n: int) -> str:
+    """A hostname label of 1 to ``n`` (>= 5) letters, digits and hyphens, starting and
+    ending with a letter or digit, with no ``--`` at its 3rd and 4th characters."""
+    return (f"{_X}({_X}|{_H}({_X}({_H}{{0,{n - 4}}}{_X})?|-{_X}({_H}{{0,{n - 5}}}{_X})?))?")
+
+
+# at most 4 labels, the last of at most 61: 3 * 64 + 61 = 253 characters
+_HOSTNAME = f"({_label(63)}\\.){{0,3}}{_label(61)}"
+_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
+# a dot-atom of at most 64 characters: a run of up to 64, or up to 32 joined by dots
+_LOCAL = f"({_ATOM}{{1,64}}|{_ATOM}(\\.?{_ATOM}){{1,31}})"
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[048]|[2468][048]|[13579][26])00)"
+_DATE = ("([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]"
+         f"|30)|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_OFFSET = "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+
+
+def _time(frac_digits: int) -> str:
+    fraction = f"[0-9]{{1,{frac_digits}}}" if frac_digits else "[0-9]+"
+    return f"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.{fraction})?{_OFFSET}"
+
+
+def pattern_for(fmt: str, frac_digits: int = 0) -> str | None:
+    """The anchored pattern written for ``format: fmt``, or None where the format is left
+    to the engine; ``frac_digits`` bounds a time's fraction of a second (0: unbounded)."""
+    body = {"email": f"{_LOCAL}@{_HOSTNAME}", "hostname": _HOSTNAME,
+            "date": _DATE, "time": _time(frac_digits),
+            "date-time": f"{_DATE}[Tt]{_time(frac_digits)}",
+            "ipv4": f"({_OCTET}\\.){{3}}{_OCTET}"}
+    body["idn-email"], body["idn-hostname"] = body["email"], body["hostname"]
+    body["host-name"], body["ip-address"] = body["hostname"], body["ipv4"]  # draft 3
+    return f"^{body[fmt]}$" if fmt in body else None
+
+
+_REWRITTEN = frozenset(("email", "idn-email", "hostname", "idn-hostname", "host-name",
+                        "date", "time", "date-time", "ipv4", "ip-address"))
+# where a keyword's value is not a schema (a value, or a map of names to schemas)
+_VALUES = frozenset(("enum", "const", "default", "examples"))
+_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas", "dependencies"))
+_MAX_DEPTH = 256
+
+
+def format_patterns(schema, frac_digits: int = 0):
+    """``schema`` (a parsed JSON schema) with each ``format`` of ``_REWRITTEN`` written as
+    its ``pattern`` (``pattern_for``), where the node has no ``pattern`` of its own. A new
+    object where something changed; the schema itself otherwise."""
+    return _rewrite(schema, frac_digits, 0)
+
+
+def format_patterns_text(schema: str, frac_digits: int = 0) -> str:
+    """``format_patterns`` over schema text: the text itself where no format changes (or
+    where it is not JSON: the compile then says what is wrong with it)."""
+    if '"format"' not in schema:
+        return schema
+    try:
+        parsed = json.loads(schema)
+    except (ValueError, RecursionError):
+        return schema
+    out = format_patterns(parsed, frac_digits)
+    return schema if out is parsed else json.dumps(out)
+
+
+def _rewrite(node, frac_digits: int, depth: int):
+    if depth > _MAX_DEPTH:
+        return node
+    if isinstance(node, list):
+        items = [_rewrite(sub, frac_digits, depth + 1) for sub in node]
+        return node if all(a is b for a, b in zip(items, node)) else items
+    if not isinstance(node, dict):
+        return node
+    out, changed = {}, False
+    for key, value in node.items():
+        new = value
+        if key in _MAPS and isinstance(value, dict):
+            subs = {name: _rewrite(sub, frac_digits, depth + 1) for name, sub in value.items()}
+            if any(subs[name] is not sub for name, sub in value.items()):
+                new = subs
+        elif key not in _VALUES and isinstance(value, (dict, list)):
+            new = _rewrite(value, frac_digits, depth + 1)
+        changed |= new is not value
+        out[key] = new
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt in _REWRITTEN and "pattern" not in node:
+        del out["format"]
+        out["pattern"] = pattern_for(fmt, frac_digits)
+        changed = True
+    return out if changed else node
