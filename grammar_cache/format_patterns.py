@@ -11,15 +11,23 @@ can come back ``invalid`` (probed on xgrammar 0.2.8, llguidance 1.9.1, jsonschem
 - ``date`` / ``date-time``: February 29th of a year that is not a leap year (both),
   a day past its month's end (``2024-04-31``, xgrammar);
 - ``time`` / ``date-time``: second 60 that is not a leap second (``12:00:60Z``, both);
-- ``ipv4``: a leading zero (``01.2.3.4``, xgrammar).
+- ``ipv4``: a leading zero (``01.2.3.4``, xgrammar), and in an ``ipv6`` 's embedded IPv4
+  (``::8.90.02.8``, xgrammar);
+- ``json-pointer`` / ``relative-json-pointer``: raw control characters, which are not JSON
+  at all (xgrammar; llguidance refuses both formats).
 
 ``format_patterns`` writes each of these formats as a ``pattern`` (``^...$``, the same
 regex on both engines) that matches a subset of what the validator accepts: long or
 punycode labels, leap seconds, quoted local parts and IP-literal domains of e-mail
 addresses are left out, nothing a model needs. ``idn-email`` / ``idn-hostname`` get the
 ASCII subset (which the validator accepts as IDN): xgrammar would write a plain string,
-llguidance refuses them. The other formats both engines enforce (uuid, ipv6, uri,
-duration ...) matched the validator in the probes (tests/test_format_patterns_unit.py).
+llguidance refuses them. The other formats the engines enforce (uuid, uri, uri-reference,
+uri-template, duration) matched the validator in the probes: strings sampled at random
+from each engine's grammar, at their length bounds (tests/test_format_patterns_unit.py).
+
+Optional parts are written ``{0,1}``, never ``?``: xgrammar 0.2.8 reads an optional group
+that ends in a bounded class run as one whose first character may be left out
+(``^a(b[0-9]{1,3})?z$`` takes ``a5z``).
 
 A node that has a ``pattern`` of its own keeps its ``format`` as written (one engine
 would read one of the two only). The post-validation still checks the format as the
@@ -37,24 +45,36 @@ _X, _H = "[A-Za-z0-9]", "[A-Za-z0-9-]"
 def _label(n: int) -> str:
     """A hostname label of 1 to ``n`` (>= 5) letters, digits and hyphens, starting and
     ending with a letter or digit, with no ``--`` at its 3rd and 4th characters."""
-    return (f"{_X}({_X}|{_H}({_X}({_H}{{0,{n - 4}}}{_X})?|-{_X}({_H}{{0,{n - 5}}}{_X})?))?")
+    return (f"{_X}({_X}|{_H}({_X}({_H}{{0,{n - 4}}}{_X}){{0,1}}|-{_X}({_H}{{0,{n - 5}}}{_X})"
+            "{0,1})){0,1}")
 
 
 # at most 4 labels, the last of at most 61: 3 * 64 + 61 = 253 characters
 _HOSTNAME = f"({_label(63)}\\.){{0,3}}{_label(61)}"
 _ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
 # a dot-atom of at most 64 characters: a run of up to 64, or up to 32 joined by dots
-_LOCAL = f"({_ATOM}{{1,64}}|{_ATOM}(\\.?{_ATOM}){{1,31}})"
+_LOCAL = f"({_ATOM}{{1,64}}|{_ATOM}(\\.{{0,1}}{_ATOM}){{1,31}})"
 _LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[048]|[2468][048]|[13579][26])00)"
 _DATE = ("([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]"
          f"|30)|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _OFFSET = "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
-_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]{0,1}[0-9])"
+
+
+_HEX = "[0-9A-Fa-f]{1,4}"
+# the hexadecimal forms only (no embedded IPv4: xgrammar's took "::8.90.02.8", a leading
+# zero the validator refuses); "{1,7}" groups around "::" stand for at least one zero group
+_IPV6 = "|".join((f"({_HEX}:){{7}}{_HEX}", f"({_HEX}:){{1,7}}:",
+                  *(f"({_HEX}:){{1,{n}}}(:{_HEX}){{1,{7 - n}}}" for n in range(6, 0, -1)),
+                  f":((:{_HEX}){{1,7}}|:)"))
+# a JSON pointer's reference tokens ("~" escaped as ~0 / ~1); xgrammar's own grammar took
+# raw control characters (not JSON)
+_POINTER = "(/([^~/]|~[01])*)*"
 
 
 def _time(frac_digits: int) -> str:
     fraction = f"[0-9]{{1,{frac_digits}}}" if frac_digits else "[0-9]+"
-    return f"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.{fraction})?{_OFFSET}"
+    return f"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.{fraction}){{0,1}}{_OFFSET}"
 
 
 def pattern_for(fmt: str, frac_digits: int = 0) -> str | None:
@@ -63,14 +83,17 @@ def pattern_for(fmt: str, frac_digits: int = 0) -> str | None:
     body = {"email": f"{_LOCAL}@{_HOSTNAME}", "hostname": _HOSTNAME,
             "date": _DATE, "time": _time(frac_digits),
             "date-time": f"{_DATE}[Tt]{_time(frac_digits)}",
-            "ipv4": f"({_OCTET}\\.){{3}}{_OCTET}"}
+            "ipv4": f"({_OCTET}\\.){{3}}{_OCTET}", "ipv6": f"({_IPV6})",
+            "json-pointer": _POINTER,
+            "relative-json-pointer": f"(0|[1-9][0-9]{{0,8}})(#|{_POINTER})"}
     body["idn-email"], body["idn-hostname"] = body["email"], body["hostname"]
     body["host-name"], body["ip-address"] = body["hostname"], body["ipv4"]  # draft 3
     return f"^{body[fmt]}$" if fmt in body else None
 
 
 _REWRITTEN = frozenset(("email", "idn-email", "hostname", "idn-hostname", "host-name",
-                        "date", "time", "date-time", "ipv4", "ip-address"))
+                        "date", "time", "date-time", "ipv4", "ip-address", "ipv6",
+                        "json-pointer", "relative-json-pointer"))
 # where a keyword's value is not a schema (a value, or a map of names to schemas)
 _VALUES = frozenset(("enum", "const", "default", "examples"))
 _MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions",
