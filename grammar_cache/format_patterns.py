@@ -4,9 +4,9 @@ Both engines' own grammars for some formats are wider than jsonschema-rs (the va
 of worker/engine/validation.py), so an answer written under them, at its budget or freely,
 can come back ``invalid`` (probed on xgrammar 0.2.8, llguidance 1.9.1, jsonschema-rs 0.60):
 
-- ``email``: a local part over 64 characters, a domain label over 63, a label with
-  ``--`` at its 3rd-4th characters (``xn--abc``: punycode the validator refuses), a domain
-  over 253 characters (both engines);
+- ``email``: a domain label over 63 characters, a label with ``--`` at its 3rd-4th
+  characters (``xn--abc``: punycode the validator refuses), a domain over 253 characters
+  (both engines); a local part over 64 characters is left possible (see ``_LOCAL``);
 - ``hostname``: the same labels and length (a label over 63 on xgrammar only);
 - ``date`` / ``date-time``: February 29th of a year that is not a leap year (both),
   a day past its month's end (``2024-04-31``, xgrammar);
@@ -52,8 +52,11 @@ def _label(n: int) -> str:
 # at most 4 labels, the last of at most 61: 3 * 64 + 61 = 253 characters
 _HOSTNAME = f"({_label(63)}\\.){{0,3}}{_label(61)}"
 _ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
-# a dot-atom of at most 64 characters: a run of up to 64, or up to 32 joined by dots
-_LOCAL = f"({_ATOM}{{1,64}}|{_ATOM}(\\.{{0,1}}{_ATOM}){{1,31}})"
+# a dot-atom; not bounded to the 64 characters the validator allows: a bounded run before
+# the "@" (64 places, each a state of its own) left the closing search (closing.py) no
+# path to the "@" within its node budget, so an answer cut inside an address could not
+# close (a local part over 64 characters stays possible, and is flagged invalid)
+_LOCAL = f"{_ATOM}+(\\.{_ATOM}+)*"
 _LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[048]|[2468][048]|[13579][26])00)"
 _DATE = ("([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]"
          f"|30)|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
