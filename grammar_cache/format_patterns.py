@@ -121,7 +121,12 @@ def format_patterns_text(schema: str, frac_digits: int = 0) -> str:
     except (ValueError, RecursionError):
         return schema
     out = format_patterns(parsed, frac_digits)
-    return schema if out is parsed else json.dumps(out)
+    if out is parsed:
+        return schema
+    try:  # (a number past a double, 1e400, parsed as inf: left as written)
+        return json.dumps(out, allow_nan=False)
+    except ValueError:
+        return schema
 
 
 def _rewrite(node, frac_digits: int, depth: int):

@@ -186,6 +186,12 @@ def test_values_and_property_names_are_not_rewritten():
     assert format_patterns_text(json.dumps(schema)) == json.dumps(schema)
 
 
+def test_a_schema_with_a_number_past_a_double_is_left_as_written():
+    text = '{"properties": {"e": {"format": "email"}, "n": {"maximum": 1e400}}}'
+    assert format_patterns_text(text) == text
+    assert "pattern" in format_patterns_text(text.replace("1e400", "10"))
+
+
 def test_a_time_fraction_keeps_the_digit_guard():
     assert "[0-9]{1,10}" in pattern_for("time", 10)
 
