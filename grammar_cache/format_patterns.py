@@ -4,9 +4,10 @@ Both engines' own grammars for some formats are wider than jsonschema-rs (the va
 of worker/engine/validation.py), so an answer written under them, at its budget or freely,
 can come back ``invalid`` (probed on xgrammar 0.2.8, llguidance 1.9.1, jsonschema-rs 0.60):
 
-- ``email``: a domain label over 63 characters, a label with ``--`` at its 3rd-4th
-  characters (``xn--abc``: punycode the validator refuses), a domain over 253 characters
-  (both engines); a local part over 64 characters is left possible (see ``_LOCAL``);
+- ``email``: a label with ``--`` at its 3rd-4th characters (``xn--abc``: punycode the
+  validator refuses; both engines); a local part over 64 characters, a domain label over
+  63 and a domain over 253 are left possible (see ``_LOCAL``, ``_DOMAIN``: bounded, they
+  defeated the closing search) and are flagged ``invalid`` when written;
 - ``hostname``: the same labels and length (a label over 63 on xgrammar only);
 - ``date`` / ``date-time``: February 29th of a year that is not a leap year (both),
   a day past its month's end (``2024-04-31``, xgrammar);
@@ -51,6 +52,11 @@ def _label(n: int) -> str:
 
 # at most 4 labels, the last of at most 61: 3 * 64 + 61 = 253 characters
 _HOSTNAME = f"({_label(63)}\\.){{0,3}}{_label(61)}"
+# an e-mail's domain: labels of any length (no "--" at their 3rd-4th characters): with the
+# bounded labels above, closing a longer document from inside an address took the closing
+# search past its node budget (each place in a bounded run is a state of its own)
+_FREE_LABEL = f"{_X}({_X}|{_H}({_X}({_H}*{_X}){{0,1}}|-{_X}({_H}*{_X}){{0,1}})){{0,1}}"
+_DOMAIN = f"({_FREE_LABEL}\\.)*{_FREE_LABEL}"
 _ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
 # a dot-atom; not bounded to the 64 characters the validator allows: a bounded run before
 # the "@" (64 places, each a state of its own) left the closing search (closing.py) no
@@ -83,7 +89,7 @@ def _time(frac_digits: int) -> str:
 def pattern_for(fmt: str, frac_digits: int = 0) -> str | None:
     """The anchored pattern written for ``format: fmt``, or None where the format is left
     to the engine; ``frac_digits`` bounds a time's fraction of a second (0: unbounded)."""
-    body = {"email": f"{_LOCAL}@{_HOSTNAME}", "hostname": _HOSTNAME,
+    body = {"email": f"{_LOCAL}@{_DOMAIN}", "hostname": _HOSTNAME,
             "date": _DATE, "time": _time(frac_digits),
             "date-time": f"{_DATE}[Tt]{_time(frac_digits)}",
             "ipv4": f"({_OCTET}\\.){{3}}{_OCTET}", "ipv6": f"({_IPV6})",

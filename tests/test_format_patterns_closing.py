@@ -48,3 +48,23 @@ def test_closing_inside_a_format(manager, default_tokenizer, engine, fmt, prefix
     assert found.tokens is not None and len(found.tokens) <= most, (engine, fmt, prefix)
     whole = text + default_tokenizer.decode(found.tokens)
     assert validate_json({"properties": {"e": {"format": fmt}}}, whole) is None, whole
+
+
+@pytest.mark.parametrize("engine", ["xgrammar", "llguidance"])
+def test_closing_a_longer_document_from_inside_an_address(manager, default_tokenizer,
+                                                           engine):
+    # bounded domain labels left the search no path here (800 nodes) on both engines
+    schema = {"type": "object", "properties": {
+        "email": {"type": "string", "format": "email"},
+        "id": {"type": "string", "format": "uuid"}, "day": {"type": "string",
+                                                          "format": "date"}},
+        "required": ["email", "id", "day"]}
+    compiled = manager.get_grammar(GrammarSpec.json_schema(schema, engine=engine)).result(
+        timeout=60)
+    matcher = manager.new_matcher(compiled)
+    text = '{"email": "ab'
+    assert all(matcher.accept_token(t)
+               for t in default_tokenizer(text, add_special_tokens=False)["input_ids"])
+    found = manager.closer.shortest(matcher, 128)
+    assert found.tokens is not None, engine
+    assert validate_json(schema, text + default_tokenizer.decode(found.tokens)) is None
