@@ -31,7 +31,7 @@ WHITESPACE = ("bounded", "any", "compact", "indent", "spaced")
 ENGINES = ("auto", "xgrammar", "llguidance")
 MAX_SOURCE_BYTES = 256 * 1024
 MAX_CHOICES = 4096
-KEY_VERSION = 2  # 2: the engine is part of the key
+KEY_VERSION = 3  # 2: the engine is part of the key; 3: formats written as patterns
 
 
 @dataclass(frozen=True)

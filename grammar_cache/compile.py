@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from core.errors import GrammarError
 from core.grammar_spec import GrammarSpec
+from grammar_cache.format_patterns import format_patterns_text
 
 __all__ = ["GrammarError", "compile_spec", "explain_compile_error", "tokenizer_fingerprint"]
 
@@ -151,7 +152,12 @@ def json_schema_ebnf(schema: str, *, max_int_digits: int = 0, max_frac_digits: i
     ``"."`` the fraction bound, after ``[eE]`` and a sign the exponent bound, otherwise
     the integer bound (less the leading ``[1-9]`` when it follows one). A run with a
     larger minimum keeps its minimum as the bound.
+
+    Formats xgrammar writes wider than the post-validation accepts (``email``,
+    ``hostname``, ``date`` ...) are written as patterns that match only what it accepts
+    (format_patterns.py).
     """
+    schema = format_patterns_text(schema, max_frac_digits)
     ebnf = str(xgr.Grammar.from_json_schema(schema, **options))
 
     def fix(m: re.Match) -> str:

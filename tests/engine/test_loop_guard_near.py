@@ -148,3 +148,70 @@ def test_engine_ends_restarting_sentences_on_each_engine(make_engine, name):
     assert final.grammar_engine == name
     assert final.finish_reason == "stop" and final.loop_cuts == 1, text
     assert json.loads(text)["store"] == " ".join(f"I went to the {w}." for w in words[:4])
+
+
+# --- items and sentences that cycle (A, B, A, B ...) ------------------------------------------
+
+def cycle(qs, names=("Tacos", "Burrito")):
+    """Items that cycle through ``names``, each round counting ``q`` (A1, B1, A2, B2 ...)."""
+    return '{"items": [' + ", ".join(line(q, name=n) for q in qs for n in names)
+
+
+@pytest.mark.parametrize("text, kept", [
+    # A1, B1, A2, B2 ...: each item a near copy of the one two before; 8 rounds kept
+    (cycle(range(1, 14)), cycle(range(1, 9)) + "]"),
+    # exact A, B rounds of long items (past the exact detector's 48 tokens): 3 rounds
+    (cycle([3] * 10), cycle([3] * 3) + "]"),
+    # three items a round
+    (cycle(range(1, 12), ("Tacos", "Burrito", "Nachos")),
+     cycle(range(1, 9), ("Tacos", "Burrito", "Nachos")) + "]"),
+])
+def test_items_that_cycle_are_ended_after_their_rounds(default_tokenizer, vocab, text, kept):
+    assert detect(default_tokenizer, vocab, ORDER, text) == kept
+
+
+def test_sentences_that_cycle_are_ended(default_tokenizer, vocab):
+    # a pair of sentences, the first restarting with a changed word each round
+    places = ["store", "park", "beach", "mall", "zoo", "lake", "gym", "bank"]
+    pair = "I went to the {}. We ate some very nice food there with all of our friends."
+    text = '{"store": "' + " ".join(pair.format(p) for p in places)
+    got = detect(default_tokenizer, vocab, STORE, text)
+    assert got == '{"store": "' + " ".join(pair.format(p) for p in places[:4]) + '"', got
+
+
+SCORES = {"type": "object", "properties": {"rounds": {"type": "array", "items": {
+    "type": "object", "properties": {"team": {"type": "string"}, "score": {"type": "integer"}},
+    "required": ["team", "score"], "additionalProperties": False}}},
+    "required": ["rounds"], "additionalProperties": False}
+SHIFTS = {"type": "object", "properties": {"shifts": {"type": "array", "items": {
+    "type": "string", "enum": ["early shift", "late shift", "night shift"]},
+    "minItems": 21}}, "required": ["shifts"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema, text", [
+    # two teams' scores alternating: data (the scores do not step alike)
+    (SCORES, '{"rounds": [' + ", ".join(
+        f'{{"team": "{t}", "score": {s}}}' for i in range(12)
+        for t, s in (("Red", 3 + i * i % 7), ("Blue", 5 + i * 3 % 4)))),
+    # distinct items in a round: days and meals (the words differ)
+    (TAGS, '{"tags": [' + ", ".join(
+        f'"{d}: {m} with friends and family at the old house by the lake"'
+        for d in ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday")
+        for m in ("breakfast", "dinner"))),
+    # the schema demands 21 shifts (an enum): the rounds stay until minItems allow an end
+    (SHIFTS, '{"shifts": [' + ", ".join(['"early shift", "late shift", "night shift"'] * 6)),
+])
+def test_what_cycles_but_is_not_a_loop_is_kept(default_tokenizer, vocab, schema, text):
+    assert detect(default_tokenizer, vocab, schema, text) is None
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_engine_ends_items_that_cycle_on_each_engine(make_engine, name):
+    engine = make_engine()
+    scripted(engine, cycle(range(1, 30)))
+    text, final = generate(engine, ORDER, name, 2500)
+    assert final.grammar_engine == name
+    assert final.finish_reason == "stop" and final.loop_cuts == 1, text
+    answer = json.loads(text)
+    jsonschema.validate(answer, ORDER)
+    assert [i["quantity"] for i in answer["items"]] == [q for q in range(1, 9) for _ in "AB"]

@@ -6,6 +6,7 @@ schema or the world writes (``1000000000``, ``0.3333333333333333``, Avogadro's
 grammar engines with the scripted default model, as tests/engine/test_loop_guard.py does."""
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -103,3 +104,30 @@ def test_engine_ends_a_looping_number_on_each_engine(make_engine, name, guards, 
     assert final.completion_tokens < 120, text  # not run to its budget of 200
     assert final.finish_reason == "stop", text
     jsonschema.validate(json.loads(text), CITY)
+
+
+FREE = {"type": "object", "properties": {"name": {"type": "string"}, "data": {}},
+        "required": ["name", "data"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("data", ["1" * 300, "[2, {\"x\": 0." + "3" * 300])
+def test_engine_bounds_a_number_in_an_untyped_value_on_each_engine(make_engine, name, data):
+    # `data` has no type: llguidance's grammar had no digit guards there (the loop guard,
+    # off here, was all that ended such a number); both engines' grammars bound it now
+    engine = make_engine()
+    scripted(engine, '{"name": "Lyon", "data": ' + data)
+    req = GenerationRequest([{"role": "user", "content": "go"}],
+                            SamplingParams(max_new_tokens=200, temperature=0.0),
+                            grammar=GrammarSpec.json_schema(FREE, engine=name),
+                            loop_guard=LoopGuardParams(enabled=False))
+    engine.add_request(req)
+    chunks = []
+    while engine.has_work():
+        chunks += [o for o in engine.step() if o.request_id == req.request_id]
+    final = chunks[-1]
+    text = "".join(c.text for c in chunks)
+    assert final.grammar_engine == name
+    assert final.finish_reason == "stop" and final.completion_tokens < 80, text
+    assert max(len(run) for run in re.findall(r"[0-9]+", text)) <= 15, text
+    jsonschema.validate(json.loads(text), FREE)

@@ -100,6 +100,7 @@ import xgrammar as xgr
 from grammar_cache.compile import compile_spec
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
+from grammar_cache.format_patterns import format_patterns
 from worker.engine.schema_rewrites import (MAX_LLGUIDANCE_FRAC_DIGITS,
                                            MAX_LLGUIDANCE_INT_DIGITS, RewriteBudget,
                                            SchemaTooComplex, any_value_guarded,
@@ -451,6 +452,7 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
             if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
                 schema = strict_schema(schema)
             schema = exact_rewrites(schema, budget=budget)
+            schema = format_patterns(schema, spec.max_frac_digits)
             schema = number_guards(schema, spec.max_int_digits, spec.max_frac_digits,
                                    budget=budget)
         text = json.dumps(schema)

@@ -44,9 +44,12 @@ too) made ``#``: the same text, with every number stepping as it stepped last ti
 (``{"name": "Tacos", "quantity": 1}, {"name": "Tacos", "quantity": 2}, ...``), is a near
 copy. ``near_repeats`` (8) items in a row end the array after the newest one, the copies
 kept (``min_repeats`` where nothing steps: exact copies); items need a letter (a list of
-numbers is data). In a string, a sentence or clause (ended by ``. ! ? , ;``) of 3 words or
-more that changes at most one word of the one before, or keeps its first 4 words, restarts
-it; ``sentence_repeats`` (4) in a row end the string there. Each item and sentence is read
+numbers is data). Items that cycle are compared the same way with the item 2 or 3 before
+(A1, B1, A2, B2, ...: ``near_repeats`` rounds, or ``min_repeats`` rounds of exact copies).
+In a string, a sentence or clause (ended by ``. ! ? , ;``) of 3 words or more that changes
+at most one word of the one before (or of the one 2 before: a pair of sentences that
+cycles), or keeps its first 4 words, restarts it; ``sentence_repeats`` (4) in a row (or
+rounds) end the string there. Each item and sentence is read
 once, when it ends (items over 4 KiB are not compared).
 
 A **number** loops when its digits repeat one group of up to 16 digits over
@@ -222,49 +225,63 @@ class LoopGuard:
                 self._item_end(level, start, end)
 
     def _item_end(self, array: _Level, start: int, end: int) -> None:
-        """An item of ``array`` ended: is it a near copy of the one before (the same text
-        but for its numbers, which all step as they stepped last time)?"""
+        """An item of ``array`` ended: is it a near copy of the one ``c`` items before (the
+        same text but for its numbers, which all step as they stepped a cycle before), for
+        a cycle of ``c`` = 1 to _MAX_CYCLE items (A, B, A, B ...; A1, B1, A2, B2 ...)?"""
         if end - start > _ITEM_BYTES:
             self._items.pop(array[3], None)
             return
         run = self._items.get(array[3])
         if run is None:
-            self._items[array[3]] = _ItemRun((start, end))
-            return
-        if run.shape is None:
-            run.shape, run.counters = _shape(bytes(self._bytes[run.first[0]:run.first[1]]))
+            run = self._items[array[3]] = _ItemRun()
         shape, counters = _shape(bytes(self._bytes[start:end]))
-        if shape != run.shape or not _LETTER.search(shape):
-            run.shape, run.counters, run.steps, run.count = shape, counters, None, 1
-            return
-        steps = _steps(run.counters, counters)
-        run.count = run.count + 1 if run.steps is None or _same_steps(run.steps, steps) else 2
-        run.steps, run.counters = steps, counters
-        # exact copies (nothing steps) as the exact detector counts them; counting copies
-        # as progressions do (an enumeration of up to near_repeats - 1 items is kept)
-        # (over min_chars together, as there: three short enum answers are not a loop)
+        lettered = _LETTER.search(shape) is not None
+        steps_at: list = [None] * (_MAX_CYCLE + 1)
         prm = self.params
-        exact = not any(steps) and (end - start) * prm.min_repeats >= prm.min_chars
-        if run.count >= (prm.min_repeats if exact else prm.near_repeats):
-            self._near = (array, run.count, "near", len(self.tokens))
+        for c in range(1, min(_MAX_CYCLE, len(run.items)) + 1):
+            before_shape, before_counters, before_steps = run.items[-c]
+            if shape != before_shape or not lettered:
+                run.counts[c] = 0
+                continue
+            steps = steps_at[c] = _steps(before_counters, counters)
+            last = before_steps[c]  # (how the item c before stepped from its own c before)
+            run.counts[c] = run.counts[c] + 1 if last is None or _same_steps(last, steps) else 1
+            # exact copies (nothing steps) as the exact detector counts them; counting
+            # copies as progressions do (an enumeration of up to near_repeats - 1 items
+            # is kept) (over min_chars together, as there: three short enum answers are
+            # not a loop)
+            exact = not any(steps) and (end - start) * c * prm.min_repeats >= prm.min_chars
+            cycles = (run.counts[c] + c) // c
+            if self._near is None and cycles >= (prm.min_repeats if exact else prm.near_repeats):
+                self._near = (array, cycles, "near", len(self.tokens))
+        run.items.append((shape, counters, steps_at))
+        if len(run.items) > _MAX_CYCLE:
+            del run.items[0]
 
     def _sentence_end(self, string: _Level, end: int) -> None:
         """A sentence (or clause) of ``string`` ended at byte ``end``: does it restart the
-        one before with a changed word?"""
+        one ``c`` sentences before with a changed word (``c`` = 1 or 2: a pair of
+        sentences that cycle)?"""
         cur = self._sentence
         if cur is None or cur[0] is not string:
-            start, before, count = string[3] + 1, None, 0
+            start, recent, counts = string[3] + 1, [], [0] * (_SENTENCE_CYCLE + 1)
         else:
-            _, start, before, count = cur
+            _, start, recent, counts = cur
         words = (bytes(self._bytes[start:end - 1]).split()
                  if end - start <= _SENTENCE_BYTES else [])
         if not words:
-            self._sentence = (string, end, before if end - start <= 2 else None, count)
+            if end - start > 2:
+                recent, counts = [], [0] * (_SENTENCE_CYCLE + 1)
+            self._sentence = (string, end, recent, counts)
             return
-        count = count + 1 if before is not None and _near_sentence(before, words) else 1
-        self._sentence = (string, end, words, count)
-        if count >= self.params.sentence_repeats:
-            self._near = (string, count, "sentences", len(self.tokens))
+        for c in range(1, _SENTENCE_CYCLE + 1):
+            near = len(recent) >= c and _near_sentence(recent[-c], words)
+            counts[c] = counts[c] + 1 if near else 0
+            cycles = (counts[c] + c) // c
+            if near and self._near is None and cycles >= self.params.sentence_repeats:
+                self._near = (string, cycles, "sentences", len(self.tokens))
+        recent = (recent + [words])[-_SENTENCE_CYCLE:]
+        self._sentence = (string, end, recent, counts)
 
     def _near_cut(self, may_close) -> LoopCut | None:
         """Ends the value a near repeat was found in, after its newest copy (the copies
@@ -561,6 +578,8 @@ def _scan(state: _State, data: bytes, path: list, digits: _DigitRuns, base: int,
 
 _SENTENCE_END = frozenset(b".!?,;")
 _ITEM_BYTES = 4096  # longer array items are not compared (bounds the work per item)
+_MAX_CYCLE = 3  # array items that cycle: A, B, C, A, B, C ... (each compared with 3 before)
+_SENTENCE_CYCLE = 2  # sentences: each compared with the 2 before
 _SENTENCE_BYTES = 1024
 _COUNTER = re.compile(rb"[0-9]+(?:\.[0-9]+)?")
 _SPACE = re.compile(rb"\s+")
@@ -593,14 +612,12 @@ def _near_sentence(a: list[bytes], b: list[bytes]) -> bool:
 
 
 class _ItemRun:
-    """One open array's near repeats: its newest item, how it stepped from the one
-    before, and how many items in a row are near copies of each other."""
+    """One open array's near repeats: its newest items (up to _MAX_CYCLE: text shape,
+    numbers, and per cycle length how it stepped from the item that many before), and per
+    cycle length how many items in a row are near copies of the item that many before."""
 
-    __slots__ = ("shape", "counters", "steps", "count", "first")
+    __slots__ = ("items", "counts")
 
-    def __init__(self, first: tuple[int, int]):
-        self.first = first  # the first item's bytes (its shape is made when a second comes)
-        self.shape: bytes | None = None
-        self.counters: list[float] = []
-        self.steps: list[float] | None = None
-        self.count = 1
+    def __init__(self):
+        self.items: list[tuple[bytes, list[float], list]] = []
+        self.counts = [0] * (_MAX_CYCLE + 1)

@@ -726,39 +726,87 @@ def number_guards(node, int_digits: int, frac_digits: int,
     keeps it (it fixes the fraction digits itself). An integer bound past 64 bits is a
     ValueError (llguidance would clamp it). llguidance writes a bounded number
     without an exponent, so under the guards no exponent is written at all (xgrammar
-    allows ``max_exp_digits`` of them). Guards narrow what the grammar allows; the
-    post-validation still checks the schema as the client wrote it. 0 turns a guard off.
-    Runs under ``budget`` as ``exact_rewrites`` does."""
+    allows ``max_exp_digits`` of them).
+
+    Values of any type get the guards too (``_guard_untyped``): a node without ``type``
+    (``{}``, ``true``, one with only annotations or string / object keywords) gets the
+    number's bounds (JSON Schema applies them to numbers only), and an object or array
+    node that leaves its other properties / items open gets them as a guarded any-value
+    (a definition ``#/$defs/<_ANY_VALUE>`` added to the root).
+
+    Guards narrow what the grammar allows; the post-validation still checks the schema as
+    the client wrote it. 0 turns a guard off. Runs under ``budget`` as ``exact_rewrites``
+    does."""
     if not int_digits and not frac_digits:
         return node
-    return _under_budget(budget, _guarded, node, int_digits, frac_digits)
+    return _under_budget(budget, _guarded_root, node, int_digits, frac_digits)
 
 
 def any_value_guarded(int_digits: int, frac_digits: int) -> dict:
     """A schema for any JSON value whose numbers (at any depth) carry the guards
     (``number_guards``): what a JSON object's values are under ``json_object``."""
-    number = number_guards({"type": "number"}, int_digits, frac_digits)
-    value = {"anyOf": [{"type": ["null", "boolean", "string"]}, number,
-                       {"type": "array", "items": {"$ref": "#/$defs/value"}},
-                       {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}
-    return {"$defs": {"value": value}, "type": "object",
-            "additionalProperties": {"$ref": "#/$defs/value"}}
+    ref = {"$ref": f"#/$defs/{_ANY_VALUE}"}
+    return {"$defs": {_ANY_VALUE: _any_value(ref, int_digits, frac_digits)}, "type": "object",
+            "additionalProperties": ref}
 
 
-def _guarded(node, int_digits: int, frac_digits: int):
+_ANY_VALUE = "rayguide_any_value"
+# keywords whose meaning depends on which properties / items a node's own keywords
+# evaluate, or on a base other than the root: an added ``items`` / ``additionalProperties``
+# or a ``$ref`` to the root's definitions could change it (only the numbers' own bounds
+# are added where the schema has any of them)
+_CONTEXT_WORDS = ('"unevaluatedProperties"', '"unevaluatedItems"', '"$id"', '"id"',
+                  '"$anchor"', '"$dynamicRef"', '"$dynamicAnchor"', '"$recursiveRef"',
+                  '"$recursiveAnchor"')
+# subschemas that apply to the same value as the node around them: llguidance intersects
+# them with it (an added any-value there would narrow the properties the node declares,
+# and intersecting recursive definitions exceeds its stack): they get the number's own
+# bounds only (the branches of an anyOf / oneOf that stands alone are not intersected)
+_MERGED = frozenset(("allOf", "anyOf", "oneOf", "then", "else", "dependentSchemas"))
+# keywords beside which a node's values are also constrained elsewhere (its branches, a
+# reference's target: guarded there)
+_COMBINED = ("allOf", "anyOf", "oneOf", "$ref", "enum", "const", "not", "if")
+
+
+def _any_value(ref: dict, int_digits: int, frac_digits: int) -> dict:
+    number = _guarded({"type": "number"}, int_digits, frac_digits, None)
+    return {"anyOf": [{"type": ["null", "boolean", "string"]}, number,
+                      {"type": "array", "items": ref},
+                      {"type": "object", "additionalProperties": ref}]}
+
+
+def _guarded_root(node, int_digits: int, frac_digits: int):
+    any_ref = None
+    if isinstance(node, dict) and not any(w in json.dumps(node) for w in _CONTEXT_WORDS):
+        defs = node.get("$defs")
+        if defs is None or isinstance(defs, dict) and _ANY_VALUE not in defs:
+            any_ref = {"$ref": f"#/$defs/{_ANY_VALUE}"}
+    out = _guarded(node, int_digits, frac_digits, any_ref)
+    if any_ref is not None and _ANY_VALUE in json.dumps(out):
+        out = {**out, "$defs": {**out.get("$defs", {}),
+                                _ANY_VALUE: _any_value(any_ref, int_digits, frac_digits)}}
+    return out
+
+
+def _guarded(node, int_digits: int, frac_digits: int, any_ref: dict | None):
     if isinstance(node, list):
-        return [_guarded(sub, int_digits, frac_digits) for sub in node]
+        return [_guarded(sub, int_digits, frac_digits, any_ref) for sub in node]
+    if node is True and any_ref is not None:
+        return dict(any_ref)
     if not isinstance(node, dict):
         return node
     _spend()
     out = dict(node)
     for key in _GUARDED_MAPS:
         if isinstance(node.get(key), dict):
-            out[key] = {name: _guarded(sub, int_digits, frac_digits)
+            ref = None if key in _MERGED else any_ref
+            out[key] = {name: _guarded(sub, int_digits, frac_digits, ref)
                         for name, sub in node[key].items()}
     for key in (*_GUARDED_VALUES, *_SCHEMA_LISTS):
-        if isinstance(node.get(key), (dict, list)):
-            out[key] = _guarded(node[key], int_digits, frac_digits)
+        if isinstance(node.get(key), (dict, list)) or node.get(key) is True:
+            alone = key in ("anyOf", "oneOf") and set(node) - _ANNOTATIONS == {key}
+            ref = None if key in _MERGED and not alone else any_ref
+            out[key] = _guarded(node[key], int_digits, frac_digits, ref)
     types = node.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(
         types, list) else set()
@@ -775,6 +823,32 @@ def _guarded(node, int_digits: int, frac_digits: int):
                 # schema forbids (minimum 1e20 took 9223372036854775807): refused instead
                 raise ValueError(f"the integer bound {key}: {out[key]} is past "
                                  "llguidance's 64-bit integer ranges")
+    if not any(k in node for k in _COMBINED):
+        out = _guard_untyped(out, types, int_digits, frac_digits, any_ref)
+    return out
+
+
+def _guard_untyped(out: dict, types: set, int_digits: int, frac_digits: int,
+                   any_ref: dict | None) -> dict:
+    """``out`` (a node with no combinator beside it) with the guards on the values it
+    leaves untyped: its own value when it has no ``type``, the other properties of an
+    object and the further items of an array it leaves open (see number_guards)."""
+    if not types and any_ref is not None and not set(out) - _ANNOTATIONS:
+        return {**out, **any_ref}  # any value at all: the guarded one
+    if not types:
+        _bound_range(out, int_digits, exclusive=True)
+        if frac_digits and "multipleOf" not in out:
+            out["multipleOf"] = float(f"1e-{frac_digits}")
+    if any_ref is None:
+        return out
+    if (not types or "object" in types) and out.get("additionalProperties", True) is True:
+        out["additionalProperties"] = dict(any_ref)
+    if not types or "array" in types:
+        if isinstance(out.get("items"), list):
+            if out.get("additionalItems", True) is True:
+                out["additionalItems"] = dict(any_ref)
+        elif out.get("items", True) is True:
+            out["items"] = dict(any_ref)
     return out
 
 

@@ -17,8 +17,10 @@ at draft 7. Figures: docs/benchmarks.md, "Conformance".
 
 ``format`` is checked, not left an annotation (jsonschema-rs's default, as draft 2020-12
 says): every format jsonschema-rs knows, whatever the schema's draft, plus draft 3's
-``host-name`` and ``ip-address``. xgrammar writes a plain string for some of them
-(``idn-email``, ``iri``, ``regex`` ...: ``format: <name>`` in ``approximated``, checked
+``host-name`` and ``ip-address``. Where an engine's own grammar for a format is wider than
+this check (``email``, ``hostname``, ``date`` ...), grammar_cache/format_patterns.py writes
+the format as a pattern of what the check accepts. xgrammar writes a plain string for
+some formats (``iri``, ``regex`` ...: ``format: <name>`` in ``approximated``, checked
 here); a format nothing knows (a custom one, OpenAPI's ``int32``) is listed as
 ``format: <name> (not checked)``, so an output is never called valid over a format that
 nobody checked.
@@ -46,11 +48,14 @@ _CHECKED_FORMATS = {name: name for name in (
     "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
     "uri-template", "json-pointer", "relative-json-pointer", "regex")}
 _CHECKED_FORMATS.update({"host-name": "hostname", "ip-address": "ipv4"})
-# the formats xgrammar enforces with a grammar of their own (probed: a schema with only
-# that format refuses a malformed string); it writes any other as a plain string
+# the formats xgrammar enforces with a grammar of its own (probed: a schema with only
+# that format refuses a malformed string) or with the pattern that
+# grammar_cache/format_patterns.py writes for it (the IDN ones and draft 3's as their ASCII
+# subset); it writes any other as a plain string
 _XGRAMMAR_FORMATS = frozenset((
     "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
-    "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"))
+    "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer",
+    "idn-email", "idn-hostname", "host-name", "ip-address"))
 NOT_CHECKED = " (not checked)"  # the mark of a format nothing checks, in ``approximated``
 
 

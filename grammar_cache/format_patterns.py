@@ -1,0 +1,162 @@
+"""String ``format`` s as patterns that only match what the post-validation accepts.
+
+Both engines' own grammars for some formats are wider than jsonschema-rs (the validator
+of worker/engine/validation.py), so an answer written under them, at its budget or freely,
+can come back ``invalid`` (probed on xgrammar 0.2.8, llguidance 1.9.1, jsonschema-rs 0.60):
+
+- ``email``: a label with ``--`` at its 3rd-4th characters (``xn--abc``: punycode the
+  validator refuses; both engines); a local part over 64 characters, a domain label over
+  63 and a domain over 253 are left possible (see ``_LOCAL``, ``_DOMAIN``: bounded, they
+  defeated the closing search) and are flagged ``invalid`` when written;
+- ``hostname``: the same labels and length (a label over 63 on xgrammar only);
+- ``date`` / ``date-time``: February 29th of a year that is not a leap year (both),
+  a day past its month's end (``2024-04-31``, xgrammar);
+- ``time`` / ``date-time``: second 60 that is not a leap second (``12:00:60Z``, both);
+- ``ipv4``: a leading zero (``01.2.3.4``, xgrammar), and in an ``ipv6`` 's embedded IPv4
+  (``::8.90.02.8``, xgrammar);
+- ``json-pointer`` / ``relative-json-pointer``: raw control characters, which are not JSON
+  at all (xgrammar; llguidance refuses both formats).
+
+``format_patterns`` writes each of these formats as a ``pattern`` (``^...$``, the same
+regex on both engines) that matches a subset of what the validator accepts: long or
+punycode labels, leap seconds, quoted local parts and IP-literal domains of e-mail
+addresses are left out, nothing a model needs. ``idn-email`` / ``idn-hostname`` get the
+ASCII subset (which the validator accepts as IDN): xgrammar would write a plain string,
+llguidance refuses them. The other formats the engines enforce (uuid, uri, uri-reference,
+uri-template, duration) matched the validator in the probes: strings sampled at random
+from each engine's grammar, at their length bounds (tests/test_format_patterns_unit.py).
+
+Optional parts are written ``{0,1}``, never ``?``: xgrammar 0.2.8 reads an optional group
+that ends in a bounded class run as one whose first character may be left out
+(``^a(b[0-9]{1,3})?z$`` takes ``a5z``).
+
+A node that has a ``pattern`` of its own keeps its ``format`` as written (one engine
+would read one of the two only). The post-validation still checks the format as the
+client wrote it. Imports nothing of the other layers: the xgrammar compile
+(compile.py) and the llguidance path (worker/engine/grammar_engines.py) both call it.
+"""
+
+from __future__ import annotations
+
+import json
+
+_X, _H = "[A-Za-z0-9]", "[A-Za-z0-9-]"
+
+
+def _label(n: int) -> str:
+    """A hostname label of 1 to ``n`` (>= 5) letters, digits and hyphens, starting and
+    ending with a letter or digit, with no ``--`` at its 3rd and 4th characters."""
+    return (f"{_X}({_X}|{_H}({_X}({_H}{{0,{n - 4}}}{_X}){{0,1}}|-{_X}({_H}{{0,{n - 5}}}{_X})"
+            "{0,1})){0,1}")
+
+
+# at most 4 labels, the last of at most 61: 3 * 64 + 61 = 253 characters
+_HOSTNAME = f"({_label(63)}\\.){{0,3}}{_label(61)}"
+# an e-mail's domain: labels of any length (no "--" at their 3rd-4th characters): with the
+# bounded labels above, closing a longer document from inside an address took the closing
+# search past its node budget (each place in a bounded run is a state of its own)
+_FREE_LABEL = f"{_X}({_X}|{_H}({_X}({_H}*{_X}){{0,1}}|-{_X}({_H}*{_X}){{0,1}})){{0,1}}"
+_DOMAIN = f"({_FREE_LABEL}\\.)*{_FREE_LABEL}"
+_ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
+# a dot-atom; not bounded to the 64 characters the validator allows: a bounded run before
+# the "@" (64 places, each a state of its own) left the closing search (closing.py) no
+# path to the "@" within its node budget, so an answer cut inside an address could not
+# close (a local part over 64 characters stays possible, and is flagged invalid)
+_LOCAL = f"{_ATOM}+(\\.{_ATOM}+)*"
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[048]|[2468][048]|[13579][26])00)"
+_DATE = ("([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]"
+         f"|30)|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_OFFSET = "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]{0,1}[0-9])"
+
+
+_HEX = "[0-9A-Fa-f]{1,4}"
+# the hexadecimal forms only (no embedded IPv4: xgrammar's took "::8.90.02.8", a leading
+# zero the validator refuses); "{1,7}" groups around "::" stand for at least one zero group
+_IPV6 = "|".join((f"({_HEX}:){{7}}{_HEX}", f"({_HEX}:){{1,7}}:",
+                  *(f"({_HEX}:){{1,{n}}}(:{_HEX}){{1,{7 - n}}}" for n in range(6, 0, -1)),
+                  f":((:{_HEX}){{1,7}}|:)"))
+# a JSON pointer's reference tokens ("~" escaped as ~0 / ~1); xgrammar's own grammar took
+# raw control characters (not JSON)
+_POINTER = "(/([^~/]|~[01])*)*"
+
+
+def _time(frac_digits: int) -> str:
+    fraction = f"[0-9]{{1,{frac_digits}}}" if frac_digits else "[0-9]+"
+    return f"([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.{fraction}){{0,1}}{_OFFSET}"
+
+
+def pattern_for(fmt: str, frac_digits: int = 0) -> str | None:
+    """The anchored pattern written for ``format: fmt``, or None where the format is left
+    to the engine; ``frac_digits`` bounds a time's fraction of a second (0: unbounded)."""
+    body = {"email": f"{_LOCAL}@{_DOMAIN}", "hostname": _HOSTNAME,
+            "date": _DATE, "time": _time(frac_digits),
+            "date-time": f"{_DATE}[Tt]{_time(frac_digits)}",
+            "ipv4": f"({_OCTET}\\.){{3}}{_OCTET}", "ipv6": f"({_IPV6})",
+            "json-pointer": _POINTER,
+            "relative-json-pointer": f"(0|[1-9][0-9]{{0,8}})(#|{_POINTER})"}
+    body["idn-email"], body["idn-hostname"] = body["email"], body["hostname"]
+    body["host-name"], body["ip-address"] = body["hostname"], body["ipv4"]  # draft 3
+    return f"^{body[fmt]}$" if fmt in body else None
+
+
+_REWRITTEN = frozenset(("email", "idn-email", "hostname", "idn-hostname", "host-name",
+                        "date", "time", "date-time", "ipv4", "ip-address", "ipv6",
+                        "json-pointer", "relative-json-pointer"))
+# where a keyword's value is not a schema (a value, or a map of names to schemas)
+_VALUES = frozenset(("enum", "const", "default", "examples"))
+_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas", "dependencies"))
+_MAX_DEPTH = 256
+
+
+def format_patterns(schema, frac_digits: int = 0):
+    """``schema`` (a parsed JSON schema) with each ``format`` of ``_REWRITTEN`` written as
+    its ``pattern`` (``pattern_for``), where the node has no ``pattern`` of its own. A new
+    object where something changed; the schema itself otherwise."""
+    return _rewrite(schema, frac_digits, 0)
+
+
+def format_patterns_text(schema: str, frac_digits: int = 0) -> str:
+    """``format_patterns`` over schema text: the text itself where no format changes (or
+    where it is not JSON: the compile then says what is wrong with it)."""
+    if '"format"' not in schema:
+        return schema
+    try:
+        parsed = json.loads(schema)
+    except (ValueError, RecursionError):
+        return schema
+    out = format_patterns(parsed, frac_digits)
+    if out is parsed:
+        return schema
+    try:  # (a number past a double, 1e400, parsed as inf: left as written)
+        return json.dumps(out, allow_nan=False)
+    except ValueError:
+        return schema
+
+
+def _rewrite(node, frac_digits: int, depth: int):
+    if depth > _MAX_DEPTH:
+        return node
+    if isinstance(node, list):
+        items = [_rewrite(sub, frac_digits, depth + 1) for sub in node]
+        return node if all(a is b for a, b in zip(items, node)) else items
+    if not isinstance(node, dict):
+        return node
+    out, changed = {}, False
+    for key, value in node.items():
+        new = value
+        if key in _MAPS and isinstance(value, dict):
+            subs = {name: _rewrite(sub, frac_digits, depth + 1) for name, sub in value.items()}
+            if any(subs[name] is not sub for name, sub in value.items()):
+                new = subs
+        elif key not in _VALUES and isinstance(value, (dict, list)):
+            new = _rewrite(value, frac_digits, depth + 1)
+        changed |= new is not value
+        out[key] = new
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt in _REWRITTEN and "pattern" not in node:
+        del out["format"]
+        out["pattern"] = pattern_for(fmt, frac_digits)
+        changed = True
+    return out if changed else node
