@@ -57,7 +57,8 @@ def svc(tiny_model_dir, ray_runtime):
                            engine={"num_kv_blocks": 256},
                            scheduler={"load_poll_interval_s": 0.3})
     with ray_runtime(num_cpus=4):
-        yield service.start(config, port=free_port(), api_key=KEY, num_replicas=2)
+        yield service.start(config, port=free_port(), api_key=KEY, num_replicas=2,
+                            app_args={"max_body_bytes": 1_000_000})
 
 
 @pytest.fixture(scope="module")

@@ -203,9 +203,14 @@ class GrammarChecker:
         budget = len(best)
         for _ in range(4):
             dive = closer.shortest(matcher, 4 * budget + 16)
-            if dive.tokens is None or len(dive.tokens) <= budget:
+            if dive.tokens is not None and len(dive.tokens) <= budget:
                 break
-            budget = len(dive.tokens)
+            # none within its reach (or a longer one): admission would fall back on a
+            # dive further out, and take what that finds
+            longer = dive.tokens if dive.tokens is not None else found.tokens
+            if longer is None or len(longer) <= budget:
+                break
+            budget = len(longer)
         return {"tokens": max(budget, at_least), "at_least": at_least,
                 "exhausted": exact.exhausted}
 
