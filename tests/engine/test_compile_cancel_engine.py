@@ -24,7 +24,7 @@ from worker.engine.engine import LLMEngine
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the real compile process, except that it never finishes a grammar naming HANG
 HANGING_ON_HANG = textwrap.dedent("""
     import time
