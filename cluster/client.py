@@ -356,18 +356,20 @@ class RuntimeClient:
                                "this front end knows it", grammar_id, exc)
 
     async def checked(self, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
-        """The spec and report checked under ``grammar_id``: this front end's, else the
-        shared cache actor's; None when neither knows it."""
-        found = self._checked.get(grammar_id)
-        if found is not None:
-            return found
+        """The spec and report checked under ``grammar_id``: the shared cache actor's (the
+        newest, whichever front end checked it last), else this front end's own copy (the
+        runtime runs without the actor, or it is unreachable); None when neither knows it."""
         cache = await self._cache_actor()
-        if cache is None:
-            return None
-        found = await asyncio.wait_for(cache.checked.remote(grammar_id), self.scheduler_wait_s)
-        if found is not None:
-            self._checked.put(grammar_id, *found)
-        return found
+        if cache is not None:
+            try:
+                found = await asyncio.wait_for(cache.checked.remote(grammar_id),
+                                               self.scheduler_wait_s)
+            except Exception:  # noqa: BLE001 - the actor down or slow: the local copy
+                found = None
+            if found is not None:
+                self._checked.put(grammar_id, *found)
+                return found
+        return self._checked.get(grammar_id)
 
     async def _cache_actor(self):
         """The shared grammar cache actor, looked up by name (None: the runtime runs
