@@ -49,7 +49,7 @@ def _private_ray(*, num_cpus: int = 4, nodes: int = 0, node_cpus: int = 2,
                 cluster.add_node(num_cpus=node_cpus)
             ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
         else:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                      namespace="rayguide")
         yield cluster
     finally:

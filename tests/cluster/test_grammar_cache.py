@@ -47,7 +47,7 @@ def spec(i=0):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

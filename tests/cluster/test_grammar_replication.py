@@ -259,7 +259,7 @@ def cluster(tiny_model_dir, tmp_path_factory):
     from cluster import launch
     from cluster.config import ClusterConfig
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
     disk = tmp_path_factory.mktemp("grammar-disk")
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=2,

@@ -268,8 +268,9 @@ UUID = re.compile(r'"id": ?"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-f
 @pytest.mark.parametrize("grammar_engine", ["xgrammar", "llguidance"])
 def test_closing_search_finds_fixed_lengths_and_rare_characters(make_engine, spec, prefix,
                                                                  check, grammar_engine):
-    # the dive within the engine's own time cap (closing_search_ms); the exact search,
-    # which only runs when the dive's answer does not fit, given more time. On both
+    # the dive and the exact search (which only runs when the dive's answer does not fit),
+    # each given seconds: the answers are checked here, not the machine's load (a loaded
+    # CI machine ran past the engine's 100 ms cap, closing_search_ms). On both
     # engines: llguidance has no parser state, and the places of a fixed-width run are
     # told apart by its probe runs (grammar_engines.py: LLGuidanceMatcher.state_key)
     engine = make_engine()
@@ -279,7 +280,7 @@ def test_closing_search_finds_fixed_lengths_and_rare_characters(make_engine, spe
     assert m.engine == grammar_engine
     assert m.accept_string(prefix)
     for exact in (False, True):
-        search.time_limit_s = 2.0 if exact else engine.config.closing_search_ms / 1000
+        search.time_limit_s = 2.0
         found = search.shortest(m, 120, exact=exact)
         assert found.tokens is not None, (exact, search.stats)
         text = prefix + engine.tokenizer.decode(found.tokens)
