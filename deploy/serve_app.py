@@ -13,6 +13,9 @@ by side: sessions stay sticky because the scheduler, not the replica, owns the r
 
 A replica that finds no runtime on the cluster starts one (detached, so the replicas share
 it; ``rayguide down`` removes it), unless ``start_runtime`` is false.
+
+Why one module over 500 lines: the FastAPI routes, their shared checks (auth, Host/Origin,
+body limits) and the replica's lifecycle are one Serve deployment class.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, and

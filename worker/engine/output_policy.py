@@ -20,6 +20,9 @@ parses. Loop guard: a value that repeats itself is cut back to where the repetit
 began (never before what was streamed: the newest ``hold_tokens`` are held back from the
 stream for that), closed, and the document goes on; an output that then ends on its own
 finishes with ``stop`` and says ``loop_cut`` (see docs/architecture.md).
+
+Why one module over 500 lines: admission, steering, loop cuts, closing and the report act on
+one ``OutputState`` in a fixed order per token; the searches they call live elsewhere.
 """
 
 from __future__ import annotations
