@@ -31,7 +31,8 @@ WHITESPACE = ("bounded", "any", "compact", "indent", "spaced")
 ENGINES = ("auto", "xgrammar", "llguidance")
 MAX_SOURCE_BYTES = 256 * 1024
 MAX_CHOICES = 4096
-KEY_VERSION = 3  # 2: the engine is part of the key; 3: formats written as patterns
+KEY_VERSION = 4  # 2: the engine is part of the key; 3: formats written as patterns;
+# 4: no year 0000 in dates
 
 
 @dataclass(frozen=True)
