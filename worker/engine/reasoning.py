@@ -23,7 +23,7 @@ chat prompt is judged by what its template appends for the assistant's turn
 (``generation_prompt``), so a marker quoted in a message or an earlier turn's thought
 decides nothing. A request that starts in its answer is answered directly: a guided one
 is under its grammar from its first token. One exception, unguided only: with no marker
-at all, an output that itself begins with the start marker (a template that leaves the
+in the prompt (a chat: in its template's assistant turn), an output that itself begins with the start marker (a template that leaves the
 model to open its thought) is taken as a thought (``opens_thought``); until its first text
 decides, that text is held back, and an output that turns out not to open one (``\n\nAda``,
 ``<b>``) is streamed whole as the answer.
