@@ -214,7 +214,7 @@ class LLMEngine:
                                            stop=request.params.stop,
                                            resumed_token_ids=resumed, resumed_text=already)
             seq = Sequence(request, prompt_ids, detok, generator)
-        seq.token_ids.extend(resumed)  # output already streamed: KV recomputed, not re-emitted
+        seq.append(resumed, streamed=True)  # KV recomputed, not re-emitted
         seq.resumed_text = already  # what the caller has, for validating the whole output
         self.seqs[seq.request_id] = seq
         if seq.grammar is not None:
@@ -515,12 +515,8 @@ class LLMEngine:
         if jump is None:
             return 0
         if jump.replaces_last:
-            seq.token_ids.pop()
-            seq.held_logprobs[-1:] = [None]
-            seq.held_logprobs.extend([None] * (len(jump.tokens) - 1))
-        else:
-            seq.held_logprobs.extend([None] * len(jump.tokens))
-        seq.token_ids.extend(jump.tokens)
+            seq.rollback(1)
+        seq.append(jump.tokens)
         return jump.added
 
     def _append_token(self, seq: Sequence, token: int, logprob,
@@ -528,8 +524,7 @@ class LLMEngine:
         if seq.thinking_now:
             return self._append_thought(seq, token, logprob)
         p = seq.params
-        seq.token_ids.append(token)
-        seq.held_logprobs.append(logprob)  # None: a forced token (not sampled)
+        seq.append([token], [logprob])  # None: a forced token (not sampled)
         if status is not None and status.error:
             return self._finish(seq, "error", error=f"request {seq.request_id}: {status.error}",
                                 error_kind=status.error_kind or ErrorKind.INTERNAL)
@@ -576,8 +571,7 @@ class LLMEngine:
             return self._finish(seq, "stop")
         over = stops or th.tokens >= th.limit  # (a limit of 0: no sampled thought at all)
         if not over:
-            seq.token_ids.append(token)
-            seq.held_logprobs.append(logprob)
+            seq.append([token], [logprob])
             th.tokens += 1
         new_tokens, lps, text = self._release(seq, final=False)
         reasoning = th.feed(text)
@@ -587,8 +581,7 @@ class LLMEngine:
         if not th.done and (over or th.tokens >= th.limit):
             th.forced = True
             self.thoughts_forced += 1
-            seq.token_ids.extend(th.end_ids)  # their KV is computed with the next token
-            seq.held_logprobs.extend([None] * len(th.end_ids))
+            seq.append(th.end_ids)  # their KV is computed with the next token
             th.tokens += len(th.end_ids)
             more, more_lps, more_text = self._release(seq, final=False)
             if more_lps is not None:
@@ -654,7 +647,7 @@ class LLMEngine:
             return ""
         marker, tail = split
         ids = self.tokenizer(marker, add_special_tokens=False)["input_ids"]
-        seq.token_ids[-1:] = ids
+        seq.replace_released(ids)
         new_tokens[-1:] = ids
         if lps is not None:
             lps[-1:] = [None] * len(ids)  # forced: not what was sampled
@@ -681,8 +674,7 @@ class LLMEngine:
             if accepted:
                 matcher.rollback(accepted)
             return 0
-        seq.token_ids.extend(ids)
-        seq.held_logprobs.extend([None] * len(ids))
+        seq.append(ids)
         return len(ids)
 
     def _release(self, seq: Sequence, final: bool) -> tuple[list[int], list | None, str]:
@@ -693,8 +685,7 @@ class LLMEngine:
         if not n:
             return [], None, ""
         new_tokens = seq.output_ids[seq.num_output - len(seq.held_logprobs):][:n]
-        lps = seq.held_logprobs[:n]
-        del seq.held_logprobs[:n]
+        lps = seq.release_held(n)
         text = seq.detokenizer.add_tokens(new_tokens)
         if seq.params.logprobs is None and all(lp is None for lp in lps):
             lps = None

@@ -204,8 +204,7 @@ class OutputPolicy:
         if closed is not None:
             forced, reason = closed
             st.closed_early = reason == "length"
-            seq.token_ids.extend(forced)
-            seq.held_logprobs.extend([None] * len(forced))
+            seq.append(forced)
         return closed
 
     def release(self, seq: Sequence, final: bool) -> int:
@@ -245,11 +244,8 @@ class OutputPolicy:
         matcher.rollback(drop)
         for t in cut.closers:
             matcher.accept_token(t)
-        del seq.token_ids[len(seq.token_ids) - drop:]
-        del seq.held_logprobs[len(seq.held_logprobs) - drop:]
-        seq.token_ids.extend(cut.closers)
-        seq.held_logprobs.extend([None] * len(cut.closers))
-        seq.truncate_kv(len(seq.token_ids) - len(cut.closers))
+        seq.rollback(drop)
+        seq.append(cut.closers)  # (their KV is computed next step)
         st.loop.cut(cut.keep, cut.closers)
         st.loop_cuts.append(cut)
         st.reset_closing()
