@@ -1,0 +1,223 @@
+"""JSON schemas as the runtime reads them: one ``$ref`` resolver, one walker, one depth check.
+
+A schema is parsed once, where its ``GrammarSpec`` is built (``GrammarSpec.parsed``);
+every later stage (the edge's checks, the rewrites for llguidance, the shortest-output
+bound, the keyword reports, the benches) reads that object through this module:
+
+- ``resolve(root, ref)`` / ``Resolver``: a ``$ref`` inside the document (``#``,
+  ``#/$defs/Name``): a JSON pointer (RFC 6901) in a URI fragment, so percent-decoded
+  first, then ``~1`` -> ``/`` and ``~0`` -> ``~`` per segment. A reference to another
+  document (``other.json#/x``, ``https://...``) is a ``RefError``: the runtime never
+  fetches one. ``Resolver`` memoizes per document and follows chains of bare references
+  (``{"$ref": ...}`` to ``{"$ref": ...}``) with a cycle check.
+- ``walk(schema)``: every subschema with its path (a tuple of keys and indices; the
+  ``pointer`` of a ``Subschema`` is its JSON pointer) and depth, across every keyword that
+  holds subschemas (``SCHEMA_MAPS``, ``SCHEMA_VALUES``, ``SCHEMA_LISTS``), iteratively (a
+  deep schema cannot exhaust the stack), with an optional depth limit (deeper subschemas
+  are not visited) and node cap (``TooManyNodes`` past it). ``lenient=True`` also walks
+  the values of keywords it does not know (an extension's schema, a structural tag's
+  ``schema`` fields) as schemas; the values of data keywords (``enum``, ``const``,
+  ``default``, ``examples``) are never walked.
+- ``nested_deeper(value, limit)``: the raw JSON nesting of any value, iteratively: the
+  edge's check before anything recursive (the JSON encoder, xgrammar's converter) reads it.
+
+Standard library only (core is the bottom layer).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, NamedTuple
+from urllib.parse import unquote
+
+# keywords whose value maps names to subschemas
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# keywords whose value is one subschema (``items`` and ``additionalItems`` may also be a
+# list: draft 4's tuples)
+SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties", "contains",
+                 "propertyNames", "unevaluatedProperties", "unevaluatedItems", "not", "if",
+                 "then", "else")
+# keywords whose value is a list of subschemas
+SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
+# keywords whose values are data, never schemas
+DATA_KEYWORDS = ("enum", "const", "default", "examples")
+
+
+class RefError(ValueError):
+    """A ``$ref`` that cannot be resolved inside its document: remote, malformed, missing
+    its target, or part of a cycle of bare references."""
+
+
+def pointer(path) -> str:
+    """The JSON pointer of ``path`` (keys and indices): ``("properties", "a/b")`` ->
+    ``/properties/a~1b``; ``()`` -> ``""`` (the root)."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def is_local(ref) -> bool:
+    """Whether ``ref`` points into its own document (``#`` or ``#...``)."""
+    return isinstance(ref, str) and ref.startswith("#")
+
+
+def outside(ref: str) -> str:
+    """Why a remote reference is refused, after the keyword that holds it."""
+    return (f"{ref[:100]!r} points outside the schema; only local references "
+            "('#/$defs/...') are resolved: inline the referenced schema")
+
+
+def resolve(root, ref: str):
+    """The target of ``ref`` in ``root``; RefError saying why where there is none."""
+    if not isinstance(ref, str):
+        raise RefError(f"$ref must be a string, got {type(ref).__name__}")
+    if not is_local(ref):
+        raise RefError(f"$ref {outside(ref)}")
+    fragment = unquote(ref[1:])
+    if fragment == "":
+        return root
+    if not fragment.startswith("/"):
+        raise RefError(f"$ref {ref[:100]!r} is not a JSON pointer ('#/...'); anchors are "
+                       "not resolved")
+    target = root
+    for raw in fragment[1:].split("/"):
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isascii() and part.isdigit() and (
+                int(part) < len(target)):
+            target = target[int(part)]
+        else:
+            raise RefError(f"$ref {ref[:100]!r} points to nothing in the schema "
+                           f"(no {part[:60]!r})")
+    return target
+
+
+def resolve_or_none(root, ref):
+    """``resolve``, None where it fails (for readers that treat an unresolved reference
+    as "unknown")."""
+    try:
+        return resolve(root, ref)
+    except RefError:
+        return None
+
+
+_MISSING = object()
+
+
+class Resolver:
+    """The references of one document, each resolved once."""
+
+    def __init__(self, root):
+        self.root = root
+        self._targets: dict[str, Any] = {}
+
+    def resolve(self, ref: str):
+        """``resolve(self.root, ref)``, memoized (a RefError is remembered too)."""
+        target = self._targets.get(ref, _MISSING) if isinstance(ref, str) else _MISSING
+        if target is _MISSING:
+            try:
+                target = resolve(self.root, ref)
+            except RefError as exc:
+                target = exc
+            if isinstance(ref, str):
+                self._targets[ref] = target
+        if isinstance(target, RefError):
+            raise target
+        return target
+
+    def get(self, ref):
+        """``resolve``, None where it fails."""
+        try:
+            return self.resolve(ref)
+        except RefError:
+            return None
+
+    def deref(self, node):
+        """``node`` with bare references (``{"$ref": ...}`` and nothing else) followed
+        until a schema that is not one; RefError on a cycle of them."""
+        seen: set[str] = set()
+        while isinstance(node, dict) and set(node) == {"$ref"}:
+            ref = node["$ref"]
+            if ref in seen:
+                raise RefError(f"$ref {ref[:100]!r} refers to itself through "
+                               f"{len(seen)} bare reference(s)")
+            seen.add(ref)
+            node = self.resolve(ref)
+        return node
+
+
+class TooManyNodes(ValueError):
+    """A walk met more subschemas than its ``max_nodes``."""
+
+
+class Subschema(NamedTuple):
+    """One subschema met by ``walk``: where it sits (keys and indices from the root), what
+    it is (a dict or a bool), and how many subschema steps down."""
+
+    path: tuple
+    node: Any
+    depth: int
+
+    @property
+    def pointer(self) -> str:
+        return pointer(self.path)
+
+
+def walk(schema, *, max_depth: int | None = None, max_nodes: int | None = None,
+         lenient: bool = False) -> Iterator[Subschema]:
+    """Every subschema of ``schema``, itself first, depth-first in document order.
+
+    Subschemas deeper than ``max_depth`` are not visited; past ``max_nodes`` visited the
+    walk raises TooManyNodes. References are not followed (``Resolver`` does that).
+    ``lenient``: also the dict values (and dicts in list values) of unknown keywords, and
+    of known ones whose value has the wrong shape, walked as schemas."""
+    stack = [((), schema, 0)]
+    count = 0
+    while stack:
+        path, node, depth = stack.pop()
+        if isinstance(node, list):  # only where lenient: a list where a schema was
+            stack.extend(((*path, i), sub, depth + 1) for i, sub in reversed(list(
+                enumerate(node))) if isinstance(sub, (dict, list)))
+            continue
+        count += 1
+        if max_nodes is not None and count > max_nodes:
+            raise TooManyNodes(f"the schema has more than {max_nodes} subschemas")
+        yield Subschema(path, node, depth)
+        if not isinstance(node, dict) or (max_depth is not None and depth >= max_depth):
+            continue
+        children = []
+        for key, value in node.items():
+            children.extend(_children(key, value, lenient))
+        stack.extend(((*path, *where), sub, depth + 1) for where, sub in reversed(children))
+
+
+def _children(key, value, lenient: bool) -> list[tuple[tuple, Any]]:
+    """(path below the node, subschema) of one keyword's value."""
+    if key in DATA_KEYWORDS:
+        return []
+    if key in SCHEMA_MAPS and isinstance(value, dict) or (
+            key == "dependencies" and isinstance(value, dict)):
+        return [((key, name), sub) for name, sub in value.items()
+                if isinstance(sub, (dict, bool)) or (lenient and isinstance(sub, list)
+                                                     and key != "dependencies")]
+    if key in SCHEMA_VALUES and isinstance(value, (dict, bool)):
+        return [((key,), value)]
+    if key in SCHEMA_LISTS + ("items", "additionalItems") and isinstance(value, list):
+        return [((key, i), sub) for i, sub in enumerate(value)
+                if isinstance(sub, (dict, bool)) or (lenient and isinstance(sub, list))]
+    if lenient and isinstance(value, (dict, list)):
+        return [((key,), value)]
+    return []
+
+
+def nested_deeper(value, limit: int) -> bool:
+    """Whether a JSON value nests deeper than ``limit`` (a scalar is 1 deep, ``[1]`` 2),
+    iteratively: a hostile value cannot exhaust the stack here."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return False
