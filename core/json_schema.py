@@ -162,13 +162,16 @@ class Subschema(NamedTuple):
 
 
 def walk(schema, *, max_depth: int | None = None, max_nodes: int | None = None,
-         lenient: bool = False) -> Iterator[Subschema]:
+         lenient: bool = False, seen: set[int] | None = None) -> Iterator[Subschema]:
     """Every subschema of ``schema``, itself first, depth-first in document order.
 
     Subschemas deeper than ``max_depth`` are not visited; past ``max_nodes`` visited the
     walk raises TooManyNodes. References are not followed (``Resolver`` does that).
     ``lenient``: also the dict values (and dicts in list values) of unknown keywords, and
-    of known ones whose value has the wrong shape, walked as schemas."""
+    of known ones whose value has the wrong shape, walked as schemas. ``seen``: ids of
+    dicts already visited (by an earlier walk of the same document), neither yielded nor
+    walked again; the ones this walk yields are added (to follow references, walk each
+    target with the same set: each node is met once however many references reach it)."""
     stack = [((), schema, 0)]
     count = 0
     while stack:
@@ -177,6 +180,10 @@ def walk(schema, *, max_depth: int | None = None, max_nodes: int | None = None,
             stack.extend(((*path, i), sub, depth + 1) for i, sub in reversed(list(
                 enumerate(node))) if isinstance(sub, (dict, list)))
             continue
+        if seen is not None and isinstance(node, dict):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
         count += 1
         if max_nodes is not None and count > max_nodes:
             raise TooManyNodes(f"the schema has more than {max_nodes} subschemas")

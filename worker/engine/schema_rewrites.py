@@ -25,6 +25,8 @@ import contextvars
 import json
 import time
 
+from core.json_schema import resolve_or_none, walk
+
 # formats the JSON Schema drafts (3 to 2020-12) name. One llguidance lacks (uri-reference,
 # regex ...) is refused, so xgrammar checks or approximates it; any other format is a
 # custom annotation (OpenAPI's "byte", a form's "textarea"), which the drafts say a
@@ -201,44 +203,22 @@ _MAX_ENUM_FILTERED = 256  # values checked one by one at most
 _MAX_REF_DEPTH = 16
 
 
-def _resolve(root, ref):
-    """The target of a local ``$ref`` (``#/...`` JSON pointer) in ``root``, or None."""
-    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-        return None
-    target = root
-    for part in ref[2:].split("/") if ref != "#" else ():
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(target, dict) and part in target:
-            target = target[part]
-        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-            target = target[int(part)]
-        else:
-            return None
-    return target
-
-
-def _walk(node, root, seen=None):
+def _walk(node, root):
     """Every dict reachable from ``node``, local ``$ref`` s followed; None where a
     ``$ref`` is not local (so cannot be checked)."""
-    seen = set() if seen is None else seen
+    seen: set[int] = set()
     todo, out = [node], []
     while todo:
-        sub = todo.pop()
-        if isinstance(sub, list):
-            todo.extend(sub)
-        elif isinstance(sub, dict):
-            if id(sub) in seen:
+        for sub in walk(todo.pop(), lenient=True, seen=seen):
+            if not isinstance(sub.node, dict):
                 continue
             _spend()
-            seen.add(id(sub))
-            out.append(sub)
-            if "$ref" in sub:
-                target = _resolve(root, sub["$ref"])
+            out.append(sub.node)
+            if "$ref" in sub.node:
+                target = resolve_or_none(root, sub.node["$ref"])
                 if target is None:
                     return None
                 todo.append(target)
-            todo.extend(v for k, v in sub.items() if k not in ("enum", "const", "$ref")
-                        and isinstance(v, (dict, list)))
     return out
 
 
@@ -335,7 +315,7 @@ def _negated(schema, root, depth: int):
     if not words:
         return False
     if "$ref" in words:  # (alone only: drafts differ on what its siblings mean)
-        target = _resolve(root, words["$ref"])
+        target = resolve_or_none(root, words["$ref"])
         return None if len(words) > 1 or target is None else _negated(target, root, depth + 1)
     parts = []  # the negation of each keyword: the schema fails if any of them fails
     for key, value in words.items():
@@ -496,7 +476,7 @@ class _Facts:
         self._seen.add(id(schema))
         _spend()
         if "$ref" in schema:  # the target applies (with or without its siblings, per draft)
-            target = _resolve(root, schema["$ref"])
+            target = resolve_or_none(root, schema["$ref"])
             if target is None:
                 self.known = False
             else:
