@@ -40,6 +40,10 @@ SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties", "contains",
 SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
 # keywords whose values are data, never schemas
 DATA_KEYWORDS = ("enum", "const", "default", "examples")
+# keywords that constrain nothing (annotations)
+ANNOTATIONS = frozenset(("description", "title", "$comment", "examples", "default",
+                         "deprecated", "readOnly", "writeOnly", "markdownDescription",
+                         "errorMessage"))
 
 
 class RefError(ValueError):

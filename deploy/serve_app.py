@@ -40,7 +40,7 @@ from core.errors import ErrorKind
 from core.grammar_spec import is_grammar_id
 from core.json_schema import nested_deeper
 from core.request import RequestOutput
-from deploy import dialects, exposure
+from deploy import exposure
 from deploy import openai_api as api
 from deploy import responses
 from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_line,
