@@ -44,11 +44,11 @@ from dataclasses import asdict, dataclass, field
 from core.grammar_spec import grammar_id
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
-from core.json_schema import DATA_KEYWORDS, pointer, walk
+from core.json_schema import pointer, walk
 from worker.engine.grammar_engines import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR,
                                            CompiledGrammar, EngineRefused)
 from worker.engine.shortest_bound import TokenCapacity, schema_counts
-from worker.engine.validation import approximated_keywords, not_checked
+from worker.engine.validation import approximated_keywords, node_approximated, not_checked
 
 JSON_KINDS = ("json_schema", "json_object")
 # the closing search's reach from the grammar's start, in single-character steps (it
@@ -125,7 +125,7 @@ class GrammarChecker:
             raise error
         compiled: CompiledGrammar | None = None if error is not None else future.result()
         schema = _schema(spec)
-        approximated = (approximated_keywords(spec.source)
+        approximated = (approximated_keywords(schema)
                         if spec.kind == "json_schema" and compiled is not None else [])
         if compiled is not None and compiled.engine == LLGUIDANCE:
             approximated = not_checked(approximated)  # as the engine reports it (engine.py)
@@ -241,10 +241,9 @@ def approximated_paths(schema) -> list[dict]:
     node that holds it."""
     out = []
     for path, node in _nodes(schema):
-        # the node alone: its sub-schemas emptied, so only its own keywords count
-        alone = {k: v if k in DATA_KEYWORDS or not isinstance(v, (dict, list))
-                 else type(v)() for k, v in node.items()}
-        out += [{"path": pointer(path), "keyword": k} for k in approximated_keywords(alone)]
+        found: set[str] = set()
+        node_approximated(node, found)
+        out += [{"path": pointer(path), "keyword": k} for k in sorted(found)]
     return out
 
 

@@ -134,12 +134,13 @@ def approximated_keywords(schema) -> list[str]:
     found: set[str] = set()
     for sub in walk(schema, max_depth=64, lenient=True):
         if isinstance(sub.node, dict):
-            _own_keywords(sub.node, found)
+            node_approximated(sub.node, found)
     return sorted(found)
 
 
-def _own_keywords(node: dict, found: set[str]) -> None:
-    """What of ``approximated_keywords`` one schema node holds itself."""
+def node_approximated(node: dict, found: set[str]) -> None:
+    """Adds to ``found`` what of ``approximated_keywords`` one schema node holds itself
+    (not its subschemas)."""
     for key in _WIDENED:
         if key in node:
             found.add(key)
