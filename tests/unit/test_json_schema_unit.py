@@ -236,3 +236,23 @@ def test_spec_refuses_remote_references_anywhere_but_in_data():
     with pytest.raises(ValueError, match=r"\$dynamicRef 'other.json' points outside"):
         GrammarSpec.json_schema({"x-vendor": {"$dynamicRef": "other.json"}})
     GrammarSpec.json_schema({"default": {"$ref": "https://x"}})  # a value, not a schema
+
+
+def test_later_stages_read_the_parse_not_the_text(monkeypatch):
+    import json
+
+    from grammar_cache.compile import _bad_pattern
+    from worker.engine.shortest_bound import schema_counts
+    from worker.engine.validation import approximated_keywords
+
+    spec = GrammarSpec.json_schema({"type": "object", "required": ["a"], "properties": {
+        "a": {"type": "string", "pattern": "^[a-z]{2}$", "minLength": 2}}})
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("the schema text was parsed again")
+
+    monkeypatch.setattr(json, "loads", no_parse)
+    spec.check_repetitions(1000)
+    assert schema_counts(spec.parsed)[0] > 0
+    assert "pattern with minLength/maxLength" in approximated_keywords(spec.parsed)
+    assert _bad_pattern(spec.parsed) is None
