@@ -260,16 +260,17 @@ def _parse_json(kind: str, text: str):
 
 def _check_refs(schema) -> None:
     """Only references inside the schema (``#...``) are resolved: a ``$ref`` to a URL or a
-    file would make the server fetch it (validation.py never does; this says so early)."""
-    if nested_deeper(schema, 201):
+    file would make the server fetch it (validation.py never does; this says so early).
+    Every object is looked at, data included, in the pass that checks the depth."""
+    if nested_deeper(schema, 201, _local_refs_only):
         raise ValueError("json_schema is nested more than 200 levels deep")
-    for sub in walk(schema, lenient=True):
-        if not isinstance(sub.node, dict):
-            continue
-        for key in ("$ref", "$dynamicRef"):
-            value = sub.node.get(key)
-            if isinstance(value, str) and not is_local(value):
-                raise ValueError(f"json_schema {key} {outside(value)}")
+
+
+def _local_refs_only(node: dict) -> None:
+    for key in ("$ref", "$dynamicRef"):
+        value = node.get(key)
+        if isinstance(value, str) and not is_local(value):
+            raise ValueError(f"json_schema {key} {outside(value)}")
 
 
 # a bounded repetition {n}, {n,}, {,m} or {n,m}, or what must be skipped to find them:
@@ -289,7 +290,8 @@ def _count(digits: str) -> int:
     return int(digits) if len(digits) <= 18 else 10**18
 
 
-def _check_counts(kind: str, text: str, limit: int, tokens: re.Pattern, where: str) -> None:
+def _check_counts(kind: str, text: str, limit: int, tokens: re.Pattern, where) -> None:
+    """``where``: the text's place, or a function that says it (built on an error only)."""
     if not re.search("[0-9]{%d}" % len(str(limit)), text):
         return  # no number as long as the limit: nothing over it (the usual case, fast)
     for m in tokens.finditer(text):
@@ -299,7 +301,7 @@ def _check_counts(kind: str, text: str, limit: int, tokens: re.Pattern, where: s
         if largest > limit:
             raise GrammarError(
                 f"{kind} grammar: the repetition {_shorten(m.group(0).strip())!r} at "
-                f"position {m.start()} {where} repeats "
+                f"position {m.start()} {where() if callable(where) else where} repeats "
                 f"{largest if largest < 10**18 else 'over 10**18'} times at most, over the "
                 f"limit of {limit} (grammar_cache.max_repetition); use a "
                 "smaller count, or an unbounded repetition ('*', '+')",
@@ -314,23 +316,27 @@ def _check_schema(kind: str, schema, limit: int) -> None:
     """The patterns, grammars and minimum counts of a schema (or structural tag) and of
     every schema inside it."""
     for sub in walk(schema, lenient=True):
-        if not isinstance(sub.node, dict):
+        node = sub.node
+        if not isinstance(node, dict):
             continue
-        for key, value in sub.node.items():
-            path = pointer((*sub.path, key))
-            if key == "pattern" and isinstance(value, str):
-                _check_counts(kind, value, limit, _REGEX_TOKENS, f"of the pattern at {path}")
-            elif key == "patternProperties" and isinstance(value, dict):
-                for regex in value:
-                    _check_counts(kind, regex, limit, _REGEX_TOKENS,
-                                  f"of the patternProperties key {regex[:60]!r} at {path}")
-            elif key == "grammar" and isinstance(value, str):  # a structural tag's EBNF
-                _check_counts(kind, value, limit, _GRAMMAR_TOKENS, f"of the grammar at {path}")
-            elif (key in _MIN_KEYWORDS and isinstance(value, int)
-                  and not isinstance(value, bool) and value > limit):
+        if isinstance(node.get("pattern"), str):
+            _check_counts(kind, node["pattern"], limit, _REGEX_TOKENS,
+                          lambda: f"of the pattern at {pointer((*sub.path, 'pattern'))}")
+        if isinstance(node.get("patternProperties"), dict):
+            for regex in node["patternProperties"]:
+                _check_counts(kind, regex, limit, _REGEX_TOKENS,
+                              lambda: f"of the patternProperties key {regex[:60]!r} at "
+                                      f"{pointer((*sub.path, 'patternProperties'))}")
+        if isinstance(node.get("grammar"), str):  # a structural tag's EBNF
+            _check_counts(kind, node["grammar"], limit, _GRAMMAR_TOKENS,
+                          lambda: f"of the grammar at {pointer((*sub.path, 'grammar'))}")
+        for key in _MIN_KEYWORDS:
+            value = node.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
                 raise GrammarError(
-                    f"{kind} grammar: {key} {value} at {path} is over the limit of {limit} "
-                    "(grammar_cache.max_repetition); lower it", ErrorKind.GRAMMAR_TOO_LARGE)
+                    f"{kind} grammar: {key} {value} at {pointer((*sub.path, key))} is over "
+                    f"the limit of {limit} (grammar_cache.max_repetition); lower it",
+                    ErrorKind.GRAMMAR_TOO_LARGE)
 
 
 def _check_choices(choices) -> None:

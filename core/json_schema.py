@@ -19,14 +19,15 @@ bound, the keyword reports, the benches) reads that object through this module:
   ``schema`` fields) as schemas; the values of data keywords (``enum``, ``const``,
   ``default``, ``examples``) are never walked.
 - ``nested_deeper(value, limit)``: the raw JSON nesting of any value, iteratively: the
-  edge's check before anything recursive (the JSON encoder, xgrammar's converter) reads it.
+  edge's check before anything recursive (the JSON encoder, xgrammar's converter) reads
+  it, and GrammarSpec's (which checks every object's ``$ref`` in the same pass).
 
 Standard library only (core is the bottom layer).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator
 from urllib.parse import unquote
 
 # keywords whose value maps names to subschemas
@@ -152,17 +153,37 @@ class TooManyNodes(ValueError):
     """A walk met more subschemas than its ``max_nodes``."""
 
 
-class Subschema(NamedTuple):
-    """One subschema met by ``walk``: where it sits (keys and indices from the root), what
-    it is (a dict or a bool), and how many subschema steps down."""
+class Subschema:
+    """One subschema met by ``walk``: what it is (a dict or a bool), how many subschema
+    steps down, and where it sits (``path``: keys and indices from the root, built when
+    asked for; ``pointer``: the same as a JSON pointer)."""
 
-    path: tuple
-    node: Any
-    depth: int
+    __slots__ = ("node", "depth", "_at")
+
+    def __init__(self, node, depth: int, at):
+        self.node, self.depth, self._at = node, depth, at  # at: (parent's at, key) or None
+
+    @property
+    def path(self) -> tuple:
+        keys, at = [], self._at
+        while at is not None:
+            at, key = at
+            keys.append(key)
+        return tuple(reversed(keys))
 
     @property
     def pointer(self) -> str:
         return pointer(self.path)
+
+    def __repr__(self) -> str:
+        return f"Subschema({self.pointer!r}, depth={self.depth})"
+
+
+_MAPS = frozenset((*SCHEMA_MAPS, "dependencies"))
+_VALUES = frozenset(SCHEMA_VALUES)
+_LISTS = frozenset((*SCHEMA_LISTS, "items", "additionalItems"))
+_SCHEMA_KEYS = _MAPS | _VALUES | _LISTS
+_DATA = frozenset(DATA_KEYWORDS)
 
 
 def walk(schema, *, max_depth: int | None = None, max_nodes: int | None = None,
@@ -176,13 +197,15 @@ def walk(schema, *, max_depth: int | None = None, max_nodes: int | None = None,
     dicts already visited (by an earlier walk of the same document), neither yielded nor
     walked again; the ones this walk yields are added (to follow references, walk each
     target with the same set: each node is met once however many references reach it)."""
-    stack = [((), schema, 0)]
+    stack = [(schema, None, 0)]
+    push = stack.append
     count = 0
     while stack:
-        path, node, depth = stack.pop()
+        node, at, depth = stack.pop()
         if isinstance(node, list):  # only where lenient: a list where a schema was
-            stack.extend(((*path, i), sub, depth + 1) for i, sub in reversed(list(
-                enumerate(node))) if isinstance(sub, (dict, list)))
+            for i in range(len(node) - 1, -1, -1):
+                if isinstance(node[i], (dict, list)):
+                    push((node[i], (at, i), depth + 1))
             continue
         if seen is not None and isinstance(node, dict):
             if id(node) in seen:
@@ -191,44 +214,62 @@ def walk(schema, *, max_depth: int | None = None, max_nodes: int | None = None,
         count += 1
         if max_nodes is not None and count > max_nodes:
             raise TooManyNodes(f"the schema has more than {max_nodes} subschemas")
-        yield Subschema(path, node, depth)
+        yield Subschema(node, depth, at)
         if not isinstance(node, dict) or (max_depth is not None and depth >= max_depth):
             continue
-        children = []
+        mark, down = len(stack), depth + 1
         for key, value in node.items():
-            children.extend(_children(key, value, lenient))
-        stack.extend(((*path, *where), sub, depth + 1) for where, sub in reversed(children))
+            if key in _SCHEMA_KEYS:
+                if isinstance(value, dict):
+                    if key in _MAPS:
+                        here = (at, key)
+                        for name, sub in value.items():
+                            if isinstance(sub, (dict, bool)) or (
+                                    lenient and key != "dependencies" and isinstance(sub, list)):
+                                push((sub, (here, name), down))
+                        continue
+                    if key in _VALUES:
+                        push((value, (at, key), down))
+                        continue
+                elif isinstance(value, list):
+                    if key in _LISTS:
+                        here = (at, key)
+                        for i, sub in enumerate(value):
+                            if isinstance(sub, (dict, bool)) or (lenient and isinstance(sub, list)):
+                                push((sub, (here, i), down))
+                        continue
+                elif value is True or value is False:
+                    if key in _VALUES:
+                        push((value, (at, key), down))
+                    continue
+                if lenient and isinstance(value, (dict, list)):  # a known word, odd shape
+                    push((value, (at, key), down))
+            elif lenient and key not in _DATA and isinstance(value, (dict, list)):
+                push((value, (at, key), down))
+        stack[mark:] = stack[mark:][::-1]  # (popped in document order)
 
 
-def _children(key, value, lenient: bool) -> list[tuple[tuple, Any]]:
-    """(path below the node, subschema) of one keyword's value."""
-    if key in DATA_KEYWORDS:
-        return []
-    if key in SCHEMA_MAPS and isinstance(value, dict) or (
-            key == "dependencies" and isinstance(value, dict)):
-        return [((key, name), sub) for name, sub in value.items()
-                if isinstance(sub, (dict, bool)) or (lenient and isinstance(sub, list)
-                                                     and key != "dependencies")]
-    if key in SCHEMA_VALUES and isinstance(value, (dict, bool)):
-        return [((key,), value)]
-    if key in SCHEMA_LISTS + ("items", "additionalItems") and isinstance(value, list):
-        return [((key, i), sub) for i, sub in enumerate(value)
-                if isinstance(sub, (dict, bool)) or (lenient and isinstance(sub, list))]
-    if lenient and isinstance(value, (dict, list)):
-        return [((key,), value)]
-    return []
-
-
-def nested_deeper(value, limit: int) -> bool:
+def nested_deeper(value, limit: int, each_object=None) -> bool:
     """Whether a JSON value nests deeper than ``limit`` (a scalar is 1 deep, ``[1]`` 2),
-    iteratively: a hostile value cannot exhaust the stack here."""
-    stack = [(value, 1)]
+    iteratively: a hostile value cannot exhaust the stack here. ``each_object``: called
+    with every object (dict) met on the way, data included (a check that must see every
+    object, in one pass with the depth check)."""
+    if limit < 1:
+        return True
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    push = stack.append
     while stack:
         node, depth = stack.pop()
-        if depth > limit:
-            return True
         if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
+            if each_object is not None:
+                each_object(node)
+            children = node.values()
+        else:
+            children = node
+        if children and depth >= limit:
+            return True  # (a child is one deeper)
+        depth += 1
+        for child in children:
+            if isinstance(child, (dict, list)):
+                push((child, depth))
     return False

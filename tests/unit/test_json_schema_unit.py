@@ -230,12 +230,19 @@ def test_spec_keeps_its_parse_out_of_key_and_pickle():
     assert GrammarSpec.choice(["x", "y"]).parsed == ["x", "y"]
 
 
-def test_spec_refuses_remote_references_anywhere_but_in_data():
+def test_spec_refuses_remote_references_anywhere():
     with pytest.raises(ValueError, match=r"\$ref 'https://x' points outside the schema"):
         GrammarSpec.json_schema({"properties": {"a": {"$ref": "https://x"}}})
     with pytest.raises(ValueError, match=r"\$dynamicRef 'other.json' points outside"):
         GrammarSpec.json_schema({"x-vendor": {"$dynamicRef": "other.json"}})
-    GrammarSpec.json_schema({"default": {"$ref": "https://x"}})  # a value, not a schema
+    with pytest.raises(ValueError, match="points outside"):  # (even in data: as before)
+        GrammarSpec.json_schema({"default": {"$ref": "https://x"}})
+    deep = {}
+    for _ in range(200):
+        deep = {"items": deep}
+    GrammarSpec.json_schema(deep)  # 201 objects deep: the most allowed
+    with pytest.raises(ValueError, match="nested more than 200"):
+        GrammarSpec.json_schema({"items": deep})
 
 
 def test_later_stages_read_the_parse_not_the_text(monkeypatch):
