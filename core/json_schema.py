@@ -198,16 +198,19 @@ def walk(schema, *, max_depth: int | None = None, max_nodes: int | None = None,
     walked again; the ones this walk yields are added (to follow references, walk each
     target with the same set: each node is met once however many references reach it)."""
     stack = [(schema, None, 0)]
-    push = stack.append
+    push, pop = stack.append, stack.pop
+    schema_keys, maps, values, lists, data = _SCHEMA_KEYS, _MAPS, _VALUES, _LISTS, _DATA
+    containers, schemas = (dict, list), (dict, bool)
     count = 0
     while stack:
-        node, at, depth = stack.pop()
+        node, at, depth = pop()
         if isinstance(node, list):  # only where lenient: a list where a schema was
             for i in range(len(node) - 1, -1, -1):
-                if isinstance(node[i], (dict, list)):
+                if isinstance(node[i], containers):
                     push((node[i], (at, i), depth + 1))
             continue
-        if seen is not None and isinstance(node, dict):
+        is_dict = isinstance(node, dict)
+        if seen is not None and is_dict:
             if id(node) in seen:
                 continue
             seen.add(id(node))
@@ -215,38 +218,39 @@ def walk(schema, *, max_depth: int | None = None, max_nodes: int | None = None,
         if max_nodes is not None and count > max_nodes:
             raise TooManyNodes(f"the schema has more than {max_nodes} subschemas")
         yield Subschema(node, depth, at)
-        if not isinstance(node, dict) or (max_depth is not None and depth >= max_depth):
+        if not is_dict or (max_depth is not None and depth >= max_depth):
             continue
         mark, down = len(stack), depth + 1
         for key, value in node.items():
-            if key in _SCHEMA_KEYS:
+            if key in schema_keys:
                 if isinstance(value, dict):
-                    if key in _MAPS:
+                    if key in maps:
                         here = (at, key)
                         for name, sub in value.items():
-                            if isinstance(sub, (dict, bool)) or (
+                            if isinstance(sub, schemas) or (
                                     lenient and key != "dependencies" and isinstance(sub, list)):
                                 push((sub, (here, name), down))
                         continue
-                    if key in _VALUES:
+                    if key in values:
                         push((value, (at, key), down))
                         continue
                 elif isinstance(value, list):
-                    if key in _LISTS:
+                    if key in lists:
                         here = (at, key)
                         for i, sub in enumerate(value):
-                            if isinstance(sub, (dict, bool)) or (lenient and isinstance(sub, list)):
+                            if isinstance(sub, schemas) or (lenient and isinstance(sub, list)):
                                 push((sub, (here, i), down))
                         continue
                 elif value is True or value is False:
-                    if key in _VALUES:
+                    if key in values:
                         push((value, (at, key), down))
                     continue
-                if lenient and isinstance(value, (dict, list)):  # a known word, odd shape
+                if lenient and isinstance(value, containers):  # a known word, odd shape
                     push((value, (at, key), down))
-            elif lenient and key not in _DATA and isinstance(value, (dict, list)):
+            elif lenient and isinstance(value, containers) and key not in data:
                 push((value, (at, key), down))
-        stack[mark:] = stack[mark:][::-1]  # (popped in document order)
+        if len(stack) - mark > 1:
+            stack[mark:] = stack[mark:][::-1]  # (popped in document order)
 
 
 def nested_deeper(value, limit: int, each_object=None) -> bool:
