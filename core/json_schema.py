@@ -12,7 +12,8 @@ bound, the keyword reports, the benches) reads that object through this module:
   (``{"$ref": ...}`` to ``{"$ref": ...}``) with a cycle check.
 - ``walk(schema)``: every subschema with its path (a tuple of keys and indices; the
   ``pointer`` of a ``Subschema`` is its JSON pointer) and depth, across every keyword that
-  holds subschemas (``SCHEMA_MAPS``, ``SCHEMA_VALUES``, ``SCHEMA_LISTS``), iteratively (a
+  holds subschemas (``SCHEMA_MAPS``, ``SCHEMA_VALUES``, ``SCHEMA_LISTS``, and draft 4's
+  ``dependencies`` where a dependency is a schema), iteratively (a
   deep schema cannot exhaust the stack), with an optional depth limit (deeper subschemas
   are not visited) and node cap (``TooManyNodes`` past it). ``lenient=True`` also walks
   the values of keywords it does not know (an extension's schema, a structural tag's
