@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import json
 
+from core.json_schema import DATA_KEYWORDS, SCHEMA_MAPS
+
 _X, _H = "[A-Za-z0-9]", "[A-Za-z0-9-]"
 
 
@@ -108,9 +110,8 @@ _REWRITTEN = frozenset(("email", "idn-email", "hostname", "idn-hostname", "host-
                         "date", "time", "date-time", "ipv4", "ip-address", "ipv6",
                         "json-pointer", "relative-json-pointer"))
 # where a keyword's value is not a schema (a value, or a map of names to schemas)
-_VALUES = frozenset(("enum", "const", "default", "examples"))
-_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas", "dependencies"))
+_VALUES = frozenset(DATA_KEYWORDS)
+_MAPS = frozenset((*SCHEMA_MAPS, "dependencies"))
 _MAX_DEPTH = 256
 
 
@@ -121,15 +122,17 @@ def format_patterns(schema, frac_digits: int = 0):
     return _rewrite(schema, frac_digits, 0)
 
 
-def format_patterns_text(schema: str, frac_digits: int = 0) -> str:
+def format_patterns_text(schema: str, frac_digits: int = 0, parsed=None) -> str:
     """``format_patterns`` over schema text: the text itself where no format changes (or
-    where it is not JSON: the compile then says what is wrong with it)."""
+    where it is not JSON: the compile then says what is wrong with it). ``parsed``: the
+    text already parsed, where the caller has it."""
     if '"format"' not in schema:
         return schema
-    try:
-        parsed = json.loads(schema)
-    except (ValueError, RecursionError):
-        return schema
+    if parsed is None:
+        try:
+            parsed = json.loads(schema)
+        except (ValueError, RecursionError):
+            return schema
     out = format_patterns(parsed, frac_digits)
     if out is parsed:
         return schema

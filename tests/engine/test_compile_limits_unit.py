@@ -24,7 +24,7 @@ from worker.engine.grammar_engines import (LLGUIDANCE, LLGUIDANCE_LIMITS, XGRAMM
                                            EngineRefused, LLGuidanceEngine,
                                            _llguidance_grammar)
 from worker.engine.guided_process import GuidedDecodingManager
-from worker.engine.schema_rewrites import RewriteBudget, SchemaTooComplex
+from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,8 @@ from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,
                                            EngineRefused, auto_engine, compile_auto,
                                            engines_for)
-from worker.engine.schema_rewrites import exact_rewrites, strict_schema
+from worker.engine.schema_options import strict_schema
+from worker.engine.schema_rewrites import exact_rewrites
 
 pytestmark = pytest.mark.integration  # the tokenizer comes from the converted default model
 

@@ -2,7 +2,7 @@
 10 fraction, 2 exponent digits) a matcher for ``integer`` / ``number`` refuses a 30-digit
 integer, a 30-digit fraction and a huge exponent, and still takes ordinary numbers and
 the numbers the schema itself demands. llguidance has no digit bounds of its own: the
-guards are written into the schema (schema_rewrites.number_guards). Checked on a
+guards are written into the schema (schema_options.number_guards). Checked on a
 byte-level vocabulary (no model needed)."""
 
 import json
@@ -15,7 +15,7 @@ from grammar_cache.compile import json_schema_ebnf
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
-from worker.engine.schema_rewrites import number_guards
+from worker.engine.schema_options import number_guards
 
 pytestmark = pytest.mark.unit
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from core.grammar_spec import GrammarSpec
 from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
-from worker.engine.schema_rewrites import exact_rewrites, strict_schema
+from worker.engine.schema_options import strict_schema
+from worker.engine.schema_rewrites import exact_rewrites
 from worker.engine.validation import validate_json
 
 pytestmark = pytest.mark.unit

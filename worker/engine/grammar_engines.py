@@ -101,10 +101,11 @@ from grammar_cache.compile import compile_spec
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
 from grammar_cache.format_patterns import format_patterns
-from worker.engine.schema_rewrites import (MAX_LLGUIDANCE_FRAC_DIGITS,
-                                           MAX_LLGUIDANCE_INT_DIGITS, RewriteBudget,
-                                           SchemaTooComplex, any_value_guarded,
-                                           exact_rewrites, number_guards, strict_schema)
+from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
+from worker.engine.schema_options import (MAX_LLGUIDANCE_FRAC_DIGITS,
+                                          MAX_LLGUIDANCE_INT_DIGITS, any_value_guarded,
+                                          number_guards, strict_schema)
+from worker.engine.schema_rewrites import exact_rewrites
 
 XGRAMMAR, LLGUIDANCE, AUTO = "xgrammar", "llguidance", "auto"
 ENGINES = (XGRAMMAR, LLGUIDANCE)

@@ -268,7 +268,7 @@ class OutputPolicy:
         if kind not in ("json_schema", "json_object"):
             return
         schema = seq.grammar.source if kind == "json_schema" else None
-        out.approximated = approximated_keywords(schema) if schema else []
+        out.approximated = approximated_keywords(seq.grammar.parsed) if schema else []
         if seq.validation == "off":
             return
         error = validate_json(schema, seq.resumed_text + seq.detokenizer.text)
@@ -353,7 +353,7 @@ class OutputPolicy:
         if self._capacity is None:
             self._capacity = TokenCapacity(self.guided.closer.vocab)
         bound = self._bounds[key] = self._capacity.min_tokens(
-            schema_counts(seq.grammar.source))
+            schema_counts(seq.grammar.parsed))
         while len(self._bounds) > _BUDGET_MEMO_SIZE:
             self._bounds.popitem(last=False)
         return bound
