@@ -215,3 +215,15 @@ def test_engine_ends_items_that_cycle_on_each_engine(make_engine, name):
     answer = json.loads(text)
     jsonschema.validate(answer, ORDER)
     assert [i["quantity"] for i in answer["items"]] == [q for q in range(1, 9) for _ in "AB"]
+
+
+def test_copies_whose_closing_token_carries_their_last_characters_are_ended(default_tokenizer,
+                                                                            vocab):
+    # '"TinyTech Inc.", ' is '"', 'T', 'iny', 'Tech', ' Inc', '.",' ...: no token boundary
+    # falls between the item's text and its quote, so the copies were never ended (the
+    # clients bench's Ticket tags ran to the budget). The kept copy ends as written.
+    text = '{"tags": [' + ", ".join(['"TinyTech Inc."'] * 12)
+    got = detect(default_tokenizer, vocab, TAGS, text)
+    assert got is not None, "not cut"
+    tags = json.loads(got + "}")["tags"]  # (the array is closed; the document goes on)
+    assert set(tags) == {"TinyTech Inc."} and 1 <= len(tags) <= 3, got

@@ -416,9 +416,16 @@ class LoopGuard:
                 return None  # not inside the loop's value (it closed and reopened)
             kinds.append(level[0])
             level = level[1]
+        head: list = []
         if deeper and not _closes_first(kinds, data):
-            return None
-        closers = [self.closers.get(k) for k in kinds + [outer[0]]]
+            # a string the next token ends after a few plain characters ('.",' after
+            # '"TinyTech Inc'): those characters are written first, one token each, so the
+            # kept copy ends as the model wrote it
+            tail = _plain_before_quote(data) if kinds[0] == "s" else None
+            if tail is None or not _closes_first(kinds, data[len(tail):]):
+                return None
+            head = [self.closers.get(tail[i:i + 1]) for i in range(len(tail))]
+        closers = head + [self.closers.get(k) for k in kinds + [outer[0]]]
         return None if None in closers else tuple(closers)
 
     def cut(self, keep: int, closers: tuple[int, ...]) -> None:
@@ -455,14 +462,19 @@ class LoopGuard:
             self.push(t)
 
 
-def closer_ids(vocab: list[bytes]) -> dict[str, int]:
+def closer_ids(vocab: list[bytes]) -> dict:
     """The token ids of the single bytes ``"``, ``]``, ``}`` and ``,`` (kinds "s", "a",
-    "o", ",")."""
-    found = {}
+    "o", ","), and of every printable ASCII byte (keyed by the byte itself: the characters
+    a string's closing token carries before its quote, see ``LoopGuard._closing``)."""
+    found: dict = {}
     for tid, raw in enumerate(vocab):
+        if len(raw) != 1:
+            continue
         for kind, byte in _CLOSER.items():
             if raw == byte and kind not in found:
                 found[kind] = tid
+        if 0x20 <= raw[0] < 0x7F and raw not in found:
+            found[raw] = tid
     return found
 
 
@@ -478,6 +490,17 @@ def token_shapes(vocab: list[bytes]) -> list[int]:
         shapes.append(DIGITS if core and core.isdigit() and core.isascii() else
                       LETTER if len(core) == 1 and core.isalpha() and core.isascii() else tid)
     return shapes
+
+
+def _plain_before_quote(data: bytes) -> bytes | None:
+    """The bytes of ``data`` before its first ``"`` when they are a few printable ASCII
+    characters with no escape (what a string's closing token such as ``.",`` carries
+    before its quote), else None."""
+    i = data.find(b'"')
+    if i <= 0 or i > 4:
+        return None
+    head = data[:i]
+    return head if all(0x20 <= b < 0x7F and b != 0x5C for b in head) else None
 
 
 def _closes_first(kinds: list[str], data: bytes) -> bool:
