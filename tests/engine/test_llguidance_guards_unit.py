@@ -14,7 +14,8 @@ from xgrammar.testing import _is_grammar_accept_string
 from grammar_cache.compile import json_schema_ebnf
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
+from worker.guided.backend import EngineRefused
+from worker.guided.llguidance_backend import _llguidance_grammar
 from worker.engine.schema_rewrites import number_guards
 
 pytestmark = pytest.mark.unit

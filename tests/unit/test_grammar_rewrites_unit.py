@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
+from worker.guided.backend import EngineRefused
+from worker.guided.llguidance_backend import _llguidance_grammar
 from worker.engine.schema_rewrites import exact_rewrites, strict_schema
 from worker.engine.validation import validate_json
 

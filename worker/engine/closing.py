@@ -56,7 +56,8 @@ from typing import Callable
 import torch
 import xgrammar as xgr
 
-from worker.engine.grammar_engines import GrammarMatcher, as_matcher
+from worker.guided.backend import GrammarMatcher
+from worker.guided.xgrammar_backend import as_matcher
 
 _JSON_PUNCT = set(b'{}[]",: ')
 _REPEATS = 3

@@ -36,7 +36,7 @@ from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import GrammarStopCheck, IncrementalDetokenizer
-from worker.engine.grammar_engines import LLGUIDANCE
+from worker.guided.backend import LLGUIDANCE
 from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
 from worker.engine.jump_forward import JumpForward, JumpStats
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings

@@ -44,8 +44,8 @@ from dataclasses import asdict, dataclass, field
 from core.grammar_spec import grammar_id
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR,
-                                           CompiledGrammar, EngineRefused)
+from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
+                                   EngineRefused)
 from worker.engine.shortest_bound import TokenCapacity, schema_counts
 from worker.engine.validation import approximated_keywords, not_checked
 

@@ -1,5 +1,5 @@
 """GuidedDecodingManager: the engine's one handle on its grammar engines (xgrammar and
-llguidance behind grammar_engines.py's interface, chosen per grammar).
+llguidance behind worker/guided's backend protocol, chosen per grammar).
 
 It owns the tokenizer info (built with the *model's* vocab size, so padded embedding rows
 and ids the tokenizer lacks can never be sampled under a grammar, and with the model's
@@ -10,7 +10,7 @@ by ``Sequence.matcher_key`` (the request, never a client-chosen session id).
 
 Which engine compiles a spec (``resolve``): the spec's ``engine`` when it names one, else
 the manager's ``default_engine`` (``EngineConfig.grammar_engine``), and ``auto`` by the rule
-in grammar_engines.py (llguidance for a JSON grammar it compiles, xgrammar elsewhere).
+in worker/guided/backend.py (llguidance for a JSON grammar it compiles, xgrammar elsewhere).
 
 Where an xgrammar compile happens is pluggable: with ``fetch`` (for a worker in a cluster,
 ``GrammarCacheClient(info, ...).fetch``, injected by the worker actor: the engine imports
@@ -19,7 +19,7 @@ no Ray) through the shared cache actor; with ``compile_processes`` in this engin
 grammar cache's time and memory limits); else in-process on the manager's thread pool
 (xgrammar cannot stop a compile there: for tests and one-off use). llguidance grammars
 always compile here: compiling one costs less than an actor round trip, and llguidance's
-own limits bound it (grammar_engines.py). The manager's cache is the worker's local LRU
+own limits bound it (worker/guided/llguidance_backend.py). The manager's cache is the worker's local LRU
 of both, and of their errors.
 
 A compile nobody waits for stops: a caller that waits (``get_grammar(..., waiter=True)``,
@@ -52,10 +52,11 @@ from core.errors import GrammarUnavailable
 from core.grammar_spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace
 from worker.engine.closing import NEXT_BYTE, CompletionSearch
-from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, LLGUIDANCE_AUTO_KINDS,
-                                           LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
-                                           EngineRefused, GrammarMatcher, LLGuidanceEngine,
-                                           XGrammarMatcher)
+from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, LLGUIDANCE_AUTO_KINDS,
+                                   LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar, EngineRefused,
+                                   GrammarMatcher)
+from worker.guided.llguidance_backend import LLGuidanceBackend
+from worker.guided.xgrammar_backend import XGrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class GuidedDecodingManager:
                  compile_threads: int = 1, fill_threads: int = 1, cache_bytes: int = 1 << 30,
                  error_ttl_s: float = 60.0, fetch: GrammarFetch | None = None,
                  encode: Callable[[str], list[int]] | None = None,
-                 llguidance: Callable[[], LLGuidanceEngine] | None = None,
+                 llguidance: Callable[[], LLGuidanceBackend] | None = None,
                  default_engine: str = AUTO, max_repetition: int | None = None,
                  compile_processes: int = 0, compile_limits: GrammarCacheConfig | None = None):
         """``fetch``: compiles (or fetches) an xgrammar spec; None compiles here: in
@@ -118,9 +119,9 @@ class GuidedDecodingManager:
         ``default_engine``: what a spec whose engine is ``auto`` gets (``auto``: the rule).
         ``max_repetition``: the repetition limit (default: ``compile_limits``'), applied to
         llguidance compiles as the cache applies it to xgrammar's."""
-        if default_engine not in (AUTO, *ENGINES):
+        if default_engine not in (AUTO, *BACKENDS):
             raise ValueError(f"grammar engine {default_engine!r} is not one of "
-                             f"{(AUTO, *ENGINES)}")
+                             f"{(AUTO, *BACKENDS)}")
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
         self.stop_token_ids = list(tokenizer_info.stop_token_ids)
@@ -164,7 +165,7 @@ class GuidedDecodingManager:
         self.max_repetition = (self.compile_limits.max_repetition if max_repetition is None
                                else max_repetition)
         self._llguidance_factory = llguidance
-        self._llguidance: LLGuidanceEngine | None = None
+        self._llguidance: LLGuidanceBackend | None = None
         self._ll_lock = threading.Lock()
         self._encode = encode
         self._closer: CompletionSearch | None = None
@@ -182,7 +183,7 @@ class GuidedDecodingManager:
             kwargs["fetch"] = grammar_fetch(info)
         kwargs.setdefault("encode", lambda text: tokenizer(
             text, add_special_tokens=False)["input_ids"])
-        kwargs.setdefault("llguidance", lambda: LLGuidanceEngine.from_huggingface(
+        kwargs.setdefault("llguidance", lambda: LLGuidanceBackend.from_huggingface(
             tokenizer, vocab_size, stop_token_ids))
         return cls(info, **kwargs)
 
@@ -302,7 +303,7 @@ class GuidedDecodingManager:
         return spec.engine if spec.engine != AUTO else self.default_engine
 
     @property
-    def llguidance(self) -> LLGuidanceEngine | None:
+    def llguidance(self) -> LLGuidanceBackend | None:
         """The llguidance engine (built on first use, about half a second), or None when
         this manager has none."""
         if self._llguidance is None and self._llguidance_factory is not None:

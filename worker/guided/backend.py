@@ -1,0 +1,195 @@
+"""The grammar backends' protocol: xgrammar and llguidance (a grammar **backend**: the
+library that compiles a grammar and masks tokens by it) behind one small interface, and
+the ``auto`` rule that picks one per grammar.
+
+The engine's guided path (worker/engine/guided_process.py: GuidedDecodingManager), the
+closing search (closing.py), the loop guard and the stop-string check use only this
+interface, so every guided feature works on either backend. One module per library
+implements it (xgrammar_backend.py, llguidance_backend.py); nothing outside this package
+touches a library's matcher. The protocol:
+
+    compiled = backend.compile(spec)         # GrammarSpec -> CompiledGrammar, or EngineRefused
+    m = backend.matcher(compiled)            # a fresh matcher (cheap: shares the compiled grammar)
+    backend.fill_rows(bitmask, rows, ms)     # row rows[i] for ms[i], the batch at once
+    m.fill_bitmask(bitmask, row)             # bitmask: [B, ceil(V / 32)] int32 on CPU; row `row`
+                                             # gets bit t set iff token t may come next
+    m.accept_token(t) -> bool                # False leaves the matcher as it was
+    m.rollback(n); m.fork()                  # undo the last n accepted tokens; an independent copy
+    m.is_completed()                         # the text so far is a whole match
+                                             # (a stop token may come)
+    m.is_terminated()                        # a stop token was accepted
+    m.forced_continuation() -> str           # text every continuation starts with (jump-forward)
+    m.accept_string(text) -> bool            # one rollback step; False leaves the matcher as it was
+    m.state_key(); m.step_state()            # the closing search's state keys (see below)
+    m.rule_start() -> int | None             # where the outermost open rule began (-1: the root)
+
+xgrammar's method names are aliases on every matcher (``fill_next_token_bitmask``,
+``find_jump_forward_string``), so code written against ``xgr.GrammarMatcher`` runs on both.
+
+State keys, for the closing search's merging of states (closing.py): each backend's
+module says what its keys are. A merge of two states that differ can only make a closing
+estimate worse (a path is missed), never an output invalid: every closing path is
+replayed on the real matcher before it is emitted.
+
+Both backends write the same bitmask layout (xgrammar's: bit ``t % 32`` of word ``t // 32``),
+so worker/engine/bitmask.py applies either. Their masks differ slightly: llguidance
+leaves out special tokens, and where the grammar forces text (``{"`` of ``{"a": ``) the
+tokens that cover only part of it (``{``), which it still accepts if fed. Stop tokens are
+the model's EOS ids on both: a stop token is accepted only where the grammar may end, and
+ends the match.
+
+The names ``xgrammar``, ``llguidance`` and ``auto`` are what users see: a spec's
+``engine``, the server's ``grammar_engine``, reports and metrics.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from core.errors import ErrorKind, GrammarError
+from core.grammar_spec import GrammarSpec
+
+XGRAMMAR, LLGUIDANCE, AUTO = "xgrammar", "llguidance", "auto"
+BACKENDS = (XGRAMMAR, LLGUIDANCE)
+# the kinds ``auto`` may send to llguidance: the JSON ones, where refusing is its verdict on
+# exactness; other kinds stay on xgrammar, whose dialects (EBNF, structural tags) they use
+LLGUIDANCE_AUTO_KINDS = ("json_schema", "json_object")
+
+# the kinds llguidance takes (the others are written in xgrammar's dialects)
+LLGUIDANCE_KINDS = ("json_schema", "json_object", "regex", "choice")
+
+
+class EngineRefused(GrammarError):
+    """An engine would not compile a grammar: invalid, over a limit, or (llguidance) not
+    enforceable exactly. ``engine`` names the engine; the message names what it refused.
+    A GrammarError (so a ValueError) with the client-fault ``kind`` of the cache's
+    vocabulary."""
+
+    def __init__(self, engine: str, message: str, kind: ErrorKind = ErrorKind.INVALID_GRAMMAR):
+        super().__init__(message, kind)
+        self.engine = engine
+
+    def __reduce__(self):
+        return (type(self), (self.engine, str(self), self.kind))
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """What an engine built for a spec. ``artifact``: an ``xgr.CompiledGrammar`` or, for
+    llguidance, the matcher at the start (each request gets a copy of it)."""
+
+    engine: str
+    spec: GrammarSpec
+    artifact: object
+    compile_s: float
+
+
+
+class GrammarMatcher(ABC):
+    """One request's position in a grammar (see the module doc for the protocol)."""
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None: ...
+
+    @abstractmethod
+    def accept_token(self, token: int) -> bool: ...
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None: ...
+
+    @abstractmethod
+    def fork(self) -> "GrammarMatcher": ...
+
+    @abstractmethod
+    def is_completed(self) -> bool: ...
+
+    @abstractmethod
+    def is_terminated(self) -> bool: ...
+
+    @abstractmethod
+    def forced_continuation(self) -> str: ...
+
+    @abstractmethod
+    def accept_string(self, text: str) -> bool: ...
+
+    @abstractmethod
+    def state_key(self) -> tuple: ...
+
+    @abstractmethod
+    def step_state(self) -> object: ...
+
+    @abstractmethod
+    def rule_start(self) -> int | None: ...
+
+    @abstractmethod
+    def has_parser_state(self) -> bool: ...
+
+    engine: str
+
+    def failure(self) -> str | None:
+        """Why the matcher can go no further though the grammar was not done (llguidance:
+        a mask step over its limits, ``LLGUIDANCE_LIMITS``), or None."""
+        return None
+
+    # xgrammar's names, for code written against xgr.GrammarMatcher
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        self.fill_bitmask(bitmask, index)
+
+    def find_jump_forward_string(self) -> str:
+        return self.forced_continuation()
+
+
+class GrammarBackend(ABC):
+    """One grammar library: compiles specs and makes matchers (see the module doc)."""
+
+    name: str
+    vocab_size: int
+
+    @abstractmethod
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Builds ``spec``; raises EngineRefused naming what the engine refused."""
+
+    @abstractmethod
+    def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher: ...
+
+
+# --- choosing -------------------------------------------------------------------------------
+
+def auto_backend(spec: GrammarSpec, llguidance_refusal: EngineRefused | None) -> str:
+    """The ``auto`` rule: llguidance for a JSON grammar (json_schema, json_object) it
+    compiles, since it compiles only what it enforces exactly, and in well under a
+    millisecond; xgrammar for one it refuses (xgrammar approximates it) and for every
+    other kind. ``llguidance_refusal``: what llguidance said of ``spec`` (None: it compiled).
+    No schema class is sent to xgrammar for closing's sake: fixed-width formats (uuid,
+    date, ``{n}`` patterns), which once broke budget-aware closing on llguidance, close
+    there since its state key tells the places of a run apart (``LLGuidanceMatcher.state_key``)."""
+    if spec.kind in LLGUIDANCE_AUTO_KINDS and llguidance_refusal is None:
+        return LLGUIDANCE
+    return XGRAMMAR
+
+
+def compile_auto(backends: dict[str, GrammarBackend], spec: GrammarSpec) -> CompiledGrammar:
+    """Compiles ``spec`` on the backend ``auto_backend`` picks; raises xgrammar's
+    EngineRefused where neither takes it."""
+    refusal = None
+    if spec.kind in LLGUIDANCE_AUTO_KINDS:
+        try:
+            return backends[LLGUIDANCE].compile(spec)
+        except EngineRefused as exc:
+            refusal = exc
+    return backends[auto_backend(spec, refusal)].compile(spec)
+
+
+def backends_for(tokenizer, vocab_size: int, stop_token_ids: list[int], *,
+                 compile_threads: int = 1) -> dict[str, GrammarBackend]:
+    """Both backends for a Hugging Face tokenizer, by name."""
+    from worker.guided.llguidance_backend import LLGuidanceBackend
+    from worker.guided.xgrammar_backend import XGrammarBackend
+
+    return {XGRAMMAR: XGrammarBackend.from_huggingface(tokenizer, vocab_size, stop_token_ids,
+                                                       compile_threads=compile_threads),
+            LLGUIDANCE: LLGuidanceBackend.from_huggingface(tokenizer, vocab_size,
+                                                           stop_token_ids)}
