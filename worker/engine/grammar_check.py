@@ -129,7 +129,7 @@ class GrammarChecker:
         schema = _schema(spec)
         approximated = (approximated_keywords(spec.source)
                         if spec.kind == "json_schema" and compiled is not None else [])
-        if compiled is not None and compiled.engine == LLGUIDANCE:
+        if compiled is not None and compiled.exact:
             approximated = not_checked(approximated)  # as the engine reports it (engine.py)
         engines = {XGRAMMAR: self._xgrammar(spec, schema, compiled, error),
                    LLGUIDANCE: self._llguidance(spec, schema, compiled, error)}

@@ -44,6 +44,7 @@ The names ``xgrammar``, ``llguidance`` and ``auto`` are what users see: a spec's
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -85,7 +86,8 @@ class CompiledGrammar:
     spec: GrammarSpec
     artifact: object
     compile_s: float
-
+    # the backend compiles a JSON schema only where it enforces it exactly (GrammarBackend.exact)
+    exact: bool = False
 
 
 class GrammarMatcher(ABC):
@@ -143,44 +145,86 @@ class GrammarMatcher(ABC):
 
 
 class GrammarBackend(ABC):
-    """One grammar library: compiles specs and makes matchers (see the module doc)."""
+    """One grammar library: compiles specs, makes matchers, fills a batch's mask rows (see
+    the module doc). What the guided path must know of a library is said here, as data,
+    so nothing outside this package branches on a library's name."""
 
-    name: str
+    name: str  # the user-visible name: "xgrammar" or "llguidance"
     vocab_size: int
+    # compiled in the worker in about a millisecond, never through the shared grammar
+    # cache (which applies its own limits to what it compiles): the worker applies the
+    # repetition limit itself, and another worker gains next to nothing by sending such a
+    # grammar's requests here
+    compiles_locally: bool = False
+    # refuses a JSON schema it cannot enforce exactly (an approximated keyword never
+    # reaches a matcher: only a custom format, which constrains nothing, stays unchecked)
+    exact: bool = False
 
     @abstractmethod
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Builds ``spec``; raises EngineRefused naming what the engine refused."""
+    def compile(self, spec: GrammarSpec, *, client: str | None = None,
+                cancel: threading.Event | None = None) -> CompiledGrammar:
+        """Builds ``spec``; raises EngineRefused naming what the backend refused (or the
+        GrammarError of the compile service it fetches from). ``client`` (the request's
+        GenerationRequest.client) and ``cancel`` (set: nobody waits any more) are for a
+        backend that compiles through a service; the others ignore them."""
 
     @abstractmethod
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher: ...
 
+    def fill_rows(self, bitmask: torch.Tensor, rows: list[int],
+                  matchers: list[GrammarMatcher], threads: int = 1) -> None:
+        """Fills bitmask row ``rows[i]`` for ``matchers[i]`` (this backend's matchers), at
+        most ``threads`` threads at once; the library's batch fill where it has one."""
+        for row, m in zip(rows, matchers):
+            m.fill_bitmask(bitmask, row)
+
+    @abstractmethod
+    def grammar_bytes(self, compiled: CompiledGrammar) -> int:
+        """What ``compiled`` counts against the worker's grammar cache bound."""
+
 
 # --- choosing -------------------------------------------------------------------------------
 
+def backend_order(spec: GrammarSpec, default: str = AUTO, *,
+                  llguidance: bool = True) -> tuple[str, ...]:
+    """The ``auto`` rule, and what a spec or server asks for: the backends that may serve
+    ``spec``, in the order they are tried; the first that compiles it serves it, and the
+    last one's refusal is the answer. ``default``: the server's ``grammar_engine``, for a
+    spec whose engine is ``auto``; ``llguidance``: whether llguidance is available here.
+
+    - A spec that names llguidance gets it or its refusal; a server default of llguidance
+      sends it the kinds it takes (the others are written in xgrammar's dialects).
+    - ``auto``: llguidance for a JSON grammar (json_schema, json_object) it compiles,
+      since it compiles only what it enforces exactly, and in well under a millisecond;
+      xgrammar for one it refuses (xgrammar approximates it) and for every other kind.
+      No schema class is sent to xgrammar for closing's sake: fixed-width formats (uuid,
+      date, ``{n}`` patterns) close on llguidance too, since its state key tells the
+      places of a run apart (``LLGuidanceMatcher.state_key``)."""
+    asked = spec.engine if spec.engine != AUTO else default
+    if spec.engine == LLGUIDANCE or (asked == LLGUIDANCE and spec.kind in LLGUIDANCE_KINDS):
+        return (LLGUIDANCE,)
+    if asked == AUTO and spec.kind in LLGUIDANCE_AUTO_KINDS and llguidance:
+        return (LLGUIDANCE, XGRAMMAR)
+    return (XGRAMMAR,)
+
+
 def auto_backend(spec: GrammarSpec, llguidance_refusal: EngineRefused | None) -> str:
-    """The ``auto`` rule: llguidance for a JSON grammar (json_schema, json_object) it
-    compiles, since it compiles only what it enforces exactly, and in well under a
-    millisecond; xgrammar for one it refuses (xgrammar approximates it) and for every
-    other kind. ``llguidance_refusal``: what llguidance said of ``spec`` (None: it compiled).
-    No schema class is sent to xgrammar for closing's sake: fixed-width formats (uuid,
-    date, ``{n}`` patterns), which once broke budget-aware closing on llguidance, close
-    there since its state key tells the places of a run apart (``LLGuidanceMatcher.state_key``)."""
-    if spec.kind in LLGUIDANCE_AUTO_KINDS and llguidance_refusal is None:
-        return LLGUIDANCE
-    return XGRAMMAR
+    """The backend ``auto`` serves ``spec`` on (``backend_order``), given what llguidance
+    said of it (``llguidance_refusal``; None: it compiled)."""
+    order = backend_order(spec)
+    return order[-1] if llguidance_refusal is not None else order[0]
 
 
 def compile_auto(backends: dict[str, GrammarBackend], spec: GrammarSpec) -> CompiledGrammar:
-    """Compiles ``spec`` on the backend ``auto_backend`` picks; raises xgrammar's
-    EngineRefused where neither takes it."""
-    refusal = None
-    if spec.kind in LLGUIDANCE_AUTO_KINDS:
+    """Compiles ``spec`` on the backends ``auto`` tries (``backend_order``); raises the
+    last one's EngineRefused where none takes it."""
+    *first, last = backend_order(spec)
+    for name in first:
         try:
-            return backends[LLGUIDANCE].compile(spec)
-        except EngineRefused as exc:
-            refusal = exc
-    return backends[auto_backend(spec, refusal)].compile(spec)
+            return backends[name].compile(spec)
+        except EngineRefused:
+            continue
+    return backends[last].compile(spec)
 
 
 def backends_for(tokenizer, vocab_size: int, stop_token_ids: list[int], *,

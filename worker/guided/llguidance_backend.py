@@ -53,6 +53,7 @@ mid-generation ends its request, its ``failure`` naming the limit.
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import torch
@@ -76,6 +77,8 @@ class LLGuidanceBackend(GrammarBackend):
     millisecond for most schemas, and refuses keywords it cannot enforce."""
 
     name = LLGUIDANCE
+    compiles_locally = True
+    exact = True
 
     def __init__(self, tokenizer: "llguidance.LLTokenizer", limits: dict | None = None):
         """``limits``: llguidance's parser limits (``LLGUIDANCE_LIMITS`` by default; any
@@ -87,6 +90,7 @@ class LLGuidanceBackend(GrammarBackend):
         self.stop_token_ids = frozenset(tokenizer.eos_tokens)
         self.probes = _run_probes(tokenizer)
         self.limits = llguidance.LLParserLimits(**{**LLGUIDANCE_LIMITS, **(limits or {})})
+        self._executors: dict = {}  # threads -> llguidance.LLExecutor (built on first use)
 
     @classmethod
     def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -97,7 +101,8 @@ class LLGuidanceBackend(GrammarBackend):
         return cls(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                 eos_token=list(stop_token_ids)))
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def compile(self, spec: GrammarSpec, *, client: str | None = None,
+                cancel: threading.Event | None = None) -> CompiledGrammar:
         import llguidance
 
         start = time.perf_counter()
@@ -117,11 +122,37 @@ class LLGuidanceBackend(GrammarBackend):
             probe.compute_bitmask()
         if probe.is_error():
             raise _refusal(spec, probe.get_error())
-        return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start)
+        return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start,
+                               exact=self.exact)
 
     def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.artifact.deep_copy(), self.stop_token_ids,
                                  self.tokenizer, self.probes)
+
+    def fill_rows(self, bitmask: torch.Tensor, rows: list[int],
+                  matchers: list[GrammarMatcher], threads: int = 1) -> None:
+        """One row on this thread; more with llguidance's parallel fill (``threads``
+        threads), into the same shared memory."""
+        import llguidance
+        import llguidance.numpy
+
+        if len(rows) == 1:
+            matchers[0].fill_bitmask(bitmask, rows[0])
+            return
+        executor = self._executors.get(threads)
+        if executor is None:
+            executor = self._executors[threads] = llguidance.LLExecutor(
+                num_threads=max(1, threads))
+        live = [(m.inner, row) for m, row in zip(matchers, rows) if not m.is_terminated()]
+        llguidance.numpy.fill_next_token_bitmask_par(executor, live, bitmask.numpy())
+
+    def grammar_bytes(self, compiled: CompiledGrammar) -> int:
+        """A guess: an llguidance grammar's memory is its start state, which Python cannot
+        measure; counted in the size of its lexer, so the cache's byte bound holds it."""
+        return _GRAMMAR_BYTES + len(compiled.spec.source)
+
+
+_GRAMMAR_BYTES = 64 * 1024
 
 
 # llguidance's parser limits (LLParserLimits), passed on every build. Each bounds the time

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import time
+from typing import Callable
 
 import torch
 import xgrammar as xgr
@@ -31,17 +33,29 @@ def as_matcher(m) -> GrammarMatcher:
     return XGrammarMatcher(m) if isinstance(m, xgr.GrammarMatcher) else m
 
 
+# fetch(spec, client, cancel) -> xgr.CompiledGrammar: where a worker's xgrammar grammars
+# come from (the shared cache actor, or its own compile processes); raises GrammarError
+XGrammarFetch = Callable[[GrammarSpec, "str | None", "threading.Event | None"],
+                         "xgr.CompiledGrammar"]
+
+
 class XGrammarBackend(GrammarBackend):
     """xgrammar through the served compile path (grammar_cache/compile.py: our JSON
-    layouts, the control-character fix, the digit guards)."""
+    layouts, the control-character fix, the digit guards), here or, with ``fetch``,
+    wherever the worker gets its grammars (the shared cache, child processes: their
+    GrammarError is raised as it is)."""
 
     name = XGRAMMAR
 
-    def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, compile_threads: int = 1):
+    def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, compile_threads: int = 1,
+                 fetch: XGrammarFetch | None = None):
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
+        # the worker's cache is keyed by spec; xgrammar's internal one would duplicate it
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=compile_threads,
                                             cache_enabled=False)
+        self._fetch = fetch
+        self._batch: dict[int, xgr.BatchGrammarMatcher] = {}  # threads -> batch filler
 
     @classmethod
     def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
@@ -52,16 +66,39 @@ class XGrammarBackend(GrammarBackend):
                                                       stop_token_ids=list(stop_token_ids)),
                    compile_threads=compile_threads)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def compile(self, spec: GrammarSpec, *, client: str | None = None,
+                cancel: threading.Event | None = None) -> CompiledGrammar:
         start = time.perf_counter()
-        try:
-            artifact = compile_spec(self.compiler, spec)
-        except GrammarError as exc:
-            raise EngineRefused(XGRAMMAR, str(exc), exc.kind) from None
-        return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - start)
+        if self._fetch is not None:
+            artifact = self._fetch(spec, client, cancel)
+        else:
+            try:
+                artifact = self.build(spec)
+            except GrammarError as exc:
+                raise EngineRefused(XGRAMMAR, str(exc), exc.kind) from None
+        return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - start,
+                               exact=self.exact)
+
+    def build(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
+        """xgrammar's compile of ``spec`` on this thread; raises GrammarError."""
+        return compile_spec(self.compiler, spec)
 
     def matcher(self, compiled: CompiledGrammar) -> "XGrammarMatcher":
         return XGrammarMatcher(xgr.GrammarMatcher(compiled.artifact))
+
+    def fill_rows(self, bitmask: torch.Tensor, rows: list[int],
+                  matchers: list[GrammarMatcher], threads: int = 1) -> None:
+        batch = self._batch.get(threads)
+        if batch is None:
+            batch = self._batch[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+        batch.batch_fill_next_token_bitmask([m.inner for m in matchers], bitmask, rows)
+
+    def grammar_bytes(self, compiled: CompiledGrammar) -> int:
+        """xgrammar's own estimate of the grammar's memory, where it has one."""
+        try:
+            return int(compiled.artifact.memory_size_bytes)
+        except Exception:  # an older xgrammar, or a stand-in object in tests
+            return 1 << 20
 
 
 class XGrammarMatcher(GrammarMatcher):
