@@ -183,6 +183,63 @@ class GrammarBackend(ABC):
         """What ``compiled`` counts against the worker's grammar cache bound."""
 
 
+# --- state keys from public calls --------------------------------------------------------
+
+# the characters whose runs tell places apart in a state key (probe_runs; llguidance's
+# LLGuidanceMatcher._runs): a fixed-width field's digits, hex digits or letters
+PROBE_TEXTS = ("0", "a", "A")
+PROBE_RUN = 64  # a run this long counts as unbounded
+# separators a pattern's fields are joined by: how many (separator, probe character)
+# pairs may follow tells apart two fields that look alike from inside (in
+# ``[0-9]+-[0-9]+-[0-9]+`` the first field is followed by two "-0", the second by one)
+SEPARATOR_TEXTS = ("/", "-", ":", ".", "_", "@", "+", ",", " ")
+PROBE_FIELDS = 4  # pairs probed: up to this many fields ahead
+
+
+def probe_runs(m: GrammarMatcher) -> tuple:
+    """What a matcher's state key adds to its next mask to tell apart the places of a
+    fixed-width run, from ``accept_string`` and ``rollback`` alone: for each probe
+    character, how many may come in a row from here (up to ``PROBE_RUN``) and, for a
+    bounded run, the text forced right after it (a uuid's last 4-digit group ends in "-",
+    its 12-digit group in a quote); then, for each separator allowed here, how many
+    characters of (separator, probe character) pairs may follow (up to ``PROBE_FIELDS``
+    pairs): which field of ``[0-9]+-[0-9]+-[0-9]+`` this is (not in free text, where every
+    probe character may run on). Each length is found by a
+    binary search of all-or-nothing ``accept_string`` calls (a few microseconds each);
+    ``m`` is left as it was."""
+    runs = []
+    for probe in PROBE_TEXTS:
+        n = _longest(m, probe * PROBE_RUN)
+        after = ""
+        if 0 < n < PROBE_RUN and m.accept_string(probe * n):
+            after = m.forced_continuation()
+            m.rollback(1)
+        runs.append((n, after))
+    if all(n == PROBE_RUN for n, _ in runs):
+        return tuple(runs)  # free text: every separator is a character like any other
+    for sep in SEPARATOR_TEXTS:
+        fields = tuple(_longest(m, (sep + probe) * PROBE_FIELDS) for probe in PROBE_TEXTS)
+        runs.append(fields if any(fields) else None)
+    return tuple(runs)
+
+
+def _longest(m: GrammarMatcher, text: str) -> int:
+    """The length of the longest prefix of ``text`` that ``m`` accepts (a matcher accepts
+    every prefix of what it accepts), ``m`` left as it was."""
+    if m.accept_string(text):  # (free text: one call)
+        m.rollback(1)
+        return len(text)
+    ok, bad = 0, len(text)
+    while bad - ok > 1:
+        mid = (ok + bad) // 2
+        if m.accept_string(text[:mid]):
+            m.rollback(1)
+            ok = mid
+        else:
+            bad = mid
+    return ok
+
+
 # --- choosing -------------------------------------------------------------------------------
 
 def backend_order(spec: GrammarSpec, default: str = AUTO, *,

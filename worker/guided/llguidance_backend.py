@@ -65,7 +65,8 @@ from worker.engine.schema_rewrites import (MAX_LLGUIDANCE_FRAC_DIGITS,
                                            MAX_LLGUIDANCE_INT_DIGITS, RewriteBudget,
                                            SchemaTooComplex, any_value_guarded,
                                            exact_rewrites, number_guards, strict_schema)
-from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, CompiledGrammar,
+from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, PROBE_FIELDS, PROBE_RUN,
+                                   PROBE_TEXTS, SEPARATOR_TEXTS, CompiledGrammar,
                                    EngineRefused, GrammarBackend, GrammarMatcher)
 
 
@@ -189,24 +190,13 @@ def _refusal(spec: GrammarSpec, error: str) -> EngineRefused:
     return EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: {line}")
 
 
-# the characters whose runs tell places apart in llguidance's state key (see
-# LLGuidanceMatcher.state_key): a fixed-width field's digits, hex digits or letters
-_PROBE_TEXTS = ("0", "a", "A")
-_PROBE_RUN = 64  # a run this long counts as unbounded
-# separators a pattern's fields are joined by: how many (separator, probe character)
-# pairs may follow tells apart two fields that look alike from inside (in
-# ``[0-9]+-[0-9]+-[0-9]+`` the first field is followed by two "-0", the second by one)
-_SEPARATOR_TEXTS = ("/", "-", ":", ".", "_", "@", "+", ",", " ")
-_FIELDS = 4  # pairs probed: up to this many fields ahead
-
-
 def _run_probes(tokenizer: "llguidance.LLTokenizer") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The tokens of the probe characters and of the separators, for each one the
     tokenizer spells as one token."""
     def single(texts):
         tokens = [tokenizer.tokenize_str(text) for text in texts]
         return tuple(t[0] for t in tokens if len(t) == 1)
-    return single(_PROBE_TEXTS), single(_SEPARATOR_TEXTS)
+    return single(PROBE_TEXTS), single(SEPARATOR_TEXTS)
 
 
 # what the rewrites may add to a schema: strict mode's and the guards' keywords take a few
@@ -478,9 +468,9 @@ class LLGuidanceMatcher(GrammarMatcher):
         runs, inner = [], self.inner
         chars, separators = self.probes
         for probe in chars:
-            n = inner.validate_tokens([probe] * _PROBE_RUN)
+            n = inner.validate_tokens([probe] * PROBE_RUN)
             after = b""
-            if 0 < n < _PROBE_RUN:
+            if 0 < n < PROBE_RUN:
                 done = inner.try_consume_tokens([probe] * n)
                 if done == n:
                     after = inner.compute_ff_bytes()
@@ -492,7 +482,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         # field from the next one that looks alike from inside
         for sep in separators:
             if inner.validate_tokens([sep]):
-                runs.append(tuple(inner.validate_tokens([sep, probe] * _FIELDS)
+                runs.append(tuple(inner.validate_tokens([sep, probe] * PROBE_FIELDS)
                                   for probe in chars))
             else:
                 runs.append(None)

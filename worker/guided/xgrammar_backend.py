@@ -5,15 +5,28 @@ layouts, the control-character fix, the digit guards); it approximates what a JS
 schema says that it cannot express (``not``, ``uniqueItems``, ``allOf`` ...: it accepts
 instances the schema forbids).
 
-State keys (closing.py): ``state_key()`` is its parser state at the last step without
-positions (read from its debug text: xgrammar 0.2.8 has no public form), ``step_state()``
-that state with positions, ``rule_start()`` the earliest position of an open rule.
+State keys (closing.py), from public calls only (no parser internals, no debug text):
+``step_state()`` is (whether the grammar may end, the forced continuation, a digest of the
+next-token bitmask); ``state_key()`` adds ``probe_runs`` (backend.py): how many of each
+probe character (``0``, ``a``, ``A``) may come in a row from here and what is forced after
+a bounded run, and, outside free text, how long a run of (separator, probe) pairs may
+follow. Why that is enough: the closing search merges states only to stay small, and
+every path it finds is replayed on the real matcher, so a key that merges two different
+states can make an estimate worse, never an output invalid. What the search needs told
+apart is what decides the way out: the next mask and forced text tell structure apart
+(inside an object, an array, a string), and the runs tell apart the places of a
+repetition whose mask repeats at every place (``[0-9a-f]{12}``, a date's fields), which
+xgrammar's parser state once told by its unrolled positions. On a set of schemas and
+regexes (uuid, date, nested objects, arrays with minItems, e-mail, ``{n}`` and multi-field
+patterns), the dive, the exact search and ``fitting`` found the same lengths as with the
+parser-state key read from xgrammar's debug text, and one the old key missed (an array's
+``minItems``); ``rule_start()`` is None and ``has_parser_state()`` False, as on
+llguidance (a closing edge keeps its depth; a search that finds nothing searches again
+by depth).
 """
 
 from __future__ import annotations
 
-import functools
-import re
 import threading
 import time
 from typing import Callable
@@ -25,12 +38,13 @@ from core.errors import GrammarError
 from core.grammar_spec import GrammarSpec
 from grammar_cache.compile import compile_spec
 from worker.guided.backend import (XGRAMMAR, CompiledGrammar, EngineRefused, GrammarBackend,
-                                   GrammarMatcher)
+                                   GrammarMatcher, probe_runs)
 
 
-def as_matcher(m) -> GrammarMatcher:
-    """``m`` as a protocol matcher (a bare ``xgr.GrammarMatcher`` is wrapped)."""
-    return XGrammarMatcher(m) if isinstance(m, xgr.GrammarMatcher) else m
+def as_matcher(m, vocab_size: int | None = None) -> GrammarMatcher:
+    """``m`` as a protocol matcher (a bare ``xgr.GrammarMatcher`` is wrapped; its state
+    key needs ``vocab_size``)."""
+    return XGrammarMatcher(m, vocab_size) if isinstance(m, xgr.GrammarMatcher) else m
 
 
 # fetch(spec, client, cancel) -> xgr.CompiledGrammar: where a worker's xgrammar grammars
@@ -84,7 +98,7 @@ class XGrammarBackend(GrammarBackend):
         return compile_spec(self.compiler, spec)
 
     def matcher(self, compiled: CompiledGrammar) -> "XGrammarMatcher":
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled.artifact))
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled.artifact), self.vocab_size)
 
     def fill_rows(self, bitmask: torch.Tensor, rows: list[int],
                   matchers: list[GrammarMatcher], threads: int = 1) -> None:
@@ -102,22 +116,30 @@ class XGrammarBackend(GrammarBackend):
 
 
 class XGrammarMatcher(GrammarMatcher):
+    """xgrammar's GrammarMatcher. Its state key for the closing search is built from
+    public calls only (see the module doc); ``vocab_size``: its bitmask's width."""
+
     engine = XGRAMMAR
 
-    def __init__(self, inner: "xgr.GrammarMatcher"):
+    def __init__(self, inner: "xgr.GrammarMatcher", vocab_size: int | None = None):
         self.inner = inner
+        self.vocab_size = vocab_size
+        self._key: tuple | None = None  # state_key() of the state as it is (None: unknown)
+        self._scratch: torch.Tensor | None = None  # [1, ceil(V / 32)] for step_state
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         self.inner.fill_next_token_bitmask(bitmask, row)
 
     def accept_token(self, token: int) -> bool:
+        self._key = None
         return self.inner.accept_token(token)
 
     def rollback(self, num_tokens: int) -> None:
+        self._key = None
         self.inner.rollback(num_tokens)
 
     def fork(self) -> "XGrammarMatcher":
-        return XGrammarMatcher(self.inner.fork())
+        return XGrammarMatcher(self.inner.fork(), self.vocab_size)
 
     def is_completed(self) -> bool:
         return self.inner.is_completed()
@@ -129,39 +151,29 @@ class XGrammarMatcher(GrammarMatcher):
         return self.inner.find_jump_forward_string()
 
     def accept_string(self, text: str) -> bool:
+        self._key = None
         return self.inner.accept_string(text)
 
     def state_key(self) -> tuple:
-        return _without_positions(self._states())
+        if self._key is None:  # (a search asks again for the same state: once is enough)
+            self._key = self.step_state() + (probe_runs(self),)
+        return self._key
 
-    def step_state(self) -> str:
-        return self.inner._debug_print_internal_state().rsplit("Last step", 1)[-1]
+    def step_state(self) -> tuple:
+        if self.inner.is_terminated():
+            return (True, "")
+        if self._scratch is None:
+            if self.vocab_size is None:
+                raise RuntimeError("a wrapped xgrammar matcher needs its vocab size for a "
+                                   "state key: as_matcher(m, vocab_size)")
+            self._scratch = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.inner.fill_next_token_bitmask(self._scratch, 0)
+        return (self.inner.is_completed(), self.inner.find_jump_forward_string(),
+                hash(self._scratch.numpy().tobytes()))
 
-    def rule_start(self) -> int:
-        return min((int(p) for _, _, _, p, _ in self._states()), default=-1)
+    def rule_start(self) -> None:
+        return None
 
     def has_parser_state(self) -> bool:
-        return bool(self._states())
+        return False
 
-    def _states(self) -> tuple:
-        return _states_of(self.step_state())
-
-
-_PARSER_STATE = re.compile(r"rule_id=(\d+), sequence_id=(\d+), element_id=(\d+), "
-                           r"rule_start_pos=(-?\d+), sub_element_id=(\d+)")
-
-
-@functools.lru_cache(maxsize=4096)
-def _states_of(text: str) -> tuple:
-    """xgrammar's parser states in its debug text (parsed once per distinct text: a
-    closing search reads the same few states thousands of times); () if it does not
-    parse (another xgrammar)."""
-    return tuple(_PARSER_STATE.findall(text))
-
-
-@functools.lru_cache(maxsize=4096)
-def _without_positions(states: tuple) -> tuple:
-    """Where in which rules, without positions: only whether a rule began at the root is
-    kept of them, or every path would be a state of its own. A repetition such as
-    ``[0-9a-f]{8}`` is unrolled in xgrammar, so each place in it stays a state of its own."""
-    return tuple((int(r), int(q), int(e), int(s), p == "-1") for r, q, e, p, s in states)
