@@ -149,7 +149,7 @@ class CompletionSearch:
         if found.tokens is None and time.perf_counter() < self._deadline:
             found = self._search(matcher, limit, "all")
         if found.tokens is None and found.exhausted and not matcher.has_parser_state():
-            # no parser state to read (neither backend has one): the mask and the depth
+            # equal keys may be different places (llguidance): the mask and the depth
             found = self._search(matcher, limit, "by_depth")
         return found
 
@@ -407,7 +407,7 @@ class CompletionSearch:
         """Whether the parser stands where it stood (another word inside a string): the
         same parser states at the last step, positions aside. The searches take such
         states as one, so a shortest completion found from one serves the other. False
-        where the state cannot be read (``has_parser_state``: neither backend's can)."""
+        where equal keys may be different places (``has_parser_state``: llguidance)."""
         before, after = as_matcher(before), as_matcher(after)
         return before.has_parser_state() and before.state_key() == after.state_key()
 

@@ -127,7 +127,9 @@ class GrammarMatcher(ABC):
     def rule_start(self) -> int | None: ...
 
     @abstractmethod
-    def has_parser_state(self) -> bool: ...
+    def has_parser_state(self) -> bool:
+        """Whether equal ``state_key()``s mean the parser stands at the same place (closing
+        then trusts the key in ``same_place`` and searches no third time by depth)."""
 
     engine: str
 

@@ -15,8 +15,8 @@ back unterminated where xgrammar closed it). ``step_state()`` adds the next-toke
 two tokens count as one next state only where everything that may follow them is the
 same); ``rule_start()`` is None (unknown: a closing edge always keeps its depth, which
 merges less). ``has_parser_state()`` is False, so a search that finds nothing searches
-again with states told apart by depth too (as xgrammar's does when its debug text cannot
-be read) before it calls a grammar unclosable.
+again with states told apart by depth too before it calls a grammar unclosable.
+(xgrammar's key, xgrammar_backend.py, is built the same way from public calls.)
 
 xgrammar and llguidance differ in what they enforce for a JSON schema: xgrammar
 approximates what it cannot express (``not``, ``uniqueItems``, ``allOf`` ...: it accepts

@@ -20,9 +20,11 @@ xgrammar's parser state once told by its unrolled positions. On a set of schemas
 regexes (uuid, date, nested objects, arrays with minItems, e-mail, ``{n}`` and multi-field
 patterns), the dive, the exact search and ``fitting`` found the same lengths as with the
 parser-state key read from xgrammar's debug text, and one the old key missed (an array's
-``minItems``); ``rule_start()`` is None and ``has_parser_state()`` False, as on
-llguidance (a closing edge keeps its depth; a search that finds nothing searches again
-by depth).
+``minItems``). ``has_parser_state()`` stays True, as with the parser-state key: equal
+keys are taken as one place (``same_place``: another word inside a string leaves the
+parser where it was), and a search that finds nothing does not search again by depth (on
+the set above, the answers were the same either way). ``rule_start()`` is None (a closing
+edge keeps its depth in the search's key, as on llguidance).
 """
 
 from __future__ import annotations
@@ -175,5 +177,5 @@ class XGrammarMatcher(GrammarMatcher):
         return None
 
     def has_parser_state(self) -> bool:
-        return False
+        return True  # (its key tells places apart: see the module doc)
 
