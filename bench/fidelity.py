@@ -51,9 +51,10 @@ if __package__ in (None, ""):  # run as a file: the repository's packages, not b
 
 from bench import report  # noqa: E402
 from core.grammar_spec import GrammarSpec  # noqa: E402
+from core.json_schema import is_local, resolve_or_none  # noqa: E402
 from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR,  # noqa: E402
                                    EngineRefused, auto_backend, backends_for)
-from worker.engine.schema_rewrites import strict_schema  # noqa: E402
+from worker.engine.schema_options import strict_schema  # noqa: E402
 from worker.engine.validation import validate_json  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},
@@ -245,12 +246,8 @@ def _members(schema: dict, root, depth: int, data=None) -> list[dict]:
             continue
         out.append(node)
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#"):
-            target = root
-            for part in ref[1:].split("/")[1:]:
-                part = part.replace("~1", "/").replace("~0", "~")
-                target = target.get(part) if isinstance(target, dict) else None
-            todo.append(target)
+        if is_local(ref):
+            todo.append(resolve_or_none(root, ref))
         for key in ("allOf", "anyOf", "oneOf"):
             if isinstance(node.get(key), list):
                 branches = node[key]

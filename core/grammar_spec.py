@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 
 from core.errors import ErrorKind, GrammarError
+from core.json_schema import is_local, nested_deeper, outside, pointer, walk
 
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
 ALIASES = {"regex_schema": "regex", "grammar": "ebnf", "gbnf": "ebnf", "json": "json_schema"}
@@ -31,7 +32,8 @@ WHITESPACE = ("bounded", "any", "compact", "indent", "spaced")
 ENGINES = ("auto", "xgrammar", "llguidance")
 MAX_SOURCE_BYTES = 256 * 1024
 MAX_CHOICES = 4096
-KEY_VERSION = 3  # 2: the engine is part of the key; 3: formats written as patterns
+KEY_VERSION = 4  # 2: the engine is part of the key; 3: formats written as patterns;
+# 4: no year 0000 in dates
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,28 @@ class GrammarSpec:
                 raise ValueError("json_schema must be a JSON object (or true/false)")
             if kind == "json_schema":
                 _check_refs(value)
+            # (not a field: the key, equality and pickles stay those of the text)
+            self.__dict__["_parsed"] = value
             if kind == "choice":
                 _check_choices(value)
             if kind == "structural_tag" and not isinstance(value, dict):
                 raise ValueError("structural_tag must be a JSON object")
+
+    @property
+    def parsed(self):
+        """The source as parsed when the spec was built (json_schema, choice,
+        structural_tag; None for the other kinds): what every later stage reads instead
+        of parsing the text again. Shared: read it, never change it (the rewrites build
+        new objects)."""
+        if self.kind not in ("json_schema", "choice", "structural_tag"):
+            return None
+        value = self.__dict__.get("_parsed", _UNPARSED)
+        if value is _UNPARSED:  # (a spec from a pickle: the text travelled, not the object)
+            value = self.__dict__["_parsed"] = json.loads(self.source)
+        return value
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_parsed"}
 
     # constructors -----------------------------------------------------------------------
 
@@ -208,7 +228,7 @@ class GrammarSpec:
             _check_counts(self.kind, self.source, limit, _GRAMMAR_TOKENS, "of the grammar")
         elif self.kind in ("json_schema", "structural_tag"):
             try:
-                _check_schema(self.kind, json.loads(self.source), limit, "")
+                _check_schema(self.kind, self.parsed, limit)
             except RecursionError:
                 raise GrammarError(f"{self.kind} is nested too deep; flatten it",
                                    ErrorKind.GRAMMAR_TOO_LARGE) from None
@@ -226,6 +246,7 @@ def _canonical_json(value) -> str:
 
 
 _WRAPPER_KEYS = {"name", "schema", "strict", "description"}
+_UNPARSED = object()
 
 
 def _parse_json(kind: str, text: str):
@@ -238,22 +259,19 @@ def _parse_json(kind: str, text: str):
         raise ValueError(f"{kind} cannot be read: {str(exc) or 'nested too deep'}") from None
 
 
-def _check_refs(node, depth: int = 0) -> None:
+def _check_refs(schema) -> None:
     """Only references inside the schema (``#...``) are resolved: a ``$ref`` to a URL or a
-    file would make the server fetch it (validation.py never does; this says so early)."""
-    if depth > 200:
+    file would make the server fetch it (validation.py never does; this says so early).
+    Every object is looked at, data included, in the pass that checks the depth."""
+    if nested_deeper(schema, 201, _local_refs_only):
         raise ValueError("json_schema is nested more than 200 levels deep")
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in ("$ref", "$dynamicRef") and isinstance(value, str) \
-                    and not value.startswith("#"):
-                raise ValueError(f"json_schema {key} {value[:100]!r} points outside the "
-                                 "schema; only local references ('#/$defs/...') are "
-                                 "resolved: inline the referenced schema")
-            _check_refs(value, depth + 1)
-    elif isinstance(node, list):
-        for value in node:
-            _check_refs(value, depth + 1)
+
+
+def _local_refs_only(node: dict) -> None:
+    for key in ("$ref", "$dynamicRef"):
+        value = node.get(key)
+        if isinstance(value, str) and not is_local(value):
+            raise ValueError(f"json_schema {key} {outside(value)}")
 
 
 # a bounded repetition {n}, {n,}, {,m} or {n,m}, or what must be skipped to find them:
@@ -266,7 +284,6 @@ _GRAMMAR_TOKENS = re.compile(
     rf'"(?:\\.|[^"\\])*"|{_CLASS}|#[^\n]*|~\s*(?P<tlow>[0-9]+)(?:\s*\.\.\s*(?P<thigh>[0-9]+))?'
     rf"|{_COUNT}", re.S)
 _MIN_KEYWORDS = ("minLength", "minItems", "minProperties", "minContains")
-_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas
 
 
 def _count(digits: str) -> int:
@@ -274,7 +291,8 @@ def _count(digits: str) -> int:
     return int(digits) if len(digits) <= 18 else 10**18
 
 
-def _check_counts(kind: str, text: str, limit: int, tokens: re.Pattern, where: str) -> None:
+def _check_counts(kind: str, text: str, limit: int, tokens: re.Pattern, where) -> None:
+    """``where``: the text's place, or a function that says it (built on an error only)."""
     if not re.search("[0-9]{%d}" % len(str(limit)), text):
         return  # no number as long as the limit: nothing over it (the usual case, fast)
     for m in tokens.finditer(text):
@@ -284,7 +302,7 @@ def _check_counts(kind: str, text: str, limit: int, tokens: re.Pattern, where: s
         if largest > limit:
             raise GrammarError(
                 f"{kind} grammar: the repetition {_shorten(m.group(0).strip())!r} at "
-                f"position {m.start()} {where} repeats "
+                f"position {m.start()} {where() if callable(where) else where} repeats "
                 f"{largest if largest < 10**18 else 'over 10**18'} times at most, over the "
                 f"limit of {limit} (grammar_cache.max_repetition); use a "
                 "smaller count, or an unbounded repetition ('*', '+')",
@@ -295,33 +313,31 @@ def _shorten(text: str) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_schema(kind: str, node, limit: int, where: str) -> None:
+def _check_schema(kind: str, schema, limit: int) -> None:
     """The patterns, grammars and minimum counts of a schema (or structural tag) and of
     every schema inside it."""
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            _check_schema(kind, item, limit, f"{where}/{i}")
-        return
-    if not isinstance(node, dict):
-        return
-    for key, value in node.items():
-        path = f"{where}/{str(key).replace('~', '~0').replace('/', '~1')}"
-        if key in _DATA_KEYWORDS:
+    for sub in walk(schema, lenient=True):
+        node = sub.node
+        if not isinstance(node, dict):
             continue
-        if key == "pattern" and isinstance(value, str):
-            _check_counts(kind, value, limit, _REGEX_TOKENS, f"of the pattern at {path}")
-        elif key == "patternProperties" and isinstance(value, dict):
-            for regex in value:
+        if isinstance(node.get("pattern"), str):
+            _check_counts(kind, node["pattern"], limit, _REGEX_TOKENS,
+                          lambda: f"of the pattern at {pointer((*sub.path, 'pattern'))}")
+        if isinstance(node.get("patternProperties"), dict):
+            for regex in node["patternProperties"]:
                 _check_counts(kind, regex, limit, _REGEX_TOKENS,
-                              f"of the patternProperties key {regex[:60]!r} at {path}")
-        elif key == "grammar" and isinstance(value, str):  # a structural tag's EBNF
-            _check_counts(kind, value, limit, _GRAMMAR_TOKENS, f"of the grammar at {path}")
-        elif (key in _MIN_KEYWORDS and isinstance(value, int) and not isinstance(value, bool)
-              and value > limit):
-            raise GrammarError(
-                f"{kind} grammar: {key} {value} at {path} is over the limit of {limit} "
-                "(grammar_cache.max_repetition); lower it", ErrorKind.GRAMMAR_TOO_LARGE)
-        _check_schema(kind, value, limit, path)
+                              lambda: f"of the patternProperties key {regex[:60]!r} at "
+                                      f"{pointer((*sub.path, 'patternProperties'))}")
+        if isinstance(node.get("grammar"), str):  # a structural tag's EBNF
+            _check_counts(kind, node["grammar"], limit, _GRAMMAR_TOKENS,
+                          lambda: f"of the grammar at {pointer((*sub.path, 'grammar'))}")
+        for key in _MIN_KEYWORDS:
+            value = node.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                raise GrammarError(
+                    f"{kind} grammar: {key} {value} at {pointer((*sub.path, key))} is over "
+                    f"the limit of {limit} (grammar_cache.max_repetition); lower it",
+                    ErrorKind.GRAMMAR_TOO_LARGE)
 
 
 def _check_choices(choices) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
+from core.json_schema import nested_deeper
 
 # A schema nested deeper than this is refused before anything walks it recursively (the
 # JSON encoder, xgrammar's converter): real schemas stay far below it.
@@ -50,21 +51,6 @@ def _wrap(param: str, make, *args, **kwargs) -> GrammarSpec:
         raise DialectError(str(exc), param, exc.kind) from None
     except (ValueError, TypeError, RecursionError) as exc:
         raise DialectError(f"invalid grammar in {param}: {exc}", param) from None
-
-
-def nested_deeper(value: Any, limit: int) -> bool:
-    """Whether a JSON value nests deeper than ``limit`` (iteratively: a hostile value
-    cannot exhaust the stack here)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
-    return False
 
 
 def check_depth(value: Any, param: str, limit: int = MAX_SCHEMA_DEPTH) -> None:

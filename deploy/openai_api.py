@@ -7,6 +7,9 @@ chat, or ``n`` per prompt of a completion), the grammar that constrains them (bu
 by deploy/dialects.py, its key cached on it), and what the response needs (tool mode,
 logprobs, usage). Every limit comes from ``settings.Limits`` and is refused with a 4xx that
 names it.
+
+Why one module over 500 lines: it is the API's request models (pydantic, one class per
+body) and the one translation of each into a Plan; split, a field and its rule would part.
 """
 
 from __future__ import annotations

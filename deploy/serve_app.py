@@ -13,6 +13,9 @@ by side: sessions stay sticky because the scheduler, not the replica, owns the r
 
 A replica that finds no runtime on the cluster starts one (detached, so the replicas share
 it; ``rayguide down`` removes it), unless ``start_runtime`` is false.
+
+Why one module over 500 lines: the FastAPI routes, their shared checks (auth, Host/Origin,
+body limits) and the replica's lifecycle are one Serve deployment class.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the endpoints' annotations, and
@@ -38,8 +41,9 @@ from cluster import launch
 from cluster.client import RuntimeClient
 from core.errors import ErrorKind
 from core.grammar_spec import is_grammar_id
+from core.json_schema import nested_deeper
 from core.request import RequestOutput
-from deploy import dialects, exposure
+from deploy import exposure
 from deploy import openai_api as api
 from deploy import responses
 from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_line,
@@ -396,7 +400,7 @@ class OpenAIServer:
         except RecursionError:  # nested past Python's stack: far over the limit
             body, too_deep = None, True
         else:
-            too_deep = dialects.nested_deeper(body, depth)
+            too_deep = nested_deeper(body, depth)
         if too_deep:
             raise bad_request(f"the request body is nested deeper than {depth} levels")
         try:  # an escaped lone surrogate ("\ud800") parses, but no tokenizer takes it

@@ -38,6 +38,9 @@ joins the tokenizer's hot list, and every worker fetches what it lacks of that l
 background, so a request that meets a known grammar on another worker finds it there.
 What the hot lists remember is bounded (grammar_cache/hot_list.py): a grammar nobody asked
 for in a while, or past ``max_tracked_grammars``, is forgotten and leaves its hot list.
+
+Why one module over 500 lines: the actor's queue, leases, in-flight waits and caches share
+one event loop and one set of counters; split, each part would reach into the others' state.
 """
 
 from __future__ import annotations

@@ -47,6 +47,10 @@ caller stops waiting (``fetch``'s ``cancel``: the engine's request gave up on it
 is cancelled there, so the actor drops the compile if nobody else waits for it.
 
 Everything is counted in ``stats()``; a fallback is never silent.
+
+Why one module over 500 lines: the four paths below share one connection state (the actor's
+handle, its readiness, the registered tokenizer) and one set of limits; they are one
+state machine, read top to bottom.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from core.errors import GrammarError
 from core.grammar_spec import GrammarSpec
+from core.json_schema import pointer, walk
 from grammar_cache.format_patterns import format_patterns_text
 
 __all__ = ["GrammarError", "compile_spec", "explain_compile_error", "tokenizer_fingerprint"]
@@ -49,7 +50,7 @@ def explain_compile_error(spec: GrammarSpec, exc: BaseException) -> str:
         detail = _EBNF_POSITION.sub("", detail)
     if spec.kind in ("json_schema", "structural_tag") and (
             generated or _REGEX_ERROR.match(detail)):
-        culprit = _bad_pattern(spec.source)
+        culprit = _bad_pattern(spec.parsed)
         if culprit is not None:
             return f"invalid {spec.kind} grammar: {culprit}"
     if spec.kind == "regex":
@@ -68,14 +69,10 @@ def _sentence(text: str) -> str:
     return text[:1].lower() + text[1:] if text[:2] != text[:2].upper() else text
 
 
-def _bad_pattern(source: str) -> str | None:
-    """The first regex of a schema (or structural tag) that xgrammar refuses on its own:
-    "the pattern at /properties/code/pattern ('[z-a]'): <why>"; None if all compile."""
-    try:
-        doc = json.loads(source)
-    except ValueError:
-        return None
-    for where, pattern in _patterns(doc, ""):
+def _bad_pattern(doc) -> str | None:
+    """The first regex of a schema (or structural tag, parsed) that xgrammar refuses on its
+    own: "the pattern at /properties/code/pattern ('[z-a]'): <why>"; None if all compile."""
+    for where, pattern in _patterns(doc):
         try:
             xgr.Grammar.from_regex(pattern)
         except Exception as exc:  # noqa: BLE001 - xgrammar's errors have no common type
@@ -90,21 +87,16 @@ def _bad_pattern(source: str) -> str | None:
     return None
 
 
-def _patterns(node, where: str):
+def _patterns(doc):
     """(JSON pointer, regex) for every "pattern" string and "patternProperties" key."""
-    if isinstance(node, list):
-        for i, item in enumerate(node):
-            yield from _patterns(item, f"{where}/{i}")
-    elif isinstance(node, dict):
-        for k, v in node.items():
-            path = f"{where}/{str(k).replace('~', '~0').replace('/', '~1')}"
-            if k == "pattern" and isinstance(v, str):
-                yield path, v
-            elif k == "patternProperties" and isinstance(v, dict):
-                for regex in v:
-                    yield f"{path}/{regex.replace('~', '~0').replace('/', '~1')}", regex
-            if isinstance(v, (dict, list)):
-                yield from _patterns(v, path)
+    for sub in walk(doc, lenient=True):
+        if not isinstance(sub.node, dict):
+            continue
+        if isinstance(sub.node.get("pattern"), str):
+            yield pointer((*sub.path, "pattern")), sub.node["pattern"]
+        if isinstance(sub.node.get("patternProperties"), dict):
+            for regex in sub.node["patternProperties"]:
+                yield pointer((*sub.path, "patternProperties", regex)), regex
 
 
 def _compile(compiler, spec: GrammarSpec):
@@ -112,7 +104,8 @@ def _compile(compiler, spec: GrammarSpec):
     if kind in ("json_schema", "json_object"):
         schema = spec.source if kind == "json_schema" else '{"type": "object"}'
         return compiler.compile_grammar(json_schema_ebnf(
-            schema, strict_mode=spec.strict, any_order=spec.any_order, **_json_format(spec)))
+            schema, strict_mode=spec.strict, any_order=spec.any_order,
+            parsed=spec.parsed, **_json_format(spec)))
     if kind == "regex":
         return compiler.compile_regex(spec.source)
     if kind == "ebnf":
@@ -120,9 +113,9 @@ def _compile(compiler, spec: GrammarSpec):
     if kind == "lark":
         return compiler.compile_lark(spec.source)
     if kind == "choice":
-        return compiler.compile_grammar(choice_ebnf(json.loads(spec.source)))
+        return compiler.compile_grammar(choice_ebnf(spec.parsed))
     if kind == "structural_tag":
-        tag = json.loads(spec.source)
+        tag = spec.parsed
         if "structures" in tag:  # the older {"structures": [...], "triggers": [...]} shape
             items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
                                            end=s["end"]) for s in tag["structures"]]
@@ -136,7 +129,7 @@ _LITERAL_OR_NEGATED_CLASS = re.compile(r'"(?:\\.|[^"\\])*"|\[\^((?:\\.|[^\]\\])*
 
 
 def json_schema_ebnf(schema: str, *, max_int_digits: int = 0, max_frac_digits: int = 0,
-                     max_exp_digits: int = 0, **options) -> str:
+                     max_exp_digits: int = 0, parsed=None, **options) -> str:
     """xgrammar's EBNF for a JSON schema, with JSON's rule that a string holds no raw
     control character (U+0000-U+001F) enforced everywhere, and the runaway guards on
     numbers (``max_*_digits``; 0: unbounded).
@@ -155,9 +148,10 @@ def json_schema_ebnf(schema: str, *, max_int_digits: int = 0, max_frac_digits: i
 
     Formats xgrammar writes wider than the post-validation accepts (``email``,
     ``hostname``, ``date`` ...) are written as patterns that match only what it accepts
-    (format_patterns.py).
+    (format_patterns.py). ``parsed``: ``schema`` already parsed (``GrammarSpec.parsed``),
+    where the caller has it.
     """
-    schema = format_patterns_text(schema, max_frac_digits)
+    schema = format_patterns_text(schema, max_frac_digits, parsed)
     ebnf = str(xgr.Grammar.from_json_schema(schema, **options))
 
     def fix(m: re.Match) -> str:

@@ -10,7 +10,8 @@ can come back ``invalid`` (probed on xgrammar 0.2.8, llguidance 1.9.1, jsonschem
   defeated the closing search) and are flagged ``invalid`` when written;
 - ``hostname``: the same labels and length (a label over 63 on xgrammar only);
 - ``date`` / ``date-time``: February 29th of a year that is not a leap year (both),
-  a day past its month's end (``2024-04-31``, xgrammar);
+  a day past its month's end (``2024-04-31``, xgrammar); year 0000 is left out too (the
+  validator takes it, Python's ``date`` and so pydantic clients refuse it);
 - ``time`` / ``date-time``: second 60 that is not a leap second (``12:00:60Z``, both);
 - ``ipv4``: a leading zero (``01.2.3.4``, xgrammar), and in an ``ipv6`` 's embedded IPv4
   (``::8.90.02.8``, xgrammar);
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import json
 
+from core.json_schema import DATA_KEYWORDS, SCHEMA_MAPS
+
 _X, _H = "[A-Za-z0-9]", "[A-Za-z0-9-]"
 
 
@@ -63,8 +66,11 @@ _ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
 # path to the "@" within its node budget, so an answer cut inside an address could not
 # close (a local part over 64 characters stays possible, and is flagged invalid)
 _LOCAL = f"{_ATOM}+(\\.{_ATOM}+)*"
-_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[048]|[2468][048]|[13579][26])00)"
-_DATE = ("([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]"
+# years 0001-9999: the validator takes year 0000 (RFC 3339), Python's date and so pydantic
+# refuse it (a client's `date` field raised ValidationError on "0000-01-01")
+_YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]"
          f"|30)|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _OFFSET = "([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]{0,1}[0-9])"
@@ -104,9 +110,8 @@ _REWRITTEN = frozenset(("email", "idn-email", "hostname", "idn-hostname", "host-
                         "date", "time", "date-time", "ipv4", "ip-address", "ipv6",
                         "json-pointer", "relative-json-pointer"))
 # where a keyword's value is not a schema (a value, or a map of names to schemas)
-_VALUES = frozenset(("enum", "const", "default", "examples"))
-_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas", "dependencies"))
+_VALUES = frozenset(DATA_KEYWORDS)
+_MAPS = frozenset((*SCHEMA_MAPS, "dependencies"))
 _MAX_DEPTH = 256
 
 
@@ -117,15 +122,17 @@ def format_patterns(schema, frac_digits: int = 0):
     return _rewrite(schema, frac_digits, 0)
 
 
-def format_patterns_text(schema: str, frac_digits: int = 0) -> str:
+def format_patterns_text(schema: str, frac_digits: int = 0, parsed=None) -> str:
     """``format_patterns`` over schema text: the text itself where no format changes (or
-    where it is not JSON: the compile then says what is wrong with it)."""
+    where it is not JSON: the compile then says what is wrong with it). ``parsed``: the
+    text already parsed, where the caller has it."""
     if '"format"' not in schema:
         return schema
-    try:
-        parsed = json.loads(schema)
-    except (ValueError, RecursionError):
-        return schema
+    if parsed is None:
+        try:
+            parsed = json.loads(schema)
+        except (ValueError, RecursionError):
+            return schema
     out = format_patterns(parsed, frac_digits)
     if out is parsed:
         return schema

@@ -24,7 +24,7 @@ from worker.guided.backend import LLGUIDANCE, XGRAMMAR, EngineRefused
 from worker.guided.llguidance_backend import (LLGUIDANCE_LIMITS, LLGuidanceBackend,
                                               _llguidance_grammar)
 from worker.engine.guided_process import GuidedDecodingManager
-from worker.engine.schema_rewrites import RewriteBudget, SchemaTooComplex
+from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@
 10 fraction, 2 exponent digits) a matcher for ``integer`` / ``number`` refuses a 30-digit
 integer, a 30-digit fraction and a huge exponent, and still takes ordinary numbers and
 the numbers the schema itself demands. llguidance has no digit bounds of its own: the
-guards are written into the schema (schema_rewrites.number_guards). Checked on a
+guards are written into the schema (schema_options.number_guards). Checked on a
 byte-level vocabulary (no model needed)."""
 
 import json
@@ -16,7 +16,7 @@ from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from worker.guided.backend import EngineRefused
 from worker.guided.llguidance_backend import _llguidance_grammar
-from worker.engine.schema_rewrites import number_guards
+from worker.engine.schema_options import number_guards
 
 pytestmark = pytest.mark.unit
 
@@ -108,7 +108,7 @@ def test_numbers_the_schema_demands_stay_satisfiable(engine):
 
 
 def llguidance_refuses(spec: GrammarSpec) -> bool:
-    """What LLGuidanceEngine.compile decides: EngineRefused, or a matcher in error."""
+    """What LLGuidanceBackend.compile decides: EngineRefused, or a matcher in error."""
     try:
         m = llguidance.LLMatcher(BYTES, _llguidance_grammar(spec), log_level=0)
     except EngineRefused:

@@ -75,8 +75,13 @@ def scripted(engine, thought: str, answer: str, end: str, seen: list | None = No
     return answer_ids
 
 
-def run(engine, schema=PERSON, max_tokens=120, **request):
-    req = GenerationRequest([{"role": "user", "content": "a person"}],
+def run(engine, schema=PERSON, max_tokens=120, prompt=None, **request):
+    """One request to the end. The prompt opens a thought (as a reasoning template's
+    generation prompt does: a request starts in a thought only then) unless given."""
+    if prompt is None:
+        prompt = ([{"role": "user", "content": "a person"}] if engine.reasoning is None
+                  else f"Describe a person.\n{engine.reasoning.start}\n")
+    req = GenerationRequest(prompt,
                             SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
                             grammar=GrammarSpec.json_schema(schema) if schema else None,
                             **request)
@@ -181,7 +186,7 @@ def test_unguided_requests_think_too(make_engine):
     """(Its prompt opens no thought: the model opens one itself, so it is one.)"""
     engine = make_engine(reasoning=MULTI)
     scripted(engine, MULTI["start"] + THOUGHT, "Ada, 36.", MULTI["end"])
-    chunks, final = run(engine, schema=None)
+    chunks, final = run(engine, schema=None, prompt=[{"role": "user", "content": "a person"}])
     assert "".join(c.reasoning for c in chunks) == THOUGHT
     assert "".join(c.text for c in chunks) == "Ada, 36."
     assert final.finish_reason == "stop"

@@ -1,6 +1,7 @@
 """A reasoning model served end to end: `rayguide serve --config` with reasoning markers on
-the default model (which has no reasoning template: the markers make it one), the real
-openai client. A json_schema request with thinking_token_budget 24 gets its thought as
+the default model, its chat template made a reasoning one (the assistant's turn opens
+`<think>\n`, as DeepSeek-R1's does: a request thinks only where its prompt opens the
+thought), the real openai client. A json_schema request with thinking_token_budget 24 gets its thought as
 reasoning_content (at most 24 tokens), usage's reasoning_tokens, and content that
 validates; streamed, the thought comes as reasoning_content deltas before the answer; a
 session's second turn (the first answer echoed back with its reasoning_content) and tool
@@ -28,10 +29,19 @@ FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PER
 @pytest.fixture(scope="module")
 def served(default_model_dir, default_tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reasoning-serve")
+    model_dir = tmp / "model"  # the default model's files, its template opening a thought
+    model_dir.mkdir()
+    for f in default_model_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            (model_dir / f.name).symlink_to(f)
+    template = (default_model_dir / "chat_template.jinja").read_text()
+    assert "'<|im_start|>assistant\n'" in template
+    (model_dir / "chat_template.jinja").write_text(template.replace(
+        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'"))
     port = free_port()
     config = tmp / "config.yaml"
     config.write_text(yaml.safe_dump({
-        "model": str(default_model_dir), "num_workers": 1,
+        "model": str(model_dir), "num_workers": 1,
         "engine": {"reasoning": {"start": "<think>", "end": "</think>"},
                    "kv_cache_gb": 0.25}}))
     log = open(tmp / "serve.log", "w+")

@@ -2,7 +2,7 @@
 ``true`` schema, an object's other properties left open, an array of anything, at any
 depth: a 30-digit integer or fraction is refused there on both engines, as for a typed
 number, and ordinary values of every type are still taken. llguidance gets them through
-schema_rewrites.number_guards (its untyped values had none); xgrammar bounds every digit
+schema_options.number_guards (its untyped values had none); xgrammar bounds every digit
 run of its grammar. Checked on a byte-level vocabulary (no model needed)."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 
 from core.grammar_spec import GrammarSpec
 from tests.engine.test_llguidance_guards_unit import ENGINES, accepts
-from worker.engine.schema_rewrites import number_guards
+from worker.engine.schema_options import number_guards
 
 pytestmark = pytest.mark.unit
 

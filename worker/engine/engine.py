@@ -41,8 +41,9 @@ from worker.engine.jump_forward import JumpForward, JumpStats
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.output_policy import OutputPolicy, OutputState, PolicyStats
-from worker.engine.reasoning import (CLOSED, Thinking, from_template, opens_thought,
-                                     prompt_thought, thought_end)
+from worker.engine.reasoning import (OPEN, Thinking, from_template, generation_prompt,
+                                     opens_thought, prompt_thought, split_marker_token,
+                                     thought_end)
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
 from core.request import GenerationRequest, RequestOutput
@@ -165,6 +166,7 @@ class LLMEngine:
         self._end_ids = tokenizer(self.reasoning.end, add_special_tokens=False)[
             "input_ids"] if self.reasoning is not None else []
         self._answer_room: dict[str, int] = {}
+        self._generation_prompt: tuple[str | None] | None = None  # read on first chat
         self.thinking_tokens = self.thoughts_forced = 0
         self._jumper: JumpForward | None = None  # built on first use (reads the vocabulary)
         self.num_sampled = 0
@@ -204,14 +206,14 @@ class LLMEngine:
         if request.grammar is not None and self.guided is None:
             raise ValueError("guided decoding is disabled in this engine (EngineConfig.guided)")
         seq = None
-        if self.reasoning is not None:  # None: the prompt closed the thought
+        if self.reasoning is not None:  # None: the request starts in its answer
             seq = self._thinking_sequence(request, prompt_ids, resumed, generator)
         if seq is None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                            stop=request.params.stop,
                                            resumed_token_ids=resumed, resumed_text=already)
             seq = Sequence(request, prompt_ids, detok, generator)
-        seq.token_ids.extend(resumed)  # output already streamed: KV recomputed, not re-emitted
+        seq.append(resumed, streamed=True)  # KV recomputed, not re-emitted
         seq.resumed_text = already  # what the caller has, for validating the whole output
         self.seqs[seq.request_id] = seq
         if seq.grammar is not None:
@@ -225,18 +227,21 @@ class LLMEngine:
 
     def _thinking_sequence(self, request: GenerationRequest, prompt_ids: list[int],
                            resumed: list[int], generator) -> Sequence | None:
-        """A reasoning model's request: it begins thinking (a detokenizer of its own for
-        the thought, special tokens kept, no stop strings); a continuation whose resumed
+        """A reasoning model's request that starts in a thought: its rendered prompt ends
+        inside an open one (``_prompt_thought``), or, unguided, its prompt holds no marker
+        and its output may still open one itself (a detokenizer of its own for the
+        thought, special tokens kept, no stop strings); a continuation whose resumed
         output already holds the end marker goes on in its answer. None when it starts in
-        its answer: its prompt closed the thought, or (no marker in the prompt, unguided)
-        its output so far does not open one (reasoning.py)."""
+        its answer (answered directly; guided: from its first token): every other prompt,
+        or (no marker, unguided) an output so far that does not open a thought
+        (reasoning.py)."""
         def raw(ids):
             return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-        state = self._prompt_thought(prompt_ids)
-        if state == CLOSED:
-            return None
+        state = self._prompt_thought(request.prompt, prompt_ids)
         opening = state is None and request.grammar is None
+        if state != OPEN and not opening:
+            return None
         if opening and resumed and opens_thought(raw(resumed), self.reasoning.start) is False:
             return None
         end = thought_end(raw, resumed, self.reasoning.end) if resumed else None
@@ -266,9 +271,18 @@ class LLMEngine:
                 resumed_token_ids=resumed[end:], resumed_text=already)
         return seq
 
-    def _prompt_thought(self, prompt_ids: list[int]) -> str | None:
-        """reasoning.prompt_thought of the rendered prompt, read from its end: the last
-        marker decides, so a window that holds one is enough (widened until one does)."""
+    def _prompt_thought(self, prompt, prompt_ids: list[int]) -> str | None:
+        """reasoning.prompt_thought of the rendered prompt, the one place a request's
+        start is decided. A chat prompt: of what the template appends for the assistant's
+        turn (a marker quoted in a message, or an earlier turn's thought, decides
+        nothing). Text or token ids: of the prompt, read from its end: the last marker
+        decides, so a window that holds one is enough (widened until one does)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            if self._generation_prompt is None:  # once per engine: the template is fixed
+                self._generation_prompt = (generation_prompt(self.tokenizer),)
+            text = self._generation_prompt[0]
+            if text is not None:
+                return prompt_thought(text, self.reasoning)
         n = 256
         while True:
             text = self.tokenizer.decode(prompt_ids[-n:], skip_special_tokens=False)
@@ -500,12 +514,8 @@ class LLMEngine:
         if jump is None:
             return 0
         if jump.replaces_last:
-            seq.token_ids.pop()
-            seq.held_logprobs[-1:] = [None]
-            seq.held_logprobs.extend([None] * (len(jump.tokens) - 1))
-        else:
-            seq.held_logprobs.extend([None] * len(jump.tokens))
-        seq.token_ids.extend(jump.tokens)
+            seq.rollback(1)
+        seq.append(jump.tokens)
         return jump.added
 
     def _append_token(self, seq: Sequence, token: int, logprob,
@@ -513,8 +523,7 @@ class LLMEngine:
         if seq.thinking_now:
             return self._append_thought(seq, token, logprob)
         p = seq.params
-        seq.token_ids.append(token)
-        seq.held_logprobs.append(logprob)  # None: a forced token (not sampled)
+        seq.append([token], [logprob])  # None: a forced token (not sampled)
         if status is not None and status.error:
             return self._finish(seq, "error", error=f"request {seq.request_id}: {status.error}",
                                 error_kind=status.error_kind or ErrorKind.INTERNAL)
@@ -549,29 +558,29 @@ class LLMEngine:
         replaced by the end marker in a guided one (the answer is owed)."""
         th, p = seq.thinking, seq.params
         stops = (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
-        if stops and seq.grammar is None:
-            return self._finish(seq, "stop")
-        if th.opening:  # no marker in the prompt: does this output open a thought?
-            opens = opens_thought(self.tokenizer.decode([token], skip_special_tokens=False),
-                                  self.reasoning.start)
+        if th.opening:  # no marker in the prompt (unguided): does this output open one?
+            # judged on the whole output so far (a marker spans tokens: '<', 'think', '>');
+            # while undecided its text was held back (no reasoning delta showed it)
+            opens = False if stops else opens_thought(self.tokenizer.decode(
+                seq.output_ids + [token], skip_special_tokens=False), self.reasoning.start)
             th.opening = opens is None
             if opens is False:  # an answer: the row goes on as an unguided one
-                seq.thinking = None
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, list(seq.token_ids),
-                                                         stop=seq.stop)
-                return self._append_token(seq, token, logprob)
+                return self._answer_instead(seq, token, logprob)
+        if stops and seq.grammar is None:
+            return self._finish(seq, "stop")
         over = stops or th.tokens >= th.limit  # (a limit of 0: no sampled thought at all)
         if not over:
-            seq.token_ids.append(token)
-            seq.held_logprobs.append(logprob)
+            seq.append([token], [logprob])
             th.tokens += 1
         new_tokens, lps, text = self._release(seq, final=False)
         reasoning = th.feed(text)
+        tail = ""
+        if th.done and seq.grammar is not None and th.after:
+            tail = self._split_marker_token(seq, new_tokens, lps)
         if not th.done and (over or th.tokens >= th.limit):
             th.forced = True
             self.thoughts_forced += 1
-            seq.token_ids.extend(th.end_ids)  # their KV is computed with the next token
-            seq.held_logprobs.extend([None] * len(th.end_ids))
+            seq.append(th.end_ids)  # their KV is computed with the next token
             th.tokens += len(th.end_ids)
             more, more_lps, more_text = self._release(seq, final=False)
             if more_lps is not None:
@@ -589,7 +598,19 @@ class LLMEngine:
                 if seq.stop:
                     seq.detokenizer.stop_check = GrammarStopCheck(
                         self.guided.new_matcher(seq.compiled))
-                self.policy.begin_answer(seq, self.guided.matchers.get(seq.matcher_key))
+                matcher = self.guided.matchers.get(seq.matcher_key)
+                self.policy.begin_answer(seq, matcher)
+                n = self._answer_tail(seq, matcher, tail)
+                if n:  # the marker's token went on into the answer: its first tokens
+                    closed = self.policy.after_token(seq, n)
+                    more, more_lps, answer = self._release(seq, final=False)
+                    if more_lps is not None:
+                        lps = (lps or [None] * len(new_tokens)) + more_lps
+                    new_tokens += more
+                    if closed is not None:
+                        return self._finish(seq, closed[1], text=answer,
+                                            new_tokens=new_tokens, logprobs=lps,
+                                            reasoning=reasoning)
             else:  # text after the marker in its own token: the answer's first
                 answer = th.after
         if self._remaining(seq) <= 0:
@@ -597,6 +618,63 @@ class LLMEngine:
                                 logprobs=lps, reasoning=reasoning)
         return RequestOutput(seq.request_id, answer, new_tokens, lps, reasoning=reasoning,
                              **self._usage(seq))
+
+    def _answer_instead(self, seq: Sequence, token: int, logprob) -> RequestOutput:
+        """An unguided row whose output turned out not to open a thought goes on as a
+        plain one: the text held back while that was undecided (whitespace, '<') is the
+        answer's first, streamed with this token's."""
+        seq.thinking = None
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_ids,
+                                                 stop=seq.stop)
+        held = seq.detokenizer.add_tokens(seq.output_ids)
+        out = self._append_token(seq, token, logprob)
+        out.text = held + out.text
+        return out
+
+    def _split_marker_token(self, seq: Sequence, new_tokens: list[int], lps) -> str:
+        """A guided thought's last token completed the end marker and went on past it
+        ('>"' after '</think'): it is replaced by the tokens of its text up to the
+        marker's end (before its KV is computed, so the model's context is the bare
+        marker), in the output and in this chunk. Returns the text after the marker (the
+        answer's first: ``_answer_tail``); "" when the token cannot be split (a character
+        split across tokens: that text is dropped, as the grammar could not see it)."""
+        th = seq.thinking
+        split = split_marker_token(
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+            seq.output_ids, self.reasoning.end)
+        if split is None:
+            return ""
+        marker, tail = split
+        ids = self.tokenizer(marker, add_special_tokens=False)["input_ids"]
+        seq.replace_released(ids)
+        new_tokens[-1:] = ids
+        if lps is not None:
+            lps[-1:] = [None] * len(ids)  # forced: not what was sampled
+        th.tokens += len(ids) - 1
+        return tail
+
+    def _answer_tail(self, seq: Sequence, matcher, tail: str) -> int:
+        """The text after a split end marker (``_split_marker_token``) as the answer's
+        first tokens, forced, when the grammar accepts all of it (else it is dropped and
+        the answer is sampled under the mask from the bare marker: nothing invalid is
+        emitted). Not while the budget is down to a planned shortest answer. Returns how
+        many tokens were appended (the matcher has accepted them)."""
+        if not tail or matcher is None or seq.ending.forced_path:
+            return 0
+        ids = self.tokenizer(tail, add_special_tokens=False)["input_ids"]
+        if len(ids) > self._remaining(seq):
+            return 0
+        accepted = 0
+        for t in ids:
+            if not matcher.accept_token(t):
+                break
+            accepted += 1
+        if accepted < len(ids):
+            if accepted:
+                matcher.rollback(accepted)
+            return 0
+        seq.append(ids)
+        return len(ids)
 
     def _release(self, seq: Sequence, final: bool) -> tuple[list[int], list | None, str]:
         """The output tokens the stream may have now (a guided row's newest are held back
@@ -606,8 +684,7 @@ class LLMEngine:
         if not n:
             return [], None, ""
         new_tokens = seq.output_ids[seq.num_output - len(seq.held_logprobs):][:n]
-        lps = seq.held_logprobs[:n]
-        del seq.held_logprobs[:n]
+        lps = seq.release_held(n)
         text = seq.detokenizer.add_tokens(new_tokens)
         if seq.params.logprobs is None and all(lp is None for lp in lps):
             lps = None

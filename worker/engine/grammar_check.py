@@ -44,18 +44,16 @@ from dataclasses import asdict, dataclass, field
 from core.grammar_spec import grammar_id
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
+from core.json_schema import pointer, walk
 from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
                                    EngineRefused)
 from worker.engine.shortest_bound import TokenCapacity, schema_counts
-from worker.engine.validation import approximated_keywords, not_checked
+from worker.engine.validation import approximated_keywords, node_approximated, not_checked
 
 JSON_KINDS = ("json_schema", "json_object")
 # the closing search's reach from the grammar's start, in single-character steps (it
 # re-encodes its answer into fewer tokens); the search's time limit is the engine's own
 SEARCH_LIMIT = 4096
-_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # values, not schemas
-_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-              "dependentSchemas")  # name -> schema: the names are not keywords
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
 
 
@@ -127,7 +125,7 @@ class GrammarChecker:
             raise error
         compiled: CompiledGrammar | None = None if error is not None else future.result()
         schema = _schema(spec)
-        approximated = (approximated_keywords(spec.source)
+        approximated = (approximated_keywords(schema)
                         if spec.kind == "json_schema" and compiled is not None else [])
         if compiled is not None and compiled.exact:
             approximated = not_checked(approximated)  # as the engine reports it (engine.py)
@@ -221,44 +219,20 @@ class GrammarChecker:
             return 0
         if self._capacity is None:
             self._capacity = TokenCapacity(self.guided.closer.vocab)
-        return self._capacity.min_tokens(schema_counts(spec.source))
+        return self._capacity.min_tokens(schema_counts(spec.parsed))
 
 
 # keyword paths ------------------------------------------------------------------------------
 
 def _schema(spec: GrammarSpec):
-    if spec.kind != "json_schema":
-        return None
-    try:
-        return json.loads(spec.source)
-    except (ValueError, RecursionError):
-        return None
+    return spec.parsed if spec.kind == "json_schema" else None
 
 
-def _pointer(path: tuple) -> str:
-    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
-
-
-def _nodes(schema, path: tuple = (), depth: int = 0):
-    """(path, node) of every schema node in ``schema`` (depth-first, values of data
-    keywords and the names of name -> schema maps skipped)."""
-    if depth > 64:
-        return
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            yield from _nodes(item, path + (i,), depth + 1)
-        return
-    if not isinstance(schema, dict):
-        return
-    yield path, schema
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            continue
-        if key in _NAME_MAPS and isinstance(value, dict):
-            for name, sub in value.items():
-                yield from _nodes(sub, path + (key, name), depth + 1)
-        elif isinstance(value, (dict, list)):
-            yield from _nodes(value, path + (key,), depth + 1)
+def _nodes(schema):
+    """(path, node) of every schema node in ``schema`` (depth-first)."""
+    for sub in walk(schema, max_depth=64, lenient=True):
+        if isinstance(sub.node, dict):
+            yield sub.path, sub.node
 
 
 def approximated_paths(schema) -> list[dict]:
@@ -267,10 +241,9 @@ def approximated_paths(schema) -> list[dict]:
     node that holds it."""
     out = []
     for path, node in _nodes(schema):
-        # the node alone: its sub-schemas emptied, so only its own keywords count
-        alone = {k: v if k in _DATA_KEYWORDS or not isinstance(v, (dict, list))
-                 else type(v)() for k, v in node.items()}
-        out += [{"path": _pointer(path), "keyword": k} for k in approximated_keywords(alone)]
+        found: set[str] = set()
+        node_approximated(node, found)
+        out += [{"path": pointer(path), "keyword": k} for k in sorted(found)]
     return out
 
 
@@ -284,5 +257,5 @@ def refused_paths(schema, message: str) -> list[dict]:
         keys = {k for k in json.loads(m.group(1)) if isinstance(k, str)}
     except ValueError:
         return []
-    return [{"path": _pointer(path), "keyword": k}
+    return [{"path": pointer(path), "keyword": k}
             for path, node in _nodes(schema) for k in node if k in keys]

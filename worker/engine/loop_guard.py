@@ -68,6 +68,9 @@ Nothing is recorded while the guard is off or its cuts are spent.
 This module knows no engine: ``LoopGuard`` is fed tokens and answers with a ``LoopCut``;
 the output policy (output_policy.py) rolls the matcher and the output back and forces the
 closer.
+
+Why one module over 500 lines: the detector, the JSON scanner it runs on and the search for
+where a loop may end read one per-request state token by token; the scanner is its only user.
 """
 
 from __future__ import annotations

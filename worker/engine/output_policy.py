@@ -20,6 +20,9 @@ parses. Loop guard: a value that repeats itself is cut back to where the repetit
 began (never before what was streamed: the newest ``hold_tokens`` are held back from the
 stream for that), closed, and the document goes on; an output that then ends on its own
 finishes with ``stop`` and says ``loop_cut`` (see docs/architecture.md).
+
+Why one module over 500 lines: admission, steering, loop cuts, closing and the report act on
+one ``OutputState`` in a fixed order per token; the searches they call live elsewhere.
 """
 
 from __future__ import annotations
@@ -201,8 +204,7 @@ class OutputPolicy:
         if closed is not None:
             forced, reason = closed
             st.closed_early = reason == "length"
-            seq.token_ids.extend(forced)
-            seq.held_logprobs.extend([None] * len(forced))
+            seq.append(forced)
         return closed
 
     def release(self, seq: Sequence, final: bool) -> int:
@@ -242,11 +244,8 @@ class OutputPolicy:
         matcher.rollback(drop)
         for t in cut.closers:
             matcher.accept_token(t)
-        del seq.token_ids[len(seq.token_ids) - drop:]
-        del seq.held_logprobs[len(seq.held_logprobs) - drop:]
-        seq.token_ids.extend(cut.closers)
-        seq.held_logprobs.extend([None] * len(cut.closers))
-        seq.truncate_kv(len(seq.token_ids) - len(cut.closers))
+        seq.rollback(drop)
+        seq.append(cut.closers)  # (their KV is computed next step)
         st.loop.cut(cut.keep, cut.closers)
         st.loop_cuts.append(cut)
         st.reset_closing()
@@ -269,7 +268,7 @@ class OutputPolicy:
         if kind not in ("json_schema", "json_object"):
             return
         schema = seq.grammar.source if kind == "json_schema" else None
-        out.approximated = approximated_keywords(schema) if schema else []
+        out.approximated = approximated_keywords(seq.grammar.parsed) if schema else []
         if seq.validation == "off":
             return
         error = validate_json(schema, seq.resumed_text + seq.detokenizer.text)
@@ -354,7 +353,7 @@ class OutputPolicy:
         if self._capacity is None:
             self._capacity = TokenCapacity(self.guided.closer.vocab)
         bound = self._bounds[key] = self._capacity.min_tokens(
-            schema_counts(seq.grammar.source))
+            schema_counts(seq.grammar.parsed))
         while len(self._bounds) > _BUDGET_MEMO_SIZE:
             self._bounds.popitem(last=False)
         return bound

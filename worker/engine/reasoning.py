@@ -14,17 +14,30 @@ guided request's thought ends (the marker forced) while the budget still holds t
 marker and the grammar's shortest answer plus a margin. A budget that cannot hold even
 that is refused at admission.
 
-Where a request starts is read from its rendered prompt (``prompt_thought``): a prompt
-that ends inside an open thought (a template that opens one, ``<think>\n``) starts in the
-thought; one whose last marker ends a thought (a completion prompt that closed it, a
-template's empty thought for a non-thinking turn) starts in its answer. A prompt with no
-marker leaves it to the model: an unguided request thinks only if its first text opens a
-thought (``opens_thought``), else that text is its answer; a guided one starts in a
-thought (its answer is owed after the marker whatever the thought holds).
+Where a request starts is decided once, from what its rendered prompt ends with
+(``prompt_thought``): a prompt whose last marker is an open start marker (a template that
+opens the thought, ``<think>\n``; a completion prompt that stops mid-thought) starts in
+the thought; every other prompt starts in its answer (a completion prompt that closed the
+thought, a template's empty thought for a non-thinking turn, a prompt with no marker). A
+chat prompt is judged by what its template appends for the assistant's turn
+(``generation_prompt``), so a marker quoted in a message or an earlier turn's thought
+decides nothing. A request that starts in its answer is answered directly: a guided one
+is under its grammar from its first token. One exception, unguided only: with no marker
+in the prompt (a chat: in its template's assistant turn), an output that itself begins with the start marker (a template that leaves the
+model to open its thought) is taken as a thought (``opens_thought``); until its first text
+decides, that text is held back, and an output that turns out not to open one (``\n\nAda``,
+``<b>``) is streamed whole as the answer.
 
 The thought streams as ``reasoning`` deltas: the markers are taken out, and leading and
 trailing whitespace around the thought is dropped. Text after the end marker in the same
-token (``</think>\n\nYes``) is the answer's first text (``Thinking.after``).
+token (``</think>\n\nYes``, ``>"``) is the answer's first text (``Thinking.after``): an
+unguided request streams it as content. A guided one cannot keep a token that is half
+thought, half answer (its matcher must see the answer's text, and the model's context
+must be what the client got), so the engine splits it (``split_marker_token``): the token
+becomes the tokens of its text up to the marker's end, and the text after it, tokenized,
+joins the answer as forced tokens when the grammar accepts all of it; when it does not,
+that text is dropped (the model then writes the answer's start under the mask, from a
+context that ends with the bare marker): nothing invalid is ever emitted.
 """
 
 from __future__ import annotations
@@ -88,13 +101,30 @@ def prompt_thought(text: str, markers: ReasoningMarkers) -> str | None:
     return OPEN if start > end else CLOSED
 
 
+def generation_prompt(tokenizer) -> str | None:
+    """The text a chat template appends for the assistant's turn (``add_generation_prompt``:
+    ``<|im_start|>assistant\n``, ``<|Assistant|><think>\n``), read by rendering one probe
+    chat with and without it; None when the template renders the two differently before
+    that point (then the whole rendered prompt is judged)."""
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        bare = tokenizer.apply_chat_template(probe, add_generation_prompt=False,
+                                             tokenize=False)
+        full = tokenizer.apply_chat_template(probe, add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception:  # a template that refuses the probe: judge each rendered prompt
+        return None
+    return full[len(bare):] if full.startswith(bare) else None
+
+
 def opens_thought(text: str, start: str) -> bool | None:
     """Whether an output that begins with ``text`` opens a thought: True when it begins with
-    the start marker (or a piece of it), False when it cannot, None while only whitespace."""
+    the start marker, False when it cannot, None while undecided (only whitespace, or a
+    piece of the marker: ``<``, ``<th``)."""
     body = text.lstrip()
-    if not body:
-        return None
-    return body.startswith(start) or start.startswith(body)
+    if body.startswith(start):
+        return True
+    return None if start.startswith(body) else False
 
 
 class Thinking:
@@ -109,8 +139,8 @@ class Thinking:
         self.tokens = 0  # output tokens of the thought so far, the marker's included
         self.done = False  # the end marker was produced: the answer phase has begun
         self.forced = False  # ... because the budget ran out (or the model stopped)
-        # no marker in the prompt and unguided: the first text says whether this is a
-        # thought at all (opens_thought); the engine decides on it
+        # no marker in the prompt and unguided: the output's first text says whether this
+        # is a thought at all (opens_thought); the engine decides on it
         self.opening = False
         self._text = ""  # the thought's raw text so far
         self._emitted = 0  # characters of the reasoning view handed out
@@ -164,6 +194,18 @@ def _prefix_tail(text: str, marker: str) -> int:
         if text.endswith(marker[:k]):
             return k
     return 0
+
+
+def split_marker_token(decode, thought: list[int], end: str) -> tuple[str, str] | None:
+    """The last token of ``thought`` completed the end marker and went on past it: (the
+    token's text up to the marker's end, the text after it), or None when the token's
+    text cannot be told apart from its neighbours' (a character split across tokens).
+    ``decode(ids)`` renders ids as text, special tokens kept."""
+    before, whole = decode(thought[:-1]), decode(thought)
+    cut = whole.find(end) + len(end)
+    if cut < len(end) or not whole.startswith(before) or cut <= len(before):
+        return None
+    return whole[len(before):cut], whole[cut:].rstrip("\ufffd")
 
 
 def thought_end(decode, token_ids: list[int], end: str) -> int | None:

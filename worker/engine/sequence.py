@@ -80,6 +80,43 @@ class Sequence:
         by the engine, which knows the model length)."""
         return self.params.max_new_tokens - self.num_output
 
+    # token edits: every change to a sequence's tokens goes through these two ---------------
+
+    def append(self, tokens: list[int], logprobs: list | None = None, *,
+               streamed: bool = False) -> None:
+        """Appends output ``tokens``: sampled ones with their ``logprobs``, forced ones
+        (closing, jump-forward, a cut's closers, a thought's end marker) with None.
+        ``streamed``: the caller has them already (a failover's resumed output): they are
+        not held for the stream."""
+        self.token_ids.extend(tokens)
+        if not streamed:
+            self.held_logprobs.extend(logprobs if logprobs is not None
+                                      else [None] * len(tokens))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Removes the newest ``num_tokens`` output tokens (never streamed ones: the
+        output policy holds back what a cut may take) and forgets their KV."""
+        if not num_tokens:
+            return
+        assert 0 < num_tokens <= min(self.num_output, len(self.held_logprobs)), num_tokens
+        del self.token_ids[len(self.token_ids) - num_tokens:]
+        del self.held_logprobs[len(self.held_logprobs) - num_tokens:]
+        self.truncate_kv(len(self.token_ids))
+
+    def replace_released(self, tokens: list[int]) -> None:
+        """The newest output token, released to the chunk being built (not sent yet, its KV
+        not computed), is replaced by ``tokens`` (a reasoning end marker split from the
+        answer text in its token: engine._split_marker_token)."""
+        assert not self.held_logprobs and self.num_computed < len(self.token_ids)
+        self.token_ids[-1:] = tokens
+
+    def release_held(self, n: int) -> list:
+        """The logprobs of the ``n`` oldest held output tokens, which go to the stream now
+        (they can no longer be rolled back)."""
+        lps = self.held_logprobs[:n]
+        del self.held_logprobs[:n]
+        return lps
+
     def truncate_kv(self, num_tokens: int) -> None:
         """The tokens from ``num_tokens`` on were replaced: their KV is computed again."""
         self.num_computed = min(self.num_computed, num_tokens)

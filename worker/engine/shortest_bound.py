@@ -32,6 +32,8 @@ from typing import Iterable
 
 import numpy as np
 
+from core.json_schema import Resolver
+
 # the counted characters; Counts[0] is the output's length in bytes, Counts[1 + i] the
 # occurrences of _CHARS[i], Counts[8] its digits
 _CHARS = b'{}[]":,'
@@ -109,7 +111,7 @@ def schema_counts(schema) -> Counts:
 
 class _Walk:
     def __init__(self, root):
-        self.root = root
+        self.resolver = Resolver(root)
         self.nodes = 0
         self.refs: dict[str, Counts] = {}  # resolved $refs (a cycle cut at ANY: lower still)
         self.open_refs: set[str] = set()
@@ -195,7 +197,7 @@ class _Walk:
             return self.refs[ref]
         if ref in self.open_refs:
             return ANY  # recursion: the least a value can be
-        target = _resolve(self.root, ref)
+        target = self.resolver.get(ref)
         if target is None:
             return ANY
         self.open_refs.add(ref)
@@ -231,24 +233,6 @@ def _pattern_width(pattern: str) -> int:
     except Exception:  # any pattern Python's parser refuses: no bound from it
         return 0
     return min(int(low), 1 << 20)
-
-
-def _resolve(root, ref: str):
-    """A ``$ref`` inside the schema (``#``, ``#/$defs/Name``...); None for anything else."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 def literal(value, depth: int = 0) -> Counts:

@@ -38,6 +38,8 @@ from collections import OrderedDict
 
 import jsonschema_rs
 
+from core.json_schema import walk
+
 _CACHE_SIZE = 256
 
 # the formats jsonschema-rs checks under draft 2020-12 (under an older draft it ignores
@@ -117,7 +119,6 @@ def validate_json(schema: dict | bool | str | None, text: str) -> str | None:
 _WIDENED = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
             "dependentSchemas", "uniqueItems", "contains", "minContains", "maxContains",
             "unevaluatedItems")
-_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _LOOKAROUND = re.compile(r"\(\?[=!<]|\\[1-9]")
 
 
@@ -131,19 +132,15 @@ def approximated_keywords(schema) -> list[str]:
         except json.JSONDecodeError:
             return []
     found: set[str] = set()
-    _walk(schema, found, 0)
+    for sub in walk(schema, max_depth=64, lenient=True):
+        if isinstance(sub.node, dict):
+            node_approximated(sub.node, found)
     return sorted(found)
 
 
-def _walk(node, found: set[str], depth: int) -> None:
-    if depth > 64:
-        return
-    if isinstance(node, list):
-        for item in node:
-            _walk(item, found, depth + 1)
-        return
-    if not isinstance(node, dict):
-        return
+def node_approximated(node: dict, found: set[str]) -> None:
+    """Adds to ``found`` what of ``approximated_keywords`` one schema node holds itself
+    (not its subschemas)."""
     for key in _WIDENED:
         if key in node:
             found.add(key)
@@ -165,14 +162,6 @@ def _walk(node, found: set[str], depth: int) -> None:
     if multiple is not None and not (isinstance(multiple, int) or (
             isinstance(multiple, float) and multiple.is_integer())):
         found.add("multipleOf")  # fractional, or not a number at all (validation says so)
-    for key, value in node.items():
-        if key in ("enum", "const", "default", "examples"):
-            continue
-        if key in _MAPS and isinstance(value, dict):  # name -> schema: skip the names
-            for sub in value.values():
-                _walk(sub, found, depth + 1)
-        elif isinstance(value, (dict, list)):
-            _walk(value, found, depth + 1)
 
 
 def not_checked(approximated: list[str]) -> list[str]:
