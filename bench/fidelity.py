@@ -1,6 +1,6 @@
 """Grammar fidelity per engine (issue 30): does a JSON-schema grammar accept exactly the
 schema's instances? Over MaskBench's real-world schemas, each with valid and invalid test
-instances, on xgrammar, llguidance and ``auto`` (worker/engine/grammar_engines.py: llguidance
+instances, on xgrammar, llguidance and ``auto`` (worker/guided/backend.py: llguidance
 where it compiles the schema, xgrammar elsewhere).
 
     python -m bench.fidelity [--schemas DIR] [--quick | --smoke] [--json] [--no-record]
@@ -12,7 +12,7 @@ https://github.com/guidance-ai/jsonschemabench, folder maskbench/data; not vendo
 ``--quick`` 5). Without ``--schemas``, and with ``--smoke``, a handful of built-in schemas
 with hand-written instances.
 
-Both engines compile through grammar_engines, so with the served options: a
+Both backends compile through worker/guided, so with the served options: a
 ``GrammarSpec.json_schema(schema)`` at its defaults (strict, the "spaced" layout, the digit
 guards; ``--lax``: strict off), xgrammar through grammar_cache/compile.py's path. Each
 instance is fed as ``json.dumps(data, ensure_ascii=False)`` (the spaced layout: ", " and
@@ -52,8 +52,8 @@ if __package__ in (None, ""):  # run as a file: the repository's packages, not b
 from bench import report  # noqa: E402
 from core.grammar_spec import GrammarSpec  # noqa: E402
 from core.json_schema import is_local, resolve_or_none  # noqa: E402
-from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,  # noqa: E402
-                                           EngineRefused, auto_engine, engines_for)
+from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR,  # noqa: E402
+                                   EngineRefused, auto_backend, backends_for)
 from worker.engine.schema_options import strict_schema  # noqa: E402
 from worker.engine.validation import validate_json  # noqa: E402
 
@@ -326,7 +326,7 @@ def main() -> None:
 
     tokenizer = load_tokenizer(ensure_converted(None, progress=False))
     eos = tokenizer.eos_token_id
-    engines = engines_for(tokenizer, len(tokenizer), [eos])
+    engines = backends_for(tokenizer, len(tokenizer), [eos])
     if args.schemas and not args.smoke:
         per_split = args.per_split or (5 if args.quick else 25)
         cases = load_maskbench(args.schemas, per_split, args.seed)
@@ -334,7 +334,7 @@ def main() -> None:
     else:
         cases, source = BUILTIN, "built-in schemas"
 
-    tallies = {name: Tally() for name in (*ENGINES, AUTO)}
+    tallies = {name: Tally() for name in (*BACKENDS, AUTO)}
     served = Tally()  # auto's outcomes on the schemas it sends to llguidance
     reasons: Counter = Counter()
     strict_excluded = [0, 0]  # valid instances strict mode forbids, and on how many schemas
@@ -351,13 +351,13 @@ def main() -> None:
             instances, excluded = instances_for(schema, tests, not args.lax)
             strict_excluded[0] += excluded
             strict_excluded[1] += bool(excluded)
-            got = {engine: compiler.run(engine, spec, instances) for engine in ENGINES}
+            got = {engine: compiler.run(engine, spec, instances) for engine in BACKENDS}
             for engine, outcome in got.items():
                 tallies[engine].outcomes.append(outcome)
             ll = got[LLGUIDANCE]
             if not ll.compiled:
                 reasons[ll.refusal.split(": ", 1)[-1][:60]] += 1
-            pick = auto_engine(spec, None if ll.compiled else EngineRefused(LLGUIDANCE, ""))
+            pick = auto_backend(spec, None if ll.compiled else EngineRefused(LLGUIDANCE, ""))
             auto = got[pick]
             if pick == XGRAMMAR:
                 auto = Outcome(auto.compiled, ll.compile_ms + auto.compile_ms, auto.refusal,

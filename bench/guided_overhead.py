@@ -55,7 +55,7 @@ from core.grammar_spec import GrammarSpec  # noqa: E402
 from worker.engine import bitmask  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
-from worker.engine.grammar_engines import LLGUIDANCE, XGRAMMAR  # noqa: E402
+from worker.guided.backend import LLGUIDANCE, XGRAMMAR  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
 from core.request import GenerationRequest, RequestOutput  # noqa: E402
 

@@ -26,7 +26,7 @@ from core.json_schema import is_local, nested_deeper, outside, pointer, walk
 KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
 ALIASES = {"regex_schema": "regex", "grammar": "ebnf", "gbnf": "ebnf", "json": "json_schema"}
 WHITESPACE = ("bounded", "any", "compact", "indent", "spaced")
-# the grammar engines a spec may ask for (worker/engine/grammar_engines.py); "auto": the
+# the grammar engines a spec may ask for (worker/guided/backend.py); "auto": the
 # server's default, and where that is "auto" too, the rule (llguidance for a JSON grammar
 # it compiles, xgrammar elsewhere)
 ENGINES = ("auto", "xgrammar", "llguidance")

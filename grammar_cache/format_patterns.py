@@ -34,7 +34,7 @@ that ends in a bounded class run as one whose first character may be left out
 A node that has a ``pattern`` of its own keeps its ``format`` as written (one engine
 would read one of the two only). The post-validation still checks the format as the
 client wrote it. Imports nothing of the other layers: the xgrammar compile
-(compile.py) and the llguidance path (worker/engine/grammar_engines.py) both call it.
+(compile.py) and the llguidance path (worker/guided/llguidance_backend.py) both call it.
 """
 
 from __future__ import annotations

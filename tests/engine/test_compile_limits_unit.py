@@ -20,9 +20,9 @@ from grammar_cache.compile_pool import CompilePool
 from grammar_cache.config import GrammarCacheConfig
 from core.errors import ErrorKind, GrammarError, GrammarUnavailable
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import (LLGUIDANCE, LLGUIDANCE_LIMITS, XGRAMMAR,
-                                           EngineRefused, LLGuidanceEngine,
-                                           _llguidance_grammar)
+from worker.guided.backend import LLGUIDANCE, XGRAMMAR, EngineRefused
+from worker.guided.llguidance_backend import (LLGUIDANCE_LIMITS, LLGuidanceBackend,
+                                              _llguidance_grammar)
 from worker.engine.guided_process import GuidedDecodingManager
 from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
 
@@ -36,7 +36,7 @@ def byte_manager(**kwargs) -> GuidedDecodingManager:
     info = xgr.TokenizerInfo([bytes([i]) for i in range(256)]
                              + [f"<s{i}>".encode() for i in range(6)],
                              stop_token_ids=list(BYTES.eos_tokens))
-    return GuidedDecodingManager(info, llguidance=lambda: LLGuidanceEngine(BYTES), **kwargs)
+    return GuidedDecodingManager(info, llguidance=lambda: LLGuidanceBackend(BYTES), **kwargs)
 
 
 def objects(count: int, size: int, required: bool = False) -> dict:
@@ -53,8 +53,8 @@ def objects(count: int, size: int, required: bool = False) -> dict:
 # --- llguidance's parser limits -------------------------------------------------------------
 
 def test_llguidance_compiles_under_our_limits():
-    assert LLGuidanceEngine(BYTES).limits.step_lexer_fuel == LLGUIDANCE_LIMITS["step_lexer_fuel"]
-    assert LLGuidanceEngine(BYTES).limits.max_lexer_states == LLGUIDANCE_LIMITS["max_lexer_states"]
+    assert LLGuidanceBackend(BYTES).limits.step_lexer_fuel == LLGUIDANCE_LIMITS["step_lexer_fuel"]
+    assert LLGuidanceBackend(BYTES).limits.max_lexer_states == LLGUIDANCE_LIMITS["max_lexer_states"]
 
 
 def test_a_grammar_over_llguidance_limits_is_refused_by_name():
@@ -62,13 +62,13 @@ def test_a_grammar_over_llguidance_limits_is_refused_by_name():
     ``auto`` the grammar is served on xgrammar, as any refusal."""
     spec = GrammarSpec.json_schema(objects(1, 40, required=True))
     with pytest.raises(EngineRefused) as err:
-        LLGuidanceEngine(BYTES, limits={"max_grammar_size": 100}).compile(spec)
+        LLGuidanceBackend(BYTES, limits={"max_grammar_size": 100}).compile(spec)
     assert err.value.kind == ErrorKind.GRAMMAR_TOO_LARGE
     assert "llguidance's compile limits" in str(err.value)
     assert "grammar size" in str(err.value)
     info = xgr.TokenizerInfo([bytes([i]) for i in range(256)],
                              stop_token_ids=list(BYTES.eos_tokens))
-    manager = GuidedDecodingManager(info, llguidance=lambda: LLGuidanceEngine(
+    manager = GuidedDecodingManager(info, llguidance=lambda: LLGuidanceBackend(
         BYTES, limits={"max_grammar_size": 100}))
     try:
         assert manager.get_grammar(spec).result(timeout=60).engine == XGRAMMAR
@@ -80,7 +80,7 @@ def test_a_grammar_over_llguidance_limits_is_refused_by_name():
 def test_a_grammar_over_the_step_limits_at_its_start_is_refused_at_compile():
     """llguidance builds it, and would fail at the first mask step; with the probe it is
     refused while ``auto`` can still serve it on xgrammar."""
-    engine = LLGuidanceEngine(BYTES, limits={"max_items_in_row": 100})
+    engine = LLGuidanceBackend(BYTES, limits={"max_items_in_row": 100})
     with pytest.raises(EngineRefused) as err:
         engine.compile(GrammarSpec.json_schema(objects(1, 60)))
     assert err.value.kind == ErrorKind.GRAMMAR_TOO_LARGE
@@ -93,7 +93,7 @@ def test_a_matcher_past_the_step_limits_says_why():
     the request with it as grammar_too_large, not as a rejected-token bug)."""
     schema = {"type": "object", "required": ["p"], "properties": {
         "p": {"type": "string", "pattern": "^(a|b)*a(a|b){12}$"}}}
-    engine = LLGuidanceEngine(BYTES, limits={"step_lexer_fuel": 300})
+    engine = LLGuidanceBackend(BYTES, limits={"step_lexer_fuel": 300})
     matcher = engine.matcher(engine.compile(GrammarSpec.json_schema(schema)))
     bitmask = xgr.allocate_token_bitmask(1, BYTES.vocab_size)
     accepted = 0
@@ -121,7 +121,7 @@ def test_schemas_llguidance_builds_in_seconds_are_refused_before_the_build(schem
 
 def test_many_small_objects_still_compile():
     """200 objects of 20 properties (4,200 in all; ~0.5 s) are within the caps."""
-    LLGuidanceEngine(BYTES).compile(GrammarSpec.json_schema(objects(200, 20)))
+    LLGuidanceBackend(BYTES).compile(GrammarSpec.json_schema(objects(200, 20)))
 
 
 def test_the_rewrite_budget_counts_cpu_time_not_a_busy_machine():

@@ -272,7 +272,7 @@ def test_closing_search_finds_fixed_lengths_and_rare_characters(make_engine, spe
     # each given seconds: the answers are checked here, not the machine's load (a loaded
     # CI machine ran past the engine's 100 ms cap, closing_search_ms). On both
     # engines: llguidance has no parser state, and the places of a fixed-width run are
-    # told apart by its probe runs (grammar_engines.py: LLGuidanceMatcher.state_key)
+    # told apart by its probe runs (worker/guided/llguidance_backend.py: LLGuidanceMatcher.state_key)
     engine = make_engine()
     search = engine.guided.closer
     spec = dataclasses.replace(spec, engine=grammar_engine)
@@ -335,8 +335,8 @@ def test_a_path_spelled_differently_by_the_sampled_token_is_kept(make_engine, gr
     assert closer.rest_after(path, tok.encode("zebra")[0]) is None
     inside, more = m.fork(), m.fork()
     assert inside.accept_string(' "Ada') and more.accept_string(' "Ada Love')
-    # xgrammar's parser state tells that the parser stands where it stood; llguidance has
-    # none to read, so same_place never says so there (grammar_engines.py: a path's slack
-    # then grows by one a token, and it is searched again sooner)
+    # xgrammar's state key tells that the parser stands where it stood; llguidance's may
+    # merge places, so same_place never says so there (worker/guided/llguidance_backend.py:
+    # a path's slack then grows by one a token, and it is searched again sooner)
     assert closer.same_place(inside, more) == (grammar_engine == "xgrammar")
     assert not closer.same_place(m, inside)

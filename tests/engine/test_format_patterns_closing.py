@@ -22,14 +22,14 @@ CASES = [("email", "", 6), ("email", "ab", 5), ("email", "ab.c", 5), ("email", "
 
 @pytest.fixture(scope="module")
 def manager(default_tokenizer):
-    from worker.engine.grammar_engines import LLGuidanceEngine
+    from worker.guided.llguidance_backend import LLGuidanceBackend
     from worker.engine.guided_process import GuidedDecodingManager
 
     tok = default_tokenizer
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
     return GuidedDecodingManager(
         info, encode=lambda s: tok(s, add_special_tokens=False)["input_ids"],
-        llguidance=lambda: LLGuidanceEngine.from_huggingface(tok, len(tok),
+        llguidance=lambda: LLGuidanceBackend.from_huggingface(tok, len(tok),
                                                              [tok.eos_token_id]))
 
 

@@ -1,4 +1,4 @@
-"""Both grammar engines (worker/engine/grammar_engines.py) on the default model's real
+"""Both grammar engines (worker/guided/) on the default model's real
 tokenizer: a schema's valid instance accepted token by token and invalid ones refused,
 stop tokens, rollback and fork, the masks of the two engines against each other, one
 error vocabulary, strict mode on llguidance, and the ``auto`` rule."""
@@ -12,9 +12,8 @@ import xgrammar as xgr
 
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, XGRAMMAR,
-                                           EngineRefused, auto_engine, compile_auto,
-                                           engines_for)
+from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR, EngineRefused,
+                                   auto_backend, backends_for, compile_auto)
 from worker.engine.schema_options import strict_schema
 from worker.engine.schema_rewrites import exact_rewrites
 
@@ -40,7 +39,7 @@ def tokenizer(default_tokenizer):
 
 @pytest.fixture(scope="module")
 def engines(tokenizer):
-    return engines_for(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    return backends_for(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
 
 
 def ids(tokenizer, text):
@@ -59,7 +58,7 @@ def allowed(engines, matcher) -> set[int]:
     return set(torch.nonzero(bits.flatten()).flatten().tolist())
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_valid_instance_accepted_then_stop(engines, tokenizer, name):
     engine = engines[name]
     m = engine.matcher(engine.compile(GrammarSpec.json_schema(PERSON)))
@@ -70,7 +69,7 @@ def test_valid_instance_accepted_then_stop(engines, tokenizer, name):
     assert not m.accept_token(ids(tokenizer, " ")[0])
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", BACKENDS)
 @pytest.mark.parametrize("instance", INVALID)
 def test_invalid_instance_refused(engines, tokenizer, name, instance):
     engine = engines[name]
@@ -79,7 +78,7 @@ def test_invalid_instance_refused(engines, tokenizer, name, instance):
     assert not (ok and m.accept_token(tokenizer.eos_token_id))
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_refused_token_leaves_matcher_usable(engines, tokenizer, name):
     engine = engines[name]
     m = engine.matcher(engine.compile(GrammarSpec.json_schema(PERSON)))
@@ -88,7 +87,7 @@ def test_refused_token_leaves_matcher_usable(engines, tokenizer, name):
     assert feed(m, ids(tokenizer, json.dumps(VALID)))
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_rollback_and_fork(engines, tokenizer, name):
     engine = engines[name]
     m = engine.matcher(engine.compile(GrammarSpec.json_schema(PERSON)))
@@ -105,7 +104,7 @@ def test_rollback_and_fork(engines, tokenizer, name):
     assert feed(twin, tokens[5:]) and twin.is_completed()
 
 
-@pytest.mark.parametrize("name", ENGINES)
+@pytest.mark.parametrize("name", BACKENDS)
 def test_forced_continuation(engines, name):
     engine = engines[name]
     m = engine.matcher(engine.compile(GrammarSpec.json_schema(PERSON)))
@@ -140,7 +139,7 @@ def test_masks_agree(engines, tokenizer):
 
 def test_one_error_vocabulary(engines):
     bad = GrammarSpec.regex("a(b")
-    for name in ENGINES:
+    for name in BACKENDS:
         with pytest.raises(EngineRefused) as info:
             engines[name].compile(bad)
         exc = info.value
@@ -270,10 +269,10 @@ def test_llguidance_enforces_dependencies_exactly(engines, tokenizer, keyword):
 def test_auto_rule():
     plain = GrammarSpec.json_schema(PERSON)
     refusal = EngineRefused(LLGUIDANCE, "llguidance refused it")
-    assert auto_engine(plain, None) == LLGUIDANCE
-    assert auto_engine(plain, refusal) == XGRAMMAR
-    assert auto_engine(GrammarSpec.json_object(), None) == LLGUIDANCE
-    assert auto_engine(GrammarSpec.regex("a+"), None) == XGRAMMAR  # JSON kinds only
+    assert auto_backend(plain, None) == LLGUIDANCE
+    assert auto_backend(plain, refusal) == XGRAMMAR
+    assert auto_backend(GrammarSpec.json_object(), None) == LLGUIDANCE
+    assert auto_backend(GrammarSpec.regex("a+"), None) == XGRAMMAR  # JSON kinds only
     assert AUTO == "auto"
 
 

@@ -14,7 +14,8 @@ from xgrammar.testing import _is_grammar_accept_string
 from grammar_cache.compile import json_schema_ebnf
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
+from worker.guided.backend import EngineRefused
+from worker.guided.llguidance_backend import _llguidance_grammar
 from worker.engine.schema_options import number_guards
 
 pytestmark = pytest.mark.unit
@@ -107,7 +108,7 @@ def test_numbers_the_schema_demands_stay_satisfiable(engine):
 
 
 def llguidance_refuses(spec: GrammarSpec) -> bool:
-    """What LLGuidanceEngine.compile decides: EngineRefused, or a matcher in error."""
+    """What LLGuidanceBackend.compile decides: EngineRefused, or a matcher in error."""
     try:
         m = llguidance.LLMatcher(BYTES, _llguidance_grammar(spec), log_level=0)
     except EngineRefused:

@@ -1,6 +1,6 @@
 """A regex means one language on either engine: llguidance's regex reads ``\\d`` and ``\\w``
 as Unicode classes, xgrammar (and JSON Schema's ECMA-262 patterns) as ASCII ones, so the
-llguidance engine writes them out in ASCII (grammar_engines.ascii_classes). Checked on a
+llguidance engine writes them out in ASCII (worker/guided/llguidance_backend.ascii_classes). Checked on a
 byte-level tokenizer against Python's ``re`` in ASCII mode."""
 
 import re
@@ -8,7 +8,7 @@ import re
 import pytest
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import _llguidance_grammar, ascii_classes
+from worker.guided.llguidance_backend import _llguidance_grammar, ascii_classes
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""llguidance's state key for the closing search (grammar_engines.LLGuidanceMatcher): two
+"""llguidance's state key for the closing search (worker/guided/llguidance_backend.py: LLGuidanceMatcher): two
 places that look alike from inside (the same mask, forced bytes and probe runs) but have
 different fields of a pattern still to come are told apart, so the closing search does
 not merge them and cut off the only way to close (JSONSchemaBench's Snowplow schemas: an
@@ -7,7 +7,7 @@ answer cut by its loop guard inside ``iglu:a/b/c/1-0-0`` came back unterminated)
 import pytest
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import LLGuidanceMatcher, _llguidance_grammar, _run_probes
+from worker.guided.llguidance_backend import LLGuidanceMatcher, _llguidance_grammar, _run_probes
 
 pytestmark = pytest.mark.unit
 

@@ -104,7 +104,7 @@ def test_a_made_up_name_is_caught(files, token):
 
 
 @pytest.mark.parametrize("token", ["`worker/engine/closing.py`", "`closing.py`",
-                                   "`RoutingTable.route`", "`auto_engine()`",
+                                   "`RoutingTable.route`", "`auto_backend()`",
                                    "`get(spec, fp, lease=True)`", "`engine: {jump_forward: false}`",
                                    "`max_num_seqs`", "`SessionKV`", "`auto`", "`[B, V]`"])
 def test_a_real_name_passes(files, token):

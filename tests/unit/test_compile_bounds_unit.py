@@ -12,8 +12,8 @@ import xgrammar as xgr
 
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import (LLGUIDANCE, XGRAMMAR, EngineRefused,
-                                           LLGuidanceEngine, _llguidance_grammar)
+from worker.guided.backend import LLGUIDANCE, XGRAMMAR, EngineRefused
+from worker.guided.llguidance_backend import LLGuidanceBackend, _llguidance_grammar
 from worker.engine.guided_process import GuidedDecodingManager
 from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
 from worker.engine.schema_options import number_guards
@@ -104,7 +104,7 @@ def byte_manager(**kwargs) -> GuidedDecodingManager:
     info = xgr.TokenizerInfo([bytes([i]) for i in range(256)]
                              + [f"<s{i}>".encode() for i in range(6)],
                              stop_token_ids=list(BYTES.eos_tokens))
-    return GuidedDecodingManager(info, llguidance=lambda: LLGuidanceEngine(BYTES), **kwargs)
+    return GuidedDecodingManager(info, llguidance=lambda: LLGuidanceBackend(BYTES), **kwargs)
 
 
 def test_hostile_schemas_answer_at_once_beside_a_simple_one():

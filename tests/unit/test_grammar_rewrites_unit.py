@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_engines import EngineRefused, _llguidance_grammar
+from worker.guided.backend import EngineRefused
+from worker.guided.llguidance_backend import _llguidance_grammar
 from worker.engine.schema_options import strict_schema
 from worker.engine.schema_rewrites import exact_rewrites
 from worker.engine.validation import validate_json
@@ -42,7 +43,7 @@ def check(schema, valid, invalid):
 
 
 def refused(schema) -> bool:
-    """llguidance will not compile the schema (as ``LLGuidanceEngine.compile`` finds)."""
+    """llguidance will not compile the schema (as ``LLGuidanceBackend.compile`` finds)."""
     try:
         grammar = _llguidance_grammar(GrammarSpec.json_schema(schema))
     except EngineRefused:

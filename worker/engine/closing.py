@@ -25,11 +25,10 @@ structural tokens of JSON (``"}``, ``", "``, ``": ``...) and JSON's literals; wh
 one class are allowed, each is tried on one scratch matcher and rolled back
 (microseconds) and one token is kept per distinct next parser state
 (inside free text every letter leads to the same state; an e-mail's local part needs its
-``@``). And states are merged by a key: the next-token mask, xgrammar's parser state at
-the last step without positions (``matcher.state_key()``, grammar_engines.py: xgrammar's
-parser state, where a repetition such as ``[0-9a-f]{8}`` or ``ws{0,12}`` is unrolled, so
-each place in it is its own state; llguidance's forced bytes and how many of a few
-probe characters may come in a row, which tells the places of such a run apart), the
+``@``). And states are merged by a key: the next-token mask, the matcher's state key
+(``matcher.state_key()``, worker/guided: the forced text and how many of a few probe
+characters may come in a row, which tells the places of a run such as ``[0-9a-f]{8}``
+apart, on either backend: no parser internals are read), the
 mask before the current run of equal masks, and (for a closing edge, where nesting
 repeats mask and state at every level) the depth. That merge is a heuristic, so a found
 path is always replayed on the real matcher token by token before it is emitted, and "no
@@ -56,7 +55,8 @@ from typing import Callable
 import torch
 import xgrammar as xgr
 
-from worker.engine.grammar_engines import GrammarMatcher, as_matcher
+from worker.guided.backend import GrammarMatcher
+from worker.guided.xgrammar_backend import as_matcher
 
 _JSON_PUNCT = set(b'{}[]",: ')
 _REPEATS = 3
@@ -129,7 +129,7 @@ class CompletionSearch:
         Not ``exact``: a greedy dive (closers first) answers when it finds a completion;
         it may be a little longer than the shortest."""
         self.stats["searches"] += 1
-        matcher = as_matcher(matcher)
+        matcher = as_matcher(matcher, self.info.vocab_size)
         if matcher.is_completed():
             return Completion([], True)
         # xgrammar accepts any continuation byte after a lead byte; UTF-8 does not (E0 80
@@ -149,7 +149,7 @@ class CompletionSearch:
         if found.tokens is None and time.perf_counter() < self._deadline:
             found = self._search(matcher, limit, "all")
         if found.tokens is None and found.exhausted and not matcher.has_parser_state():
-            # no parser state to read (llguidance, another xgrammar): the mask and the depth
+            # equal keys may be different places (llguidance): the mask and the depth
             found = self._search(matcher, limit, "by_depth")
         return found
 
@@ -158,7 +158,7 @@ class CompletionSearch:
         """The greedy dive alone (milliseconds): a completion, maybe longer than the
         shortest, or None. What tells the engine, before the closing window, that this
         output needs more room than the window to close."""
-        matcher = as_matcher(matcher)
+        matcher = as_matcher(matcher, self.info.vocab_size)
         if matcher.is_completed():
             return []
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
@@ -407,7 +407,7 @@ class CompletionSearch:
         """Whether the parser stands where it stood (another word inside a string): the
         same parser states at the last step, positions aside. The searches take such
         states as one, so a shortest completion found from one serves the other. False
-        where the state cannot be read (llguidance: see grammar_engines.py)."""
+        where equal keys may be different places (``has_parser_state``: llguidance)."""
         before, after = as_matcher(before), as_matcher(after)
         return before.has_parser_state() and before.state_key() == after.state_key()
 

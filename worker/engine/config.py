@@ -41,7 +41,7 @@ class EngineConfig(ConfigModel):
     guided: bool = True  # grammar-constrained decoding
     # the grammar engine of a spec that asks for none ("auto" in the spec): "auto" (per
     # grammar: llguidance for a JSON grammar it compiles, xgrammar elsewhere; see
-    # worker/engine/grammar_engines.py), "xgrammar" or "llguidance".
+    # worker/guided/backend.py), "xgrammar" or "llguidance".
     # $RAYGUIDE_GRAMMAR_ENGINE sets the default (what runs every engine test on one engine)
     grammar_engine: str = Field(
         default_factory=lambda: os.environ.get("RAYGUIDE_GRAMMAR_ENGINE", "auto"),

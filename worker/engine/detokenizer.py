@@ -181,7 +181,7 @@ class GrammarStopCheck:
 
     ``matcher``: a grammar matcher with ``accept_string(str) -> bool`` (one rollback step,
     the state unchanged when refused), ``is_completed()`` and ``rollback(n)``: either
-    engine's matcher (grammar_engines.py), or a bare ``xgrammar.GrammarMatcher``.
+    backend's matcher (worker/guided/backend.py), or a bare ``xgrammar.GrammarMatcher``.
     """
 
     def __init__(self, matcher):

@@ -36,7 +36,6 @@ from worker.engine import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import GrammarStopCheck, IncrementalDetokenizer
-from worker.engine.grammar_engines import LLGUIDANCE
 from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
 from worker.engine.jump_forward import JumpForward, JumpStats
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
@@ -735,8 +734,8 @@ class LLMEngine:
         compiled = seq.compiled
         if compiled is not None:
             out.grammar_engine = compiled.engine
-            if compiled.engine == LLGUIDANCE and out.approximated:
-                # llguidance refuses what it cannot enforce exactly; a custom format it
+            if compiled.exact and out.approximated:
+                # the backend refuses what it cannot enforce exactly; a custom format it
                 # drops (it constrains nothing) stays said: nothing checked it
                 out.approximated = not_checked(out.approximated)
         return out

@@ -45,8 +45,8 @@ from core.grammar_spec import grammar_id
 from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
 from core.json_schema import pointer, walk
-from worker.engine.grammar_engines import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR,
-                                           CompiledGrammar, EngineRefused)
+from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
+                                   EngineRefused)
 from worker.engine.shortest_bound import TokenCapacity, schema_counts
 from worker.engine.validation import approximated_keywords, node_approximated, not_checked
 
@@ -127,7 +127,7 @@ class GrammarChecker:
         schema = _schema(spec)
         approximated = (approximated_keywords(schema)
                         if spec.kind == "json_schema" and compiled is not None else [])
-        if compiled is not None and compiled.engine == LLGUIDANCE:
+        if compiled is not None and compiled.exact:
             approximated = not_checked(approximated)  # as the engine reports it (engine.py)
         engines = {XGRAMMAR: self._xgrammar(spec, schema, compiled, error),
                    LLGUIDANCE: self._llguidance(spec, schema, compiled, error)}

@@ -1,5 +1,5 @@
 """GuidedDecodingManager: the engine's one handle on its grammar engines (xgrammar and
-llguidance behind grammar_engines.py's interface, chosen per grammar).
+llguidance behind worker/guided's backend protocol, chosen per grammar).
 
 It owns the tokenizer info (built with the *model's* vocab size, so padded embedding rows
 and ids the tokenizer lacks can never be sampled under a grammar, and with the model's
@@ -10,7 +10,7 @@ by ``Sequence.matcher_key`` (the request, never a client-chosen session id).
 
 Which engine compiles a spec (``resolve``): the spec's ``engine`` when it names one, else
 the manager's ``default_engine`` (``EngineConfig.grammar_engine``), and ``auto`` by the rule
-in grammar_engines.py (llguidance for a JSON grammar it compiles, xgrammar elsewhere).
+in worker/guided/backend.py (llguidance for a JSON grammar it compiles, xgrammar elsewhere).
 
 Where an xgrammar compile happens is pluggable: with ``fetch`` (for a worker in a cluster,
 ``GrammarCacheClient(info, ...).fetch``, injected by the worker actor: the engine imports
@@ -19,7 +19,7 @@ no Ray) through the shared cache actor; with ``compile_processes`` in this engin
 grammar cache's time and memory limits); else in-process on the manager's thread pool
 (xgrammar cannot stop a compile there: for tests and one-off use). llguidance grammars
 always compile here: compiling one costs less than an actor round trip, and llguidance's
-own limits bound it (grammar_engines.py). The manager's cache is the worker's local LRU
+own limits bound it (worker/guided/llguidance_backend.py). The manager's cache is the worker's local LRU
 of both, and of their errors.
 
 A compile nobody waits for stops: a caller that waits (``get_grammar(..., waiter=True)``,
@@ -45,17 +45,18 @@ import torch
 import xgrammar as xgr
 
 from grammar_cache import envelope
-from grammar_cache.compile import GrammarError, compile_spec, tokenizer_fingerprint
+from grammar_cache.compile import GrammarError, tokenizer_fingerprint
 from grammar_cache.compile_pool import CompilePool
 from grammar_cache.config import MAX_REPETITION, GrammarCacheConfig
 from core.errors import GrammarUnavailable
 from core.grammar_spec import GrammarSpec
 from worker.engine.bitmask import apply_token_bitmask_inplace
 from worker.engine.closing import NEXT_BYTE, CompletionSearch
-from worker.engine.grammar_engines import (AUTO, ENGINES, LLGUIDANCE, LLGUIDANCE_AUTO_KINDS,
-                                           LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
-                                           EngineRefused, GrammarMatcher, LLGuidanceEngine,
-                                           XGrammarMatcher)
+from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR, CompiledGrammar,
+                                   EngineRefused, GrammarBackend, GrammarMatcher,
+                                   backend_order)
+from worker.guided.llguidance_backend import LLGuidanceBackend
+from worker.guided.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,6 @@ GrammarFetch = Callable[[GrammarSpec, "str | None"], "xgr.CompiledGrammar"]
 # what a worker injects: given the engine's tokenizer info, a fetch for compiled grammars
 GrammarFetchFactory = Callable[["xgr.TokenizerInfo"], GrammarFetch]
 _ERROR_BYTES = 1024  # what a cached failure counts against the byte bound
-# an llguidance grammar's memory is its start state (not measurable from Python): a guess
-# in the size of its lexer, so the byte bound still counts it
-_LLGUIDANCE_BYTES = 64 * 1024
 
 
 @dataclass
@@ -90,6 +88,12 @@ class GuidedStats:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def count(self, backend: str, what: str) -> None:
+        """One more of ``what`` ("grammars", "requests", "refusals") for ``backend`` (its
+        name, as the metrics spell it; a field that does not exist raises)."""
+        name = f"{backend}_{what}"
+        setattr(self, name, getattr(self, name) + 1)
+
 
 @dataclass(eq=False)
 class _Inflight:
@@ -106,7 +110,7 @@ class GuidedDecodingManager:
                  compile_threads: int = 1, fill_threads: int = 1, cache_bytes: int = 1 << 30,
                  error_ttl_s: float = 60.0, fetch: GrammarFetch | None = None,
                  encode: Callable[[str], list[int]] | None = None,
-                 llguidance: Callable[[], LLGuidanceEngine] | None = None,
+                 llguidance: Callable[[], LLGuidanceBackend] | None = None,
                  default_engine: str = AUTO, max_repetition: int | None = None,
                  compile_processes: int = 0, compile_limits: GrammarCacheConfig | None = None):
         """``fetch``: compiles (or fetches) an xgrammar spec; None compiles here: in
@@ -118,21 +122,16 @@ class GuidedDecodingManager:
         ``default_engine``: what a spec whose engine is ``auto`` gets (``auto``: the rule).
         ``max_repetition``: the repetition limit (default: ``compile_limits``'), applied to
         llguidance compiles as the cache applies it to xgrammar's."""
-        if default_engine not in (AUTO, *ENGINES):
+        if default_engine not in (AUTO, *BACKENDS):
             raise ValueError(f"grammar engine {default_engine!r} is not one of "
-                             f"{(AUTO, *ENGINES)}")
+                             f"{(AUTO, *BACKENDS)}")
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
         self.stop_token_ids = list(tokenizer_info.stop_token_ids)
         self.fingerprint = tokenizer_fingerprint(tokenizer_info)
-        # our own cache below is keyed by spec; xgrammar's internal one would duplicate it
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=compile_threads,
-                                            cache_enabled=False)
         # [max_batch_size, ceil(vocab / 32)] int32, reused every step
         self.bitmask = xgr.allocate_token_bitmask(max_batch_size, self.vocab_size)
-        self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=fill_threads)
         self.fill_threads = fill_threads
-        self._ll_executor = None  # llguidance's parallel fill (built on first use)
         self.matchers: dict[MatcherKey, GrammarMatcher] = {}
         self._grammars: OrderedDict[str, object] = OrderedDict()  # key -> compiled | error
         self._sizes: dict[str, int] = {}  # key -> bytes it counts against cache_bytes
@@ -152,20 +151,25 @@ class GuidedDecodingManager:
         waits = fetch is not None or self.compile_pool is not None
         self._pool = ThreadPoolExecutor(max_workers=8 if waits else compile_threads,
                                         thread_name_prefix="grammar-compile")
-        self._fetch = fetch or (lambda spec, _client: compile_spec(self.compiler, spec))
+        # the backends by name; the others' factories, built on first use (llguidance's
+        # takes about half a second)
+        xgrammar = XGrammarBackend(tokenizer_info, compile_threads=compile_threads,
+                                   fetch=self._xgrammar_artifact)
+        self._backends: dict[str, GrammarBackend] = {XGRAMMAR: xgrammar}
+        self._fetch = fetch or (lambda spec, _client: xgrammar.build(spec))
         # a fetch that takes ``cancel`` (GrammarCacheClient.fetch) stops waiting for the
         # cache actor once nobody waits for the grammar here
         self._fetch_cancels = fetch is not None and "cancel" in inspect.signature(
             fetch).parameters
+        self._factories: dict[str, Callable[[], GrammarBackend]] = (
+            {LLGUIDANCE: llguidance} if llguidance is not None else {})
+        self._backends_lock = threading.Lock()
         self.cache_bytes = cache_bytes
         self.error_ttl_s = error_ttl_s
         self.stats = GuidedStats()
         self.default_engine = default_engine
         self.max_repetition = (self.compile_limits.max_repetition if max_repetition is None
                                else max_repetition)
-        self._llguidance_factory = llguidance
-        self._llguidance: LLGuidanceEngine | None = None
-        self._ll_lock = threading.Lock()
         self._encode = encode
         self._closer: CompletionSearch | None = None
         self._utf8_bans: dict[bytes, torch.Tensor] = {}
@@ -182,7 +186,7 @@ class GuidedDecodingManager:
             kwargs["fetch"] = grammar_fetch(info)
         kwargs.setdefault("encode", lambda text: tokenizer(
             text, add_special_tokens=False)["input_ids"])
-        kwargs.setdefault("llguidance", lambda: LLGuidanceEngine.from_huggingface(
+        kwargs.setdefault("llguidance", lambda: LLGuidanceBackend.from_huggingface(
             tokenizer, vocab_size, stop_token_ids))
         return cls(info, **kwargs)
 
@@ -269,12 +273,14 @@ class GuidedDecodingManager:
             return cached is not None and not isinstance(cached, GrammarError)
 
     def cheap(self, spec: GrammarSpec) -> bool:
-        """Whether ``spec``'s grammar here is llguidance's (``auto`` resolved): compiled in
-        this process in about a millisecond, so another worker gains next to nothing by
-        sending its requests here (False before its compile ends, or when it failed)."""
+        """Whether ``spec``'s grammar here is one its backend compiles in this process in
+        about a millisecond (llguidance's, ``auto`` resolved: ``compiles_locally``), so
+        another worker gains next to nothing by sending its requests here (False before
+        its compile ends, or when it failed)."""
         with self._lock:
             cached = self._grammars.get(spec.key(self.fingerprint))
-        return isinstance(cached, CompiledGrammar) and cached.engine == LLGUIDANCE
+        return (isinstance(cached, CompiledGrammar)
+                and self.backend(cached.engine).compiles_locally)
 
     def held_bytes(self, spec: GrammarSpec) -> int | None:
         """What ``spec``'s cached grammar counts against ``cache_bytes`` (xgrammar: its own
@@ -285,12 +291,10 @@ class GuidedDecodingManager:
     def llguidance_refusal(self, spec: GrammarSpec) -> GrammarError | None:
         """What llguidance says of ``spec`` as ``_build`` would ask it (the cache's
         repetition limit first): its refusal, or None when it compiles (for the grammar
-        check, whatever engine serves the spec; an ``EngineRefused`` when this manager
+        check, whatever backend serves the spec; an ``EngineRefused`` when this manager
         has no llguidance)."""
-        ll = self.llguidance
-        if ll is None:
-            return EngineRefused(LLGUIDANCE, "llguidance is not available in this engine")
         try:
+            ll = self.backend(LLGUIDANCE)
             spec.check_repetitions(self.max_repetition)
             ll.compile(spec)
         except ValueError as exc:  # GrammarError, or a ValueError of llguidance's own
@@ -301,51 +305,55 @@ class GuidedDecodingManager:
         """The engine asked for ``spec``: its own, else the default (maybe ``auto``)."""
         return spec.engine if spec.engine != AUTO else self.default_engine
 
-    @property
-    def llguidance(self) -> LLGuidanceEngine | None:
-        """The llguidance engine (built on first use, about half a second), or None when
-        this manager has none."""
-        if self._llguidance is None and self._llguidance_factory is not None:
-            with self._ll_lock:
-                if self._llguidance is None:
-                    self._llguidance = self._llguidance_factory()
-        return self._llguidance
+    def backend(self, name: str) -> GrammarBackend:
+        """The backend called ``name`` (built on first use); EngineRefused when this
+        manager has none of that name."""
+        backend = self._backends.get(name)
+        if backend is None:
+            factory = self._factories.get(name)
+            if factory is None:  # (xgrammar is always here)
+                raise EngineRefused(name, f"{name} is not available in this engine; use "
+                                    "grammar engine 'xgrammar' or 'auto'")
+            with self._backends_lock:
+                backend = self._backends.get(name)
+                if backend is None:
+                    backend = self._backends[name] = factory()
+        return backend
+
+    def has(self, name: str) -> bool:
+        """Whether this manager has a backend called ``name``."""
+        return name in self._backends or name in self._factories
 
     def _build(self, spec: GrammarSpec, client: str | None = None,
                cancel: threading.Event | None = None) -> CompiledGrammar:
-        """Compiles ``spec`` on the engine it resolves to; raises GrammarError
-        (GrammarUnavailable once ``cancel`` is set)."""
-        asked = self.resolve(spec)
-        # a spec that names llguidance gets it or its refusal; a server default of
-        # llguidance sends it the kinds it takes (the others are in xgrammar's dialects)
-        if (spec.engine == LLGUIDANCE
-                or (asked == LLGUIDANCE and spec.kind in LLGUIDANCE_KINDS)
-                or (asked == AUTO and spec.kind in LLGUIDANCE_AUTO_KINDS
-                    and self._llguidance_factory is not None)):
-            ll = self.llguidance
-            if ll is None:
-                raise EngineRefused(LLGUIDANCE, "llguidance is not available in this "
-                                    "engine; use grammar engine 'xgrammar' or 'auto'")
+        """Compiles ``spec`` on the backends ``backend_order`` names, the first that takes
+        it; raises GrammarError (GrammarUnavailable once ``cancel`` is set)."""
+        order = backend_order(spec, self.default_engine, llguidance=self.has(LLGUIDANCE))
+        for name in order:
+            backend = self.backend(name)
             try:
-                spec.check_repetitions(self.max_repetition)  # the cache's limit, as for xgrammar
-                compiled = ll.compile(spec)
-                self.stats.llguidance_grammars += 1
-                return compiled
+                if backend.compiles_locally:  # the cache's limit, as the cache applies it
+                    spec.check_repetitions(self.max_repetition)
+                compiled = backend.compile(spec, client=client, cancel=cancel)
             except EngineRefused:
-                if asked == LLGUIDANCE:  # asked for by the spec or the server: no fallback
+                if name == order[-1]:
                     raise
-                self.stats.llguidance_refusals += 1
-        # xgrammar's grammars go through the fetch (the shared cache in a cluster) under the
-        # request's key, which the cache's hot lists and replication count by
-        t = time.perf_counter()
+                self.stats.count(name, "refusals")  # auto: served by the next backend
+                continue
+            self.stats.count(name, "grammars")
+            return compiled
+        raise AssertionError("unreachable: the last backend's refusal is raised")
+
+    def _xgrammar_artifact(self, spec: GrammarSpec, client: str | None,
+                           cancel: threading.Event | None):
+        """Where this worker's xgrammar grammars come from: the fetch (the shared cache in
+        a cluster, under the request's key, which the cache's hot lists and replication
+        count by), this engine's compile processes, or this thread; raises GrammarError."""
         if self.compile_pool is not None:
-            artifact = self._compile_in_child(spec, cancel)
-        elif self._fetch_cancels:
-            artifact = self._fetch(spec, client, cancel=cancel)
-        else:
-            artifact = self._fetch(spec, client)
-        self.stats.xgrammar_grammars += 1
-        return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - t)
+            return self._compile_in_child(spec, cancel)
+        if self._fetch_cancels:
+            return self._fetch(spec, client, cancel=cancel)
+        return self._fetch(spec, client)
 
     def _compile_in_child(self, spec: GrammarSpec, cancel: threading.Event | None):
         """xgrammar's compile in this engine's CompilePool: killed past its limits or
@@ -393,10 +401,8 @@ class GuidedDecodingManager:
             self.stats.errors += 1
             self._error_time[key] = time.monotonic()
             size = _ERROR_BYTES
-        elif result.engine == LLGUIDANCE:
-            size = _LLGUIDANCE_BYTES + len(result.spec.source)
         else:
-            size = _grammar_bytes(result.artifact)
+            size = self.backend(result.engine).grammar_bytes(result)
         self.cached_bytes -= self._sizes.get(key, 0)
         self._grammars[key] = result
         self._grammars.move_to_end(key)
@@ -421,18 +427,13 @@ class GuidedDecodingManager:
         if key in self.matchers:
             raise RuntimeError(f"a grammar matcher for {key} already exists")
         matcher = self.new_matcher(compiled)
-        if compiled.engine == LLGUIDANCE:
-            self.stats.llguidance_requests += 1
-        else:
-            self.stats.xgrammar_requests += 1
+        self.stats.count(compiled.engine, "requests")
         self.matchers[key] = matcher
         return matcher
 
     def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A matcher at the start of ``compiled`` (not registered: for checks and tests)."""
-        if compiled.engine == LLGUIDANCE:
-            return self.llguidance.matcher(compiled)
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled.artifact))
+        return self.backend(compiled.engine).matcher(compiled)
 
     def remove_matcher(self, key: MatcherKey) -> None:
         self.matchers.pop(key, None)
@@ -446,34 +447,18 @@ class GuidedDecodingManager:
     def fill_bitmask(self, rows: list[int], matchers: list[GrammarMatcher]) -> None:
         """Fills bitmask row ``rows[i]`` for ``matchers[i]``; every other row up to the
         largest one is reset to all-allowed, so unguided rows stay untouched by apply.
-        Rows are grouped per engine: xgrammar's batch fill for its rows, llguidance's
-        parallel fill for its rows, into the same bitmask."""
+        Rows are grouped per backend, each filled by its backend's batch fill
+        (``GrammarBackend.fill_rows``) into the same bitmask."""
         n = max(rows) + 1
         if len(rows) != n:
             self.bitmask[:n].fill_(-1)
-        xg_rows, xg, ll = [], [], []
+        groups: dict[str, tuple[list[int], list[GrammarMatcher]]] = {}
         for row, m in zip(rows, matchers):
-            if m.engine == XGRAMMAR:
-                xg_rows.append(row)
-                xg.append(m.inner)
-            else:
-                ll.append((m, row))
-        if xg:
-            self.batch_matcher.batch_fill_next_token_bitmask(xg, self.bitmask, xg_rows)
-        if len(ll) == 1:
-            ll[0][0].fill_bitmask(self.bitmask, ll[0][1])
-        elif ll:
-            self._fill_llguidance(ll)
-
-    def _fill_llguidance(self, rows: list[tuple[GrammarMatcher, int]]) -> None:
-        import llguidance
-        import llguidance.numpy
-
-        if self._ll_executor is None:
-            self._ll_executor = llguidance.LLExecutor(num_threads=max(1, self.fill_threads))
-        live = [(m.inner, row) for m, row in rows if not m.is_terminated()]
-        llguidance.numpy.fill_next_token_bitmask_par(self._ll_executor, live,
-                                                     self.bitmask.numpy())
+            group = groups.setdefault(m.engine, ([], []))
+            group[0].append(row)
+            group[1].append(m)
+        for name, (group_rows, group) in groups.items():
+            self.backend(name).fill_rows(self.bitmask, group_rows, group, self.fill_threads)
 
     def only_stop_allowed(self, matcher) -> bool:
         """Whether ``matcher`` allows nothing but a stop token next (its output is
@@ -525,11 +510,3 @@ class GuidedDecodingManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.compile_pool is not None:
             self.compile_pool.close()
-
-
-def _grammar_bytes(compiled) -> int:
-    """A compiled grammar's memory (xgrammar's own estimate, when it has one)."""
-    try:
-        return int(compiled.memory_size_bytes)
-    except Exception:  # an older xgrammar, or a stand-in object in tests
-        return 1 << 20

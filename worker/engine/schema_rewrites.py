@@ -5,7 +5,7 @@ runaway guards, is schema_options.py.)
 
 llguidance refuses what it cannot enforce exactly (``not``, ``oneOf``, ``if`` / ``then``
 / ``else``, ``uniqueItems``, ``contains``, ``dependencies``, unknown formats); ``auto``
-(grammar_engines.py) then sends the schema to xgrammar, which approximates. A rewrite here
+(worker/guided/backend.py) then sends the schema to xgrammar, which approximates. A rewrite here
 is made only where the rewritten schema is provably the same set of instances; anything
 else is left as written.
 

@@ -1,69 +1,34 @@
-"""Grammar engines: xgrammar and llguidance behind one small interface, and the ``auto``
-rule that picks one per grammar.
+"""llguidance behind the grammar backends' protocol (backend.py).
 
-The engine (guided_process.py: GuidedDecodingManager), the closing search (closing.py),
-the loop guard and the stop-string check use only this interface, so every guided
-feature works on either engine. The protocol, per engine:
+State keys (closing.py): llguidance exposes no parser state. ``state_key()`` is what it
+does expose that is a function of the state: whether it may end, its forced bytes, and for
+each of a few probe characters (``0``, ``a``, ``A``) how many may come in a row from here
+(``validate_tokens``, which consumes nothing) and, for a bounded run, the bytes forced
+right after it. The runs stand in for xgrammar's unrolled positions: inside a uuid's
+``[0-9a-f]{12}`` mask and forced bytes repeat at every place, and without them the search
+merged the places and could not close a uuid or a date (it then neither refused a budget
+too small for such a schema nor closed the output). For each separator that may come next
+(``/``, ``-``, ``:`` ...), it also holds how many (separator, probe) pairs may follow: the
+fields of a pattern such as ``[a-z]+/[a-z]+/[0-9]+-[0-9]+-[0-9]+`` look alike from inside,
+and merged, the search found no way out of a field the loop guard had cut (an answer came
+back unterminated where xgrammar closed it). ``step_state()`` adds the next-token mask (so
+two tokens count as one next state only where everything that may follow them is the
+same); ``rule_start()`` is None (unknown: a closing edge always keeps its depth, which
+merges less). ``has_parser_state()`` is False, so a search that finds nothing searches
+again with states told apart by depth too before it calls a grammar unclosable.
+(xgrammar's key, xgrammar_backend.py, is built the same way from public calls.)
 
-    compiled = engine.compile(spec)          # GrammarSpec -> CompiledGrammar, or EngineRefused
-    m = engine.matcher(compiled)             # a fresh matcher (cheap: shares the compiled grammar)
-    m.fill_bitmask(bitmask, row)             # bitmask: [B, ceil(V / 32)] int32 on CPU; row `row`
-                                             # gets bit t set iff token t may come next
-    m.accept_token(t) -> bool                # False leaves the matcher as it was
-    m.rollback(n); m.fork()                  # undo the last n accepted tokens; an independent copy
-    m.is_completed()                         # the text so far is a whole match (a stop token may come)
-    m.is_terminated()                        # a stop token was accepted
-    m.forced_continuation() -> str           # text every continuation starts with (jump-forward)
-    m.accept_string(text) -> bool            # one rollback step; False leaves the matcher as it was
-    m.state_key(); m.step_state()            # the closing search's state keys (see below)
-    m.rule_start() -> int | None             # where the outermost open rule began (-1: the root)
+xgrammar and llguidance differ in what they enforce for a JSON schema: xgrammar
+approximates what it cannot express (``not``, ``uniqueItems``, ``allOf`` ...: it accepts
+instances the schema forbids), llguidance refuses such a schema (``EngineRefused``).
+Before llguidance sees a schema, ``exact_rewrites`` turns what it lacks but can express
+exactly into what it has (``dependencies`` as an ``anyOf`` per key; a custom ``format``,
+which constrains nothing, dropped; ``not`` as its negation where one exists without
+``not``; ``oneOf`` as ``anyOf`` where no instance can match two branches; a node bounded
+by an ``enum`` as the enum of the values it allows, checked by the validator). llguidance
+also has no ``indent`` layout and no ``any_order``: it refuses both.
 
-xgrammar's method names are aliases on every matcher (``fill_next_token_bitmask``,
-``find_jump_forward_string``), so code written against ``xgr.GrammarMatcher`` runs on both.
-
-State keys, for the closing search's merging of states (closing.py). A merge of two states
-that differ can only make a closing estimate worse (a path is missed), never an output
-invalid: every closing path is replayed on the real matcher before it is emitted.
-- xgrammar: ``state_key()`` is its parser state at the last step without positions (read
-  from its debug text: xgrammar 0.2.8 has no public form), ``step_state()`` that state
-  with positions, ``rule_start()`` the earliest position of an open rule.
-- llguidance exposes no parser state. ``state_key()`` is what it does expose that is a
-  function of the state: whether it may end, its forced bytes, and for each of a few
-  probe characters (``0``, ``a``, ``A``) how many may come in a row from here
-  (``validate_tokens``, which consumes nothing) and, for a bounded run, the bytes forced
-  right after it. The runs stand in for xgrammar's unrolled positions: inside a uuid's
-  ``[0-9a-f]{12}`` mask and forced bytes repeat at every place, and without them the
-  search merged the places and could not close a uuid or a date (it then neither
-  refused a budget too small for such a schema nor closed the output). For each
-  separator that may come next (``/``, ``-``, ``:`` ...), it also holds how many
-  (separator, probe) pairs may follow: the fields of a pattern such as
-  ``[a-z]+/[a-z]+/[0-9]+-[0-9]+-[0-9]+`` look alike from inside, and merged, the search
-  found no way out of a field the loop guard had cut (an answer came back
-  unterminated where xgrammar closed it). ``step_state()``
-  adds the next-token mask (so two tokens count as one next state only where everything
-  that may follow them is the same); ``rule_start()`` is None (unknown: a closing edge
-  always keeps its depth, which merges less). ``has_parser_state()`` is False, so a
-  search that finds nothing searches again with states told apart by depth too (as
-  xgrammar's does when its debug text cannot be read) before it calls a grammar
-  unclosable.
-
-Both engines write the same bitmask layout (xgrammar's: bit ``t % 32`` of word ``t // 32``),
-so worker/engine/bitmask.py applies either. Their masks differ slightly: llguidance
-leaves out special tokens, and where the grammar forces text (``{"`` of ``{"a": ``) the
-tokens that cover only part of it (``{``), which it still accepts if fed. Stop tokens are the model's EOS ids on both: a
-stop token is accepted only where the grammar may end, and ends the match.
-
-The two differ in what they enforce for a JSON schema: xgrammar approximates what it
-cannot express (``not``, ``uniqueItems``, ``allOf`` ...: it accepts instances the schema
-forbids), llguidance refuses such a schema (``EngineRefused``). Before llguidance sees a
-schema, ``exact_rewrites`` turns what it lacks but can express exactly into what it has
-(``dependencies`` as an ``anyOf`` per key; a custom ``format``, which constrains nothing,
-dropped; ``not`` as its negation where one exists without ``not``; ``oneOf`` as ``anyOf``
-where no instance can match two branches; a node bounded by an ``enum`` as the enum of the
-values it allows, checked by the validator). llguidance also has no
-``indent`` layout and no ``any_order``: it refuses both.
-
-Runaway digit guards (``GrammarSpec.max_*_digits``) hold on both engines. xgrammar's are
+Runaway digit guards (``GrammarSpec.max_*_digits``) hold on both backends. xgrammar's are
 written into its EBNF (grammar_cache/compile.py). llguidance has no digit bounds, so
 ``number_guards`` writes them into the schema as bounds it turns into bounded digit runs:
 an integer gets ``minimum`` / ``maximum`` of ``±(10**n - 1)``, a number
@@ -87,18 +52,13 @@ mid-generation ends its request, its ``failure`` naming the limit.
 
 from __future__ import annotations
 
-import functools
 import json
-import re
+import threading
 import time
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
-import xgrammar as xgr
 
-from grammar_cache.compile import compile_spec
-from core.errors import ErrorKind, GrammarError
+from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from grammar_cache.format_patterns import format_patterns
 from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
@@ -106,208 +66,12 @@ from worker.engine.schema_options import (MAX_LLGUIDANCE_FRAC_DIGITS,
                                           MAX_LLGUIDANCE_INT_DIGITS, any_value_guarded,
                                           number_guards, strict_schema)
 from worker.engine.schema_rewrites import exact_rewrites
+from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, PROBE_FIELDS, PROBE_RUN,
+                                   PROBE_TEXTS, SEPARATOR_TEXTS, CompiledGrammar,
+                                   EngineRefused, GrammarBackend, GrammarMatcher)
 
-XGRAMMAR, LLGUIDANCE, AUTO = "xgrammar", "llguidance", "auto"
-ENGINES = (XGRAMMAR, LLGUIDANCE)
-# the kinds ``auto`` may send to llguidance: the JSON ones, where refusing is its verdict on
-# exactness; other kinds stay on xgrammar, whose dialects (EBNF, structural tags) they use
-LLGUIDANCE_AUTO_KINDS = ("json_schema", "json_object")
 
-
-class EngineRefused(GrammarError):
-    """An engine would not compile a grammar: invalid, over a limit, or (llguidance) not
-    enforceable exactly. ``engine`` names the engine; the message names what it refused.
-    A GrammarError (so a ValueError) with the client-fault ``kind`` of the cache's
-    vocabulary."""
-
-    def __init__(self, engine: str, message: str, kind: ErrorKind = ErrorKind.INVALID_GRAMMAR):
-        super().__init__(message, kind)
-        self.engine = engine
-
-    def __reduce__(self):
-        return (type(self), (self.engine, str(self), self.kind))
-
-
-@dataclass(frozen=True)
-class CompiledGrammar:
-    """What an engine built for a spec. ``artifact``: an ``xgr.CompiledGrammar`` or, for
-    llguidance, the matcher at the start (each request gets a copy of it)."""
-
-    engine: str
-    spec: GrammarSpec
-    artifact: object
-    compile_s: float
-
-
-class GrammarMatcher(ABC):
-    """One request's position in a grammar (see the module doc for the protocol)."""
-
-    @abstractmethod
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None: ...
-
-    @abstractmethod
-    def accept_token(self, token: int) -> bool: ...
-
-    @abstractmethod
-    def rollback(self, num_tokens: int) -> None: ...
-
-    @abstractmethod
-    def fork(self) -> "GrammarMatcher": ...
-
-    @abstractmethod
-    def is_completed(self) -> bool: ...
-
-    @abstractmethod
-    def is_terminated(self) -> bool: ...
-
-    @abstractmethod
-    def forced_continuation(self) -> str: ...
-
-    @abstractmethod
-    def accept_string(self, text: str) -> bool: ...
-
-    @abstractmethod
-    def state_key(self) -> tuple: ...
-
-    @abstractmethod
-    def step_state(self) -> object: ...
-
-    @abstractmethod
-    def rule_start(self) -> int | None: ...
-
-    @abstractmethod
-    def has_parser_state(self) -> bool: ...
-
-    engine: str
-
-    def failure(self) -> str | None:
-        """Why the matcher can go no further though the grammar was not done (llguidance:
-        a mask step over its limits, ``LLGUIDANCE_LIMITS``), or None."""
-        return None
-
-    # xgrammar's names, for code written against xgr.GrammarMatcher
-    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
-        self.fill_bitmask(bitmask, index)
-
-    def find_jump_forward_string(self) -> str:
-        return self.forced_continuation()
-
-
-def as_matcher(m) -> GrammarMatcher:
-    """``m`` as an interface matcher (a bare ``xgr.GrammarMatcher`` is wrapped)."""
-    return XGrammarMatcher(m) if isinstance(m, xgr.GrammarMatcher) else m
-
-
-class GrammarEngine(ABC):
-    name: str
-    vocab_size: int
-
-    @abstractmethod
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Builds ``spec``; raises EngineRefused naming what the engine refused."""
-
-    @abstractmethod
-    def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher: ...
-
-
-# --- xgrammar -------------------------------------------------------------------------------
-
-class XGrammarEngine(GrammarEngine):
-    """xgrammar through the served compile path (grammar_cache/compile.py: our JSON
-    layouts, the control-character fix, the digit guards)."""
-
-    name = XGRAMMAR
-
-    def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, compile_threads: int = 1):
-        self.tokenizer_info = tokenizer_info
-        self.vocab_size = tokenizer_info.vocab_size
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=compile_threads,
-                                            cache_enabled=False)
-
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        start = time.perf_counter()
-        try:
-            artifact = compile_spec(self.compiler, spec)
-        except GrammarError as exc:
-            raise EngineRefused(XGRAMMAR, str(exc), exc.kind) from None
-        return CompiledGrammar(XGRAMMAR, spec, artifact, time.perf_counter() - start)
-
-    def matcher(self, compiled: CompiledGrammar) -> "XGrammarMatcher":
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled.artifact))
-
-
-class XGrammarMatcher(GrammarMatcher):
-    engine = XGRAMMAR
-
-    def __init__(self, inner: "xgr.GrammarMatcher"):
-        self.inner = inner
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
-        self.inner.fill_next_token_bitmask(bitmask, row)
-
-    def accept_token(self, token: int) -> bool:
-        return self.inner.accept_token(token)
-
-    def rollback(self, num_tokens: int) -> None:
-        self.inner.rollback(num_tokens)
-
-    def fork(self) -> "XGrammarMatcher":
-        return XGrammarMatcher(self.inner.fork())
-
-    def is_completed(self) -> bool:
-        return self.inner.is_completed()
-
-    def is_terminated(self) -> bool:
-        return self.inner.is_terminated()
-
-    def forced_continuation(self) -> str:
-        return self.inner.find_jump_forward_string()
-
-    def accept_string(self, text: str) -> bool:
-        return self.inner.accept_string(text)
-
-    def state_key(self) -> tuple:
-        return _without_positions(self._states())
-
-    def step_state(self) -> str:
-        return self.inner._debug_print_internal_state().rsplit("Last step", 1)[-1]
-
-    def rule_start(self) -> int:
-        return min((int(p) for _, _, _, p, _ in self._states()), default=-1)
-
-    def has_parser_state(self) -> bool:
-        return bool(self._states())
-
-    def _states(self) -> tuple:
-        return _states_of(self.step_state())
-
-
-_PARSER_STATE = re.compile(r"rule_id=(\d+), sequence_id=(\d+), element_id=(\d+), "
-                           r"rule_start_pos=(-?\d+), sub_element_id=(\d+)")
-
-
-@functools.lru_cache(maxsize=4096)
-def _states_of(text: str) -> tuple:
-    """xgrammar's parser states in its debug text (parsed once per distinct text: a
-    closing search reads the same few states thousands of times); () if it does not
-    parse (another xgrammar)."""
-    return tuple(_PARSER_STATE.findall(text))
-
-
-@functools.lru_cache(maxsize=4096)
-def _without_positions(states: tuple) -> tuple:
-    """Where in which rules, without positions: only whether a rule began at the root is
-    kept of them, or every path would be a state of its own. A repetition such as
-    ``[0-9a-f]{8}`` is unrolled in xgrammar, so each place in it stays a state of its own."""
-    return tuple((int(r), int(q), int(e), int(s), p == "-1") for r, q, e, p, s in states)
-
-
-# --- llguidance -----------------------------------------------------------------------------
-
-LLGUIDANCE_KINDS = ("json_schema", "json_object", "regex", "choice")
-
-
-class LLGuidanceEngine(GrammarEngine):
+class LLGuidanceBackend(GrammarBackend):
     """llguidance. JSON layouts map to its compile options ("spaced": ", " and ": " with no
     other blanks; "compact"; "bounded" / "any": flexible blanks, at most ``max_whitespace``
     for "bounded"); ``strict`` closes objects and tuples the schema leaves open, as
@@ -315,6 +79,8 @@ class LLGuidanceEngine(GrammarEngine):
     millisecond for most schemas, and refuses keywords it cannot enforce."""
 
     name = LLGUIDANCE
+    compiles_locally = True
+    exact = True
 
     def __init__(self, tokenizer: "llguidance.LLTokenizer", limits: dict | None = None):
         """``limits``: llguidance's parser limits (``LLGUIDANCE_LIMITS`` by default; any
@@ -326,6 +92,7 @@ class LLGuidanceEngine(GrammarEngine):
         self.stop_token_ids = frozenset(tokenizer.eos_tokens)
         self.probes = _run_probes(tokenizer)
         self.limits = llguidance.LLParserLimits(**{**LLGUIDANCE_LIMITS, **(limits or {})})
+        self._executors: dict = {}  # threads -> llguidance.LLExecutor (built on first use)
 
     @classmethod
     def from_huggingface(cls, tokenizer, vocab_size: int, stop_token_ids: list[int]):
@@ -336,7 +103,8 @@ class LLGuidanceEngine(GrammarEngine):
         return cls(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                 eos_token=list(stop_token_ids)))
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def compile(self, spec: GrammarSpec, *, client: str | None = None,
+                cancel: threading.Event | None = None) -> CompiledGrammar:
         import llguidance
 
         start = time.perf_counter()
@@ -356,11 +124,37 @@ class LLGuidanceEngine(GrammarEngine):
             probe.compute_bitmask()
         if probe.is_error():
             raise _refusal(spec, probe.get_error())
-        return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start)
+        return CompiledGrammar(LLGUIDANCE, spec, start_state, time.perf_counter() - start,
+                               exact=self.exact)
 
     def matcher(self, compiled: CompiledGrammar) -> "LLGuidanceMatcher":
         return LLGuidanceMatcher(compiled.artifact.deep_copy(), self.stop_token_ids,
                                  self.tokenizer, self.probes)
+
+    def fill_rows(self, bitmask: torch.Tensor, rows: list[int],
+                  matchers: list[GrammarMatcher], threads: int = 1) -> None:
+        """One row on this thread; more with llguidance's parallel fill (``threads``
+        threads), into the same shared memory."""
+        import llguidance
+        import llguidance.numpy
+
+        if len(rows) == 1:
+            matchers[0].fill_bitmask(bitmask, rows[0])
+            return
+        executor = self._executors.get(threads)
+        if executor is None:
+            executor = self._executors[threads] = llguidance.LLExecutor(
+                num_threads=max(1, threads))
+        live = [(m.inner, row) for m, row in zip(matchers, rows) if not m.is_terminated()]
+        llguidance.numpy.fill_next_token_bitmask_par(executor, live, bitmask.numpy())
+
+    def grammar_bytes(self, compiled: CompiledGrammar) -> int:
+        """A guess: an llguidance grammar's memory is its start state, which Python cannot
+        measure; counted in the size of its lexer, so the cache's byte bound holds it."""
+        return _GRAMMAR_BYTES + len(compiled.spec.source)
+
+
+_GRAMMAR_BYTES = 64 * 1024
 
 
 # llguidance's parser limits (LLParserLimits), passed on every build. Each bounds the time
@@ -397,24 +191,13 @@ def _refusal(spec: GrammarSpec, error: str) -> EngineRefused:
     return EngineRefused(LLGUIDANCE, f"invalid {spec.kind} grammar for llguidance: {line}")
 
 
-# the characters whose runs tell places apart in llguidance's state key (see
-# LLGuidanceMatcher.state_key): a fixed-width field's digits, hex digits or letters
-_PROBE_TEXTS = ("0", "a", "A")
-_PROBE_RUN = 64  # a run this long counts as unbounded
-# separators a pattern's fields are joined by: how many (separator, probe character)
-# pairs may follow tells apart two fields that look alike from inside (in
-# ``[0-9]+-[0-9]+-[0-9]+`` the first field is followed by two "-0", the second by one)
-_SEPARATOR_TEXTS = ("/", "-", ":", ".", "_", "@", "+", ",", " ")
-_FIELDS = 4  # pairs probed: up to this many fields ahead
-
-
 def _run_probes(tokenizer: "llguidance.LLTokenizer") -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The tokens of the probe characters and of the separators, for each one the
     tokenizer spells as one token."""
     def single(texts):
         tokens = [tokenizer.tokenize_str(text) for text in texts]
         return tuple(t[0] for t in tokens if len(t) == 1)
-    return single(_PROBE_TEXTS), single(_SEPARATOR_TEXTS)
+    return single(PROBE_TEXTS), single(SEPARATOR_TEXTS)
 
 
 # what the rewrites may add to a schema: strict mode's and the guards' keywords take a few
@@ -686,9 +469,9 @@ class LLGuidanceMatcher(GrammarMatcher):
         runs, inner = [], self.inner
         chars, separators = self.probes
         for probe in chars:
-            n = inner.validate_tokens([probe] * _PROBE_RUN)
+            n = inner.validate_tokens([probe] * PROBE_RUN)
             after = b""
-            if 0 < n < _PROBE_RUN:
+            if 0 < n < PROBE_RUN:
                 done = inner.try_consume_tokens([probe] * n)
                 if done == n:
                     after = inner.compute_ff_bytes()
@@ -700,7 +483,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         # field from the next one that looks alike from inside
         for sep in separators:
             if inner.validate_tokens([sep]):
-                runs.append(tuple(inner.validate_tokens([sep, probe] * _FIELDS)
+                runs.append(tuple(inner.validate_tokens([sep, probe] * PROBE_FIELDS)
                                   for probe in chars))
             else:
                 runs.append(None)
@@ -719,40 +502,3 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def has_parser_state(self) -> bool:
         return False
-
-
-# --- choosing -------------------------------------------------------------------------------
-
-def auto_engine(spec: GrammarSpec, llguidance_refusal: EngineRefused | None) -> str:
-    """The ``auto`` rule: llguidance for a JSON grammar (json_schema, json_object) it
-    compiles, since it compiles only what it enforces exactly, and in well under a
-    millisecond; xgrammar for one it refuses (xgrammar approximates it) and for every
-    other kind. ``llguidance_refusal``: what llguidance said of ``spec`` (None: it compiled).
-    No schema class is sent to xgrammar for closing's sake: fixed-width formats (uuid,
-    date, ``{n}`` patterns), which once broke budget-aware closing on llguidance, close
-    there since its state key tells the places of a run apart (``LLGuidanceMatcher.state_key``)."""
-    if spec.kind in LLGUIDANCE_AUTO_KINDS and llguidance_refusal is None:
-        return LLGUIDANCE
-    return XGRAMMAR
-
-
-def compile_auto(engines: dict[str, GrammarEngine], spec: GrammarSpec) -> CompiledGrammar:
-    """Compiles ``spec`` on the engine ``auto_engine`` picks; raises xgrammar's
-    EngineRefused where neither takes it."""
-    refusal = None
-    if spec.kind in LLGUIDANCE_AUTO_KINDS:
-        try:
-            return engines[LLGUIDANCE].compile(spec)
-        except EngineRefused as exc:
-            refusal = exc
-    return engines[auto_engine(spec, refusal)].compile(spec)
-
-
-def engines_for(tokenizer, vocab_size: int, stop_token_ids: list[int], *,
-                compile_threads: int = 1) -> dict[str, GrammarEngine]:
-    """Both engines for a Hugging Face tokenizer, by name."""
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                              stop_token_ids=list(stop_token_ids))
-    return {XGRAMMAR: XGrammarEngine(info, compile_threads=compile_threads),
-            LLGUIDANCE: LLGuidanceEngine.from_huggingface(tokenizer, vocab_size,
-                                                          stop_token_ids)}
