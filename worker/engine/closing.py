@@ -42,6 +42,10 @@ the dive, and where its answer does not fit the budget, the exact search's when 
 The token count is that of the path found; the path's text is also re-encoded with the
 tokenizer and the shorter accepted version kept, so free text ("aaaa") is not charged one
 token per character.
+
+Why one module over 500 lines: the search, its candidate tokens and its state keys are one
+algorithm; the keys come from the backends (worker/guided), the policy that calls it
+from output_policy.py.
 """
 
 from __future__ import annotations

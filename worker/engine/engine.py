@@ -17,6 +17,12 @@ the output policy steers it to the grammar's shortest completion (output_policy.
 closing.py), so a response cut by its budget still parses; a stop string or stop token id
 ends a guided request only where its grammar may end; each finished JSON output is
 validated against its full schema (validation.py).
+
+Why one module over 500 lines: the step and each request's life in it (admission, a
+thought, appending, finishing) act on the engine's one batch state; the guided policy,
+sampling, reasoning and the grammars live in their own modules. Splitting the request
+life out (a per-request guided object the step calls through a few hooks) is issue 40's
+next part.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ the engine's requests) calls ``give_up`` when it stops waiting (its grammar wait
 it was aborted); when the last waiter of a compile gives up, the compile is cancelled (a
 compile still queued never starts, one in a child process is killed at once, a fetch from
 the cache actor is cancelled there) and the next ask for the spec starts a new one.
+
+Why one module over 500 lines: the manager's compile paths, caches and matchers share one
+lock and one set of counters; the libraries themselves live in worker/guided.
 """
 
 from __future__ import annotations

@@ -48,6 +48,9 @@ over the per-step limits where it starts; past any of them llguidance refuses th
 by name (``grammar_too_large``) and ``auto`` serves it on xgrammar. The build releases the
 GIL. Every mask step is bounded by the same limits' step fuel; a matcher that reaches it
 mid-generation ends its request, its ``failure`` naming the limit.
+
+Why one module over 500 lines: one library behind the protocol, its grammar writing
+(rewrites, limits, refusals) and its matcher with the state keys closing needs.
 """
 
 from __future__ import annotations
