@@ -236,6 +236,10 @@ def _llguidance_grammar(spec: GrammarSpec) -> str:
             schema = any_value_guarded(spec.max_int_digits, spec.max_frac_digits)
         else:
             schema = json.loads(spec.source)
+            # the property caps first, on the schema as written: a schema over them is
+            # refused for that (not for the rewrites' time, which on a loaded machine
+            # could run out first)
+            _check_properties(schema)
             if spec.strict:  # (first: the rewrites' anyOf members would keep a node open)
                 schema = strict_schema(schema)
             schema = exact_rewrites(schema, budget=budget)
