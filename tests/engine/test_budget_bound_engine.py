@@ -132,3 +132,28 @@ def test_an_undecided_budget_does_not_search_on_every_step(make_engine, rows):
     assert stats.closing_giveups == 2 * rows
     # the admission's search: the dive, then a longer one (fitting, then shortest), once
     assert engine.guided.closer.stats["searches"] - searches == 2 + 2 * rows
+
+
+UUIDS = {"type": "object", "properties": {
+    "id": {"type": "string", "format": "uuid"}, "day": {"type": "string", "format": "date"}},
+    "required": ["id", "day"], "additionalProperties": False}
+
+
+def test_a_budget_the_check_predicted_is_admitted_on_a_busy_engine(make_engine):
+    # the grammar check finds the shortest output (its searches have time); a request at
+    # that budget, on an engine whose every search is now cut short at once (a busy
+    # machine), is admitted with the path the check found, not refused on a search that
+    # ran out of time (issue 42: the verdict depended on the time a search got)
+    from worker.engine.grammar_check import GrammarChecker
+
+    engine = make_engine()
+    spec = GrammarSpec.json_schema(json.dumps(UUIDS))
+    shortest = GrammarChecker(engine.guided).check(spec).shortest_output["tokens"]
+    assert shortest is not None and 20 < shortest <= engine.config.closing_window
+    engine.guided.closer.time_limit_s = 0.0
+    searches = engine.guided.closer.stats["searches"]
+    [out] = run(engine, [request(UUIDS, shortest)])
+    assert out.finish_reason in ("stop", "length") and out.error is None, out.error
+    assert engine.guided.closer.stats["searches"] == searches  # no search at admission
+    json.loads(out.text)
+    assert out.validation == "valid", out.text

@@ -47,6 +47,7 @@ from core.grammar_spec import GrammarSpec
 from core.json_schema import pointer, walk
 from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
                                    EngineRefused)
+from worker.engine.output_policy import remember_start_path
 from worker.engine.shortest_bound import TokenCapacity, schema_counts
 from worker.engine.validation import approximated_keywords, node_approximated, not_checked
 
@@ -195,6 +196,7 @@ class GrammarChecker:
                    key=len, default=None)
         if best is None:
             return {"tokens": None, "at_least": at_least, "exhausted": exact.exhausted}
+        remember_start_path(compiled, best)  # a request at this budget is admitted with it
         # the budget admission's first, cheap search (a dive within 4 x budget + 16
         # steps: OutputPolicy._budget_search) takes by itself, so it is admitted also
         # when a busy engine cuts its exact search short

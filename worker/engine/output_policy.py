@@ -315,6 +315,14 @@ class OutputPolicy:
                 return self._budget_verdict(seq, budget, self._bound_refusal(seq))
             return None
         self.stats.budget_checks += 1
+        facts = seq.compiled.facts if fresh and seq.compiled is not None else None
+        known = facts.get("start_path") if facts is not None else None
+        if known is not None and len(known) <= budget:
+            # an output that fits was found from the start before (a request's search, the
+            # grammar check's): admitted with it, so the verdict on a budget never depends
+            # on how much time this search would get
+            self.stats.budget_checks_memo += 1
+            return self._budget_verdict(seq, budget, _Verdict(path=list(known)))
         key = None
         if fresh:
             key = (seq.grammar.key(self.guided.fingerprint), budget)
@@ -331,6 +339,8 @@ class OutputPolicy:
             verdict = self._budget_search(matcher, budget,
                                           closer.pending_bytes(seq.output_ids))
             certain = closer.stats["timeouts"] == timeouts
+        if facts is not None and verdict.path is not None:
+            remember_start_path(seq.compiled, verdict.path)
         if key is not None:
             self._budget_memo[key] = (time.monotonic(), certain, verdict)
             while len(self._budget_memo) > _BUDGET_MEMO_SIZE:
@@ -591,6 +601,14 @@ def _closes(matcher, tokens: list[int]) -> bool:
     microseconds)."""
     probe = matcher.fork()
     return all(probe.accept_token(t) for t in tokens) and probe.is_completed()
+
+def remember_start_path(compiled, path: list[int]) -> None:
+    """Keeps ``path`` (an output of ``compiled`` found from its start) as the grammar's
+    ``start_path`` when it is shorter than the one known."""
+    known = compiled.facts.get("start_path")
+    if known is None or len(path) < len(known):
+        compiled.facts["start_path"] = tuple(path)
+
 
 _BUDGET_MEMO_SIZE = 4096  # (grammar, budget) admission verdicts kept
 _MEMO_UNSURE_S = 5.0  # how long a verdict from searches cut short is reused

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +88,11 @@ class CompiledGrammar:
     compile_s: float
     # the backend compiles a JSON schema only where it enforces it exactly (GrammarBackend.exact)
     exact: bool = False
+    # what searches learned of the grammar, shared by its requests and the grammar check:
+    # "start_path", the shortest output found from its start so far (OutputPolicy's
+    # admission: a budget that holds it is admitted with it, whatever a later search on a
+    # busy engine finds in its time)
+    facts: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 class GrammarMatcher(ABC):
