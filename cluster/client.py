@@ -322,17 +322,19 @@ class RuntimeClient:
             out.merge(chunk)
         return out
 
-    async def check_grammar(self, spec: GrammarSpec, client: str | None = None) -> dict:
+    async def check_grammar(self, spec: GrammarSpec, client: str | None = None,
+                            wait_s: float | None = None) -> dict:
         """The grammar check's report on ``spec`` (worker/engine/grammar_check.py), from a
         worker routed to as the spec's requests are (grammar affinity), so the compile it
         makes is the one they find. A worker that dies before answering costs a retry
         elsewhere; a transient compile failure raises (GrammarUnavailable, in a
-        RayTaskError), a grammar error is in the report."""
+        RayTaskError), a grammar error is in the report. ``wait_s``: how long the worker
+        waits for the compile before it reports "compiling" (None: its grammar wait)."""
         died_on: set[str] = set()
         for attempt in range(self.max_attempts):
             route = await self._route_after_deaths(None, 0, spec.family, died_on)
             try:
-                report = await route["handle"].check_grammar.remote(spec, client)
+                report = await route["handle"].check_grammar.remote(spec, client, wait_s)
             except _WORKER_GONE:
                 died_on.add(route["worker_id"])
                 await self._report_failed(route["worker_id"])

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.grammar_spec import GrammarSpec, is_grammar_id
 from core.params import LoopGuardParams, SamplingParams
@@ -120,6 +120,9 @@ class GrammarCheckRequest(ChatCompletionRequest):
     are checked, the rest is read and ignored), or just the guided fields."""
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # how long to wait for the compile before answering 202 "compiling" (default: the
+    # server's grammar_check_wait_s; the worker waits at most its grammar_timeout_s)
+    wait_s: float | None = Field(None, ge=0, le=600, allow_inf_nan=False)
 
 
 def parse_request(cls: type[_Request], body: Any) -> _Request:

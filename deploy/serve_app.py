@@ -211,7 +211,9 @@ class OpenAIServer:
         """The grammar check (docs/grammars.md): the body's grammar compiled on a worker's
         request path (a later request finds it compiled), and what requests with it will
         meet; 200 with the report, also for a grammar the runtime refuses (its ``status``
-        is "refused" and ``error`` the error a request would get)."""
+        is "refused" and ``error`` the error a request would get). A compile that outlasts
+        ``wait_s`` (default ``grammar_check_wait_s``) is answered 202 with status
+        "compiling" and a ``Location`` to GET: the compile goes on."""
         started = time.monotonic()
         route = "/v1/grammars"
         try:
@@ -220,26 +222,46 @@ class OpenAIServer:
             await self._check_model(parsed.model)
             client = self._client(request, parsed.user)
             spec = api.check_spec(parsed, self.limits, await self._named(parsed.grammar_id))
-            try:
-                report = await self.runtime.check_grammar(spec, client)
-            except Exception as exc:  # noqa: BLE001 - the runtime's failures, mapped
-                raise for_exception(exc) from None
-            report = self._shape_report(report)
-            await self.runtime.remember_checked(report["id"], spec, report)
-            self._metrics.request(route, 200, time.monotonic() - started)
-            return report
+            wait_s = (self.settings.grammar_check_wait_s if parsed.wait_s is None
+                      else parsed.wait_s)
+            report = await self._check(spec, client, wait_s)
+            response = self._report_response(report)
+            self._metrics.request(route, response.status_code, time.monotonic() - started)
+            return response
         except APIError as exc:
             self._metrics.request(route, exc.status, time.monotonic() - started)
             raise
 
     @fastapi_app.get("/v1/grammars/{grammar_id}")
     async def get_grammar(self, grammar_id: str, request: Request):
-        """The report ``POST /v1/grammars`` answered for this id; 404 when unknown."""
+        """The report ``POST /v1/grammars`` answered for this id; 404 when unknown. One
+        that was still compiling is checked again (up to ``grammar_check_wait_s``): 200
+        with the report once the compile is done, 202 "compiling" until then."""
         self._auth(request)
         found = await self._checked(grammar_id, None)
         if found is None:
             raise api.grammar_not_found(grammar_id)
-        return found[1]
+        spec, report = found
+        if report.get("status") == "compiling":
+            report = await self._check(spec, None, self.settings.grammar_check_wait_s)
+        return self._report_response(report)
+
+    async def _check(self, spec, client: str | None, wait_s: float) -> dict:
+        """The worker's report on ``spec`` as the API answers it, kept under its id."""
+        try:
+            report = await self.runtime.check_grammar(spec, client, wait_s)
+        except Exception as exc:  # noqa: BLE001 - the runtime's failures, mapped
+            raise for_exception(exc) from None
+        report = self._shape_report(report)
+        await self.runtime.remember_checked(report["id"], spec, report)
+        return report
+
+    @staticmethod
+    def _report_response(report: dict) -> JSONResponse:
+        if report.get("status") != "compiling":
+            return JSONResponse(report)
+        return JSONResponse(report, status_code=202, headers={
+            "Location": f"/v1/grammars/{report['id']}", "Retry-After": "1"})
 
     async def _named(self, grammar_id: str | None):
         """The checked spec a request's ``grammar_id`` names (None: no id, or unknown; the

@@ -66,6 +66,9 @@ class AppSettings(BaseModel):
     # more samples it may take
     max_validation_retries: int = Field(2, ge=0, le=8)
     limits: Limits = Field(default_factory=Limits)
+    # how long POST /v1/grammars waits for a compile before it answers 202 with status
+    # "compiling" (the compile goes on; GET /v1/grammars/{id} gives the report once done)
+    grammar_check_wait_s: float = Field(5.0, ge=0, le=600, allow_inf_nan=False)
     # how long the edge waits for the scheduler (the model list, a session's end) before it
     # answers 503
     scheduler_timeout_s: float = Field(5.0, gt=0)

@@ -199,11 +199,15 @@ class WorkerActor:
                     for tid, lp in zip(out.token_ids, out.logprobs)]
             yield out
 
-    async def check_grammar(self, spec, client: str | None = None) -> dict:
+    async def check_grammar(self, spec, client: str | None = None,
+                            wait_s: float | None = None) -> dict:
         """The grammar check (worker/engine/grammar_check.py) on this worker's own compile
         path, so a request for ``spec`` that follows finds it compiled here (and, for
         xgrammar, in the shared cache); the report as a dict. A grammar error is part of
-        the report; a transient failure (GrammarUnavailable) is raised."""
+        the report; a transient failure (GrammarUnavailable) is raised. ``wait_s``: how
+        long to wait for the compile (default, and at most, the engine's
+        ``grammar_timeout_s``); past it the report says "compiling" and the compile goes
+        on, for the next check (or request) of the spec to find."""
         import asyncio
 
         from worker.engine.grammar_check import GrammarChecker
@@ -214,11 +218,17 @@ class WorkerActor:
         self._replicating()
         if self._checker is None:
             self._checker = GrammarChecker(guided)
+        limit = self.engine.engine.config.grammar_timeout_s
+        wait_s = limit if wait_s is None else max(0.0, min(wait_s, limit))
         future, cached, began = self._checker.start(spec, client)
-        try:
-            await asyncio.wrap_future(future)
-        except Exception:  # noqa: BLE001 - read off the future by report()
-            pass
+        if not future.done():
+            try:  # shielded: the compile is not ours to cancel when the wait runs out
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), wait_s)
+            except asyncio.TimeoutError:
+                self._hold(spec.family)  # routing brings the next check here
+                return self._checker.pending(spec, time.perf_counter() - began).as_dict()
+            except Exception:  # noqa: BLE001 - read off the future by report()
+                pass
         waited = time.perf_counter() - began
         report = await self.engine.call(
             lambda _engine: self._checker.report(spec, future, cached, waited))

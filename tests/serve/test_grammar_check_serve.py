@@ -10,6 +10,7 @@ same report without the server."""
 import json
 import subprocess
 import sys
+import time
 
 import httpx2 as httpx
 import jsonschema
@@ -216,6 +217,40 @@ def test_grammar_id_get_and_requests(svc, client):
             "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "grammar_id", r.text
     assert http(svc, "GET", "/v1/grammars/nope").status_code == 400
+
+
+def test_a_compile_past_the_wait_is_answered_compiling_and_goes_on(svc, client):
+    """The check answers within its wait: a compile still running is a 202 "compiling"
+    with a Location; the compile is not cancelled, and GET gives the whole report once
+    it is done (the same as a new check, which finds the grammar compiled)."""
+    schema = {"type": "object", "properties": {"ids": {
+        "type": "array", "items": {"type": "integer", "minimum": 3}, "uniqueItems": True,
+        "maxItems": 3}}, "required": ["ids"]}  # xgrammar's: a round trip to the cache
+    r = http(svc, "POST", "/v1/grammars",
+             json={"response_format": response_format(schema), "wait_s": 0})
+    assert r.status_code == 202, r.text
+    pending = r.json()
+    assert pending["status"] == "compiling" and pending["engine"] is None
+    assert pending["shortest_output"] == {} and pending["error"] is None
+    assert r.headers["location"] == f"/v1/grammars/{pending['id']}"
+    assert r.headers["retry-after"] == "1"
+    for _ in range(120):
+        got = http(svc, "GET", r.headers["location"])
+        if got.status_code != 202:
+            break
+        assert got.json()["status"] == "compiling"
+        time.sleep(0.5)
+    assert got.status_code == 200, got.text
+    final = got.json()
+    assert final["id"] == pending["id"] and final["engine"] == "xgrammar"
+    assert final["status"] == "approximated" and final["shortest_output"]["at_least"] > 0
+    again = check(svc, schema)
+    assert again["cached"] is True and again["status"] == final["status"]
+    assert again["shortest_output"] == final["shortest_output"]
+    for bad in (-1, 601, "soon"):
+        r = http(svc, "POST", "/v1/grammars",
+                 json={"response_format": response_format(schema), "wait_s": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "wait_s", r.text
 
 
 def test_same_auth_limits_and_errors_as_the_other_routes(svc):

@@ -307,9 +307,9 @@ def _known_names() -> set[str]:
         pass
 
     return (_fields(ClusterConfig) | _fields(AppSettings) | set(api.ChatCompletionRequest
-            .model_fields) | set(api.CompletionRequest.model_fields) | set(guided_report(
-            _Out())) | {k.value for k in ErrorKind} | OPENAI_NAMES | BATCH_OUTPUT
-            | set(OUTCOMES))
+            .model_fields) | set(api.CompletionRequest.model_fields)
+            | set(api.GrammarCheckRequest.model_fields) | set(guided_report(_Out()))
+            | {k.value for k in ErrorKind} | OPENAI_NAMES | BATCH_OUTPUT | set(OUTCOMES))
 
 
 def _config_path(dotted: str) -> bool:

@@ -31,6 +31,10 @@ predicts is what that request meets, because the report is read off the same obj
   ``size_bytes``: what it counts against the worker's grammar cache; ``cached``: the
   grammar was compiled here before this check.
 - ``id``: ``grammar_id(spec)``, stable across processes, models and restarts.
+
+A compile that outlasts the check's wait (``pending``) is answered with ``status``
+"compiling" and no verdict yet: the compile goes on (the check is no waiter that could
+cancel it, see guided_process.py) and a later check of the spec reads the finished grammar.
 """
 
 from __future__ import annotations
@@ -149,6 +153,14 @@ class GrammarChecker:
             cached=cached,
             error=None if error is None else {"message": str(error),
                                               "code": ErrorKind(error.kind).value})
+
+    def pending(self, spec: GrammarSpec, waited_s: float) -> GrammarReport:
+        """The report while ``spec``'s compile still runs after ``waited_s``: status
+        "compiling", nothing known of the grammar yet; ``compile_ms`` is the wait so far."""
+        return GrammarReport(
+            id=grammar_id(spec), kind=spec.kind, engine_asked=spec.engine, engine=None,
+            status="compiling", approximated=[], engines={}, shortest_output={},
+            compile_ms=round(1e3 * waited_s, 3), size_bytes=None, cached=False)
 
     # per engine ---------------------------------------------------------------------------
 
