@@ -157,19 +157,29 @@ class CompletionSearch:
             found = self._search(matcher, limit, "by_depth")
         return found
 
-    def estimate(self, matcher: GrammarMatcher, limit: int, *,
-                 pending: bytes = b"") -> list[int] | None:
+    def estimate(self, matcher: GrammarMatcher, limit: int, *, pending: bytes = b"",
+                 time_limit_s: float | None = None,
+                 max_expansions: int | None = None) -> list[int] | None:
         """The greedy dive alone (milliseconds): a completion, maybe longer than the
         shortest, or None. What tells the engine, before the closing window, that this
-        output needs more room than the window to close."""
+        output needs more room than the window to close. ``time_limit_s`` and
+        ``max_expansions`` replace the search's own caps for this dive (the closing
+        probe's: a large grammar's dive takes longer)."""
         matcher = as_matcher(matcher, self.info.vocab_size)
         if matcher.is_completed():
             return []
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
             0x80, 0xBF)
-        self._deadline = time.perf_counter() + self.time_limit_s
+        self._deadline = time.perf_counter() + (
+            self.time_limit_s if time_limit_s is None else time_limit_s)
         self._reps_memo = {}
-        dived = self._dive(matcher, limit)
+        cap = self.max_expansions
+        if max_expansions is not None:
+            self.max_expansions = max_expansions
+        try:
+            dived = self._dive(matcher, limit)
+        finally:
+            self.max_expansions = cap
         return None if dived is None else self._compact(matcher, dived)
 
     def fitting(self, matcher: GrammarMatcher, budget: int, *,

@@ -87,6 +87,7 @@ class EngineStats:
     closing_searches: int = 0  # completion searches run near the end of a budget
     closing_reused: int = 0  # ... skipped: the last step's path still closes (replayed)
     closing_probes: int = 0  # dives before the closing window (is the completion longer?)
+    closing_fallbacks: int = 0  # outputs closed on the probe's dive: every search cut short
     budget_checks: int = 0  # guided requests whose budget was checked at admission
     budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
     loop_cuts: int = 0  # repeating values the loop guard ended

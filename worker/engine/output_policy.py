@@ -62,6 +62,10 @@ class OutputState:
     closing_retry_at: int = 0
     closing_start: list[int] | None = None  # shortest output found at admission
     closing_probed: bool = False  # the dive's estimate taken before the window
+    # the probe's dive path (at output length, path): what closing falls back on where
+    # every search is cut short (a large grammar); probes given the long time so far
+    fallback: tuple[int, list[int]] | None = None
+    long_probes: int = 0
     forced_path: list[int] | None = None  # the output, when that is all that fits
     # the last closing path: (at output length, path, by how many tokens it may be
     # longer than the shortest there; see OutputPolicy._carried_path)
@@ -76,7 +80,7 @@ class OutputState:
 
     def reset_closing(self) -> None:
         """After a cut the output is another: no closing estimate or path holds."""
-        self.closing_estimate = self.closing_path = None
+        self.closing_estimate = self.closing_path = self.fallback = None
         self.closing_failed = False
         self.closing_giveups = self.closing_retry_at = 0
         self.closing_probed = False
@@ -106,6 +110,8 @@ class PolicyStats:
     closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
     closing_searches: int = 0  # completion searches run near the end of a budget
     closing_reused: int = 0  # ... skipped: the last step's path still closes (replayed)
+    # outputs closed on the probe's dive path because every search was cut short
+    closing_fallbacks: int = 0
     budget_checks: int = 0  # guided requests whose budget was checked at admission
     budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
     loop_cuts: int = 0  # repeating values the loop guard ended
@@ -471,8 +477,14 @@ class OutputPolicy:
             if found.tokens is None or len(found.tokens) > left:
                 # no completion fits: stop searching once that is certain (the shortest
                 # only grows as the budget shrinks); a search that gave up is tried again
-                # later (see _gave_up)
+                # later (see _gave_up), unless the probe's path closes from here: then the
+                # output closes now, earlier than it had to but whole
                 if not found.exhausted:
+                    fallback = self._fallback(seq, matcher, left)
+                    if fallback is not None:
+                        self.stats.closing_fallbacks += 1
+                        seq.ending.closed_early = True
+                        return self._force(seq, fallback)
                     _gave_up(seq)
                     self.stats.closing_giveups += 1
                 else:
@@ -498,12 +510,45 @@ class OutputPolicy:
         matcher = self.guided.matchers.get(seq.matcher_key)
         if matcher is None:
             return
-        closer = self.guided.closer
-        self.stats.closing_probes += 1
-        path = closer.estimate(matcher, 4 * self.remaining(seq) + 16,
-                               pending=closer.pending_bytes(seq.output_ids))
+        path = self._dive(seq, matcher)
         if path is not None and len(path) + _GUARD_ZONE > self.config.closing_window:
             st.closing_estimate = (seq.num_output, len(path))
+
+    def _dive(self, seq: Sequence, matcher) -> list[int] | None:
+        """The closing probe's dive from here, kept as the request's fallback. The first
+        ``_LONG_PROBES`` of a request get ``closing_probe_ms`` and ten times the search's
+        nodes (a large grammar's dive needs them), the others the search's own caps."""
+        st = seq.ending
+        closer = self.guided.closer
+        self.stats.closing_probes += 1
+        caps = {}
+        if st.long_probes < _LONG_PROBES and self.config.closing_probe_ms > 0:
+            st.long_probes += 1
+            caps = {"time_limit_s": self.config.closing_probe_ms / 1000,
+                    "max_expansions": 10 * closer.max_expansions}
+        path = closer.estimate(matcher, 4 * self.remaining(seq) + 16,
+                               pending=closer.pending_bytes(seq.output_ids), **caps)
+        if path is not None:
+            st.fallback = (seq.num_output, path)
+        return path
+
+    def _fallback(self, seq: Sequence, matcher, left: int) -> list[int] | None:
+        """Where every search is cut short: the probe's dive path if it still closes the
+        output from here (its rest, when the tokens since were its own; else replayed
+        whole on a fork), else a new dive's while the request has long probes left;
+        None when none fits ``left``."""
+        st = seq.ending
+        path = None
+        if st.fallback is not None:
+            at, dived = st.fallback
+            since = seq.output_ids[at:]
+            if since == dived[:len(since)]:
+                path = dived[len(since):]
+            elif _closes(matcher, dived):
+                path = list(dived)
+        if path is None and st.long_probes < _LONG_PROBES:
+            path = self._dive(seq, matcher)
+        return path if path is not None and len(path) <= left else None
 
     @staticmethod
     def _carried_path(seq: Sequence, matcher) -> tuple[list[int] | None, int]:
@@ -578,6 +623,7 @@ class OutputPolicy:
 
 
 _GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
+_LONG_PROBES = 2  # dives per request given closing_probe_ms (see OutputPolicy._dive)
 _GIVEUPS = 3  # searches cut short (admission's included) before a request stops searching
 _RETRY_BASE = 4  # the k-th give-up is retried _RETRY_BASE ** k tokens later
 _TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
