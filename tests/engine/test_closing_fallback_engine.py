@@ -3,9 +3,10 @@
 On a large grammar (hundreds of properties on llguidance) a completion search does not
 finish within ``closing_search_ms`` on any step, and the output used to run to its budget
 unclosed. The closing probe's dive gets ``closing_probe_ms`` and keeps its path; when the
-searches give up and that path still closes the output within the budget, the output is
-closed on it. Here every search is cut short at once (``closing_search_ms=0``), which is
-what a slow grammar on a busy machine looks like to the policy."""
+searches give up and that path still closes the output within the budget, it becomes the
+closing path: replayed on the next steps and emitted when the budget is down to it. Here
+every search is cut short at once (``closing_search_ms=0``), which is what a slow grammar
+on a busy machine looks like to the policy."""
 
 import json
 
@@ -45,8 +46,10 @@ def test_an_output_closes_on_the_probe_s_path_when_every_search_is_cut_short(
     assert final.finish_reason == "length" and final.closed_early
     assert final.grammar_engine == engine_name
     stats = engine.stats()
-    assert stats.closing_fallbacks == 1 and stats.closing_giveups == 0
+    assert stats.closing_fallbacks >= 1 and stats.closing_giveups == 0
     assert stats.runaway == 0
+    # closed at its budget's end, not where the first search gave up
+    assert final.completion_tokens >= 160 - 3 - 12, final.completion_tokens
 
 
 def test_without_a_probe_the_cut_short_searches_leave_it_unclosed(make_engine):

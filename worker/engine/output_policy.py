@@ -477,13 +477,16 @@ class OutputPolicy:
             if found.tokens is None or len(found.tokens) > left:
                 # no completion fits: stop searching once that is certain (the shortest
                 # only grows as the budget shrinks); a search that gave up is tried again
-                # later (see _gave_up), unless the probe's path closes from here: then the
-                # output closes now, earlier than it had to but whole
+                # later (see _gave_up), unless a dive's path closes from here: it becomes
+                # the closing path, replayed on the next steps and emitted when the budget
+                # is down to it (at once when that is near: nothing guards it on the way)
                 if not found.exhausted:
                     fallback = self._fallback(seq, matcher, left)
                     if fallback is not None:
                         self.stats.closing_fallbacks += 1
-                        seq.ending.closed_early = True
+                        if left > len(fallback) + cfg.closing_margin + _GUARD_ZONE:
+                            seq.ending.closing_path = (seq.num_output, fallback, _UNKNOWN)
+                            return None
                         return self._force(seq, fallback)
                     _gave_up(seq)
                     self.stats.closing_giveups += 1
@@ -533,9 +536,9 @@ class OutputPolicy:
         return path
 
     def _fallback(self, seq: Sequence, matcher, left: int) -> list[int] | None:
-        """Where every search is cut short: the probe's dive path if it still closes the
-        output from here (its rest, when the tokens since were its own; else replayed
-        whole on a fork), else a new dive's while the request has long probes left;
+        """Where a search is cut short: the last dive's path if it still closes the output
+        from here (its rest, when the tokens since were its own; else replayed whole on a
+        fork), else a new dive's (``_dive``: long while the request has long probes left);
         None when none fits ``left``."""
         st = seq.ending
         path = None
@@ -546,7 +549,7 @@ class OutputPolicy:
                 path = dived[len(since):]
             elif _closes(matcher, dived):
                 path = list(dived)
-        if path is None and st.long_probes < _LONG_PROBES:
+        if path is None:
             path = self._dive(seq, matcher)
         return path if path is not None and len(path) <= left else None
 
