@@ -485,7 +485,8 @@ def _served(args, engine: str):
         port = sock.getsockname()[1]
     svc = service.start(ClusterConfig(model=report.smoke_model() if args.smoke else None,
                                       num_workers=1, worker={"num_threads": args.threads},
-                                      engine={"grammar_engine": engine}), port=port)
+                                      engine={"grammar_engine": engine}), port=port,
+                        app_args=report.smoke_app_args(args))
     try:
         yield svc.url, httpx.get(svc.url + "/v1/models", timeout=60).json()["data"][0]["id"]
     finally:

@@ -115,6 +115,17 @@ def smoke_model() -> str:
     return str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
 
 
+# A --smoke run's answers: the tiny random model writes to the budget, and the server's
+# default budget (512) made a smoke of a few requests take most of a minute
+SMOKE_MAX_TOKENS = 48
+
+
+def smoke_app_args(args) -> dict | None:
+    """The endpoint's arguments of a served bench: with --smoke, a small default budget for
+    requests that set none (the client libraries' calls)."""
+    return {"default_max_tokens": SMOKE_MAX_TOKENS} if args.smoke else None
+
+
 @contextlib.contextmanager
 def served(args) -> Iterator[tuple[str, str]]:
     """`rayguide serve` with one worker of ``args.threads`` threads on a free port (the
@@ -132,7 +143,7 @@ def served(args) -> Iterator[tuple[str, str]]:
         port = sock.getsockname()[1]
     svc = service.start(ClusterConfig(model=smoke_model() if args.smoke else None,
                                       num_workers=1, worker={"num_threads": args.threads}),
-                        port=port)
+                        port=port, app_args=smoke_app_args(args))
     try:
         yield svc.url, httpx.get(svc.url + "/v1/models", timeout=60).json()["data"][0]["id"]
     finally:

@@ -112,3 +112,28 @@ def make_engine(default_model_dir, default_model, default_tokenizer):
                          tokenizer=default_tokenizer, model_dir=default_model_dir)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from worker.models.loader import load_model
+
+    return load_model(tiny_model_dir, progress=False)
+
+
+@pytest.fixture
+def make_tiny_engine(tiny_model_dir, tiny_model, default_tokenizer):
+    """``make_engine`` over the tiny random-weight model (the same tokenizer object, so a
+    test that sets its chat template sets this engine's): for tests whose model is scripted
+    (they overwrite every logit the model gives), where the default model's forward was
+    most of their time and decided nothing."""
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
+
+    def build(**overrides):
+        overrides.setdefault("progress", False)
+        overrides.setdefault("num_kv_blocks", 256)
+        return LLMEngine(EngineConfig(**overrides), model=tiny_model,
+                         tokenizer=default_tokenizer, model_dir=tiny_model_dir)
+
+    return build

@@ -115,14 +115,14 @@ def scripted(engine, text):
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_an_undecided_budget_does_not_search_on_every_step(make_engine, rows):
+def test_an_undecided_budget_does_not_search_on_every_step(make_tiny_engine, rows):
     # every search is cut short at once (no time): the budget is never decided. Admission
     # gives up once (its verdict is remembered for the other rows), then each row tries
     # again 4 and 20 tokens in, and stops: 2 searches in 40 steps, where it was 4 (after
     # 1, 2, 4 and 8 tokens) and the admission's give-up was forgotten
     # (no closing probe either: with its own time, its dive's path would close the output
     # where the searches give up, tests/engine/test_closing_fallback_engine.py)
-    engine = make_engine(loop_guard=False, closing_probe_ms=0.0)  # the text repeats itself
+    engine = make_tiny_engine(loop_guard=False, closing_probe_ms=0.0)  # it repeats itself
     engine.guided.closer.time_limit_s = 0.0
     scripted(engine, '{"store": "' + "the market by the river, " * 30)
     searches = engine.guided.closer.stats["searches"]

@@ -2,7 +2,8 @@
 repeats itself is ended where the repetition began, closed, and the document goes on.
 
 The detector is tested on the real tokenizer's token ids; the engine tests script the
-model: the real default model runs, and its logits are replaced by a script (the next
+model: the tiny random-weight model (the default model's tokenizer) runs, and its logits
+are replaced by a script (the next
 token of a looping text while the output follows it, then "end what is open") so the
 loop is certain and everything after the forward (mask, policy, matcher, streaming) is
 the real path."""
@@ -208,8 +209,8 @@ LOOPS = [
 
 
 @pytest.mark.parametrize("schema, text", LOOPS, ids=["string", "array-items", "free-keys"])
-def test_engine_cuts_a_loop_and_the_answer_completes(make_engine, schema, text):
-    engine = make_engine()
+def test_engine_cuts_a_loop_and_the_answer_completes(make_tiny_engine, schema, text):
+    engine = make_tiny_engine()
     scripted(engine, text)
     chunks, final = generate(engine, schema)
     streamed = "".join(c.text for c in chunks)
@@ -224,8 +225,8 @@ def test_engine_cuts_a_loop_and_the_answer_completes(make_engine, schema, text):
     assert stats.live_processors == 0
 
 
-def test_a_loop_found_after_its_text_was_streamed_ends_where_it_is(make_engine):
-    engine = make_engine()
+def test_a_loop_found_after_its_text_was_streamed_ends_where_it_is(make_tiny_engine):
+    engine = make_tiny_engine()
     scripted(engine, LOOPS[0][1])
     chunks, final = generate(engine, STORE,
                              loop_guard=LoopGuardParams(hold_tokens=0))
@@ -234,8 +235,8 @@ def test_a_loop_found_after_its_text_was_streamed_ends_where_it_is(make_engine):
     assert final.finish_reason == "stop" and final.loop_cuts == 1
 
 
-def test_the_guard_can_be_turned_off_per_request(make_engine):
-    engine = make_engine()
+def test_the_guard_can_be_turned_off_per_request(make_tiny_engine):
+    engine = make_tiny_engine()
     scripted(engine, LOOPS[0][1])
     chunks, final = generate(engine, STORE, max_tokens=60,
                              loop_guard=LoopGuardParams(enabled=False))
@@ -243,8 +244,8 @@ def test_the_guard_can_be_turned_off_per_request(make_engine):
     assert final.closed_early and final.validation == "valid"
 
 
-def test_the_stream_holds_back_only_the_newest_tokens(make_engine):
-    engine = make_engine()
+def test_the_stream_holds_back_only_the_newest_tokens(make_tiny_engine):
+    engine = make_tiny_engine()
     # no loop (w1 w2 w3 ... or 12 34 56 ... would be a progression): distinct words
     words = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
              "november oscar papa quebec romeo sierra tango uniform victor whiskey xray "
@@ -264,8 +265,8 @@ def test_the_stream_holds_back_only_the_newest_tokens(make_engine):
     assert streamed == seq.num_output
 
 
-def test_a_legitimate_repetition_through_the_engine_is_kept(make_engine):
-    engine = make_engine()
+def test_a_legitimate_repetition_through_the_engine_is_kept(make_tiny_engine):
+    engine = make_tiny_engine()
     text = '{"n": [5, 5, 5, 5, 5]}'
     scripted(engine, text)
     chunks, final = generate(engine, FIVE)
@@ -275,7 +276,7 @@ def test_a_legitimate_repetition_through_the_engine_is_kept(make_engine):
 
 # the client libraries on a cut answer ---------------------------------------------------------
 
-def test_client_libraries_parse_a_cut_answer(make_engine):
+def test_client_libraries_parse_a_cut_answer(make_tiny_engine):
     """openai parse(), instructor (JSON_SCHEMA) and langchain (json_schema) each send their
     own request; our planner plans it, the engine (scripted into a loop) answers, our
     response builder writes the body, and each library returns its object."""
@@ -292,7 +293,7 @@ def test_client_libraries_parse_a_cut_answer(make_engine):
     class Store(BaseModel):
         store: str
 
-    engine = make_engine()
+    engine = make_tiny_engine()
     scripted(engine, LOOPS[0][1])
     bodies = []
 
@@ -333,11 +334,11 @@ LONG_CLOSE = {"type": "object", "properties": {
     "additionalProperties": False}
 
 
-def test_a_completion_longer_than_the_closing_window_still_closes(make_engine):
+def test_a_completion_longer_than_the_closing_window_still_closes(make_tiny_engine):
     # six required keys still to come: their shortest completion is longer than the
     # closing window (48), so closing must begin before it (the dive's estimate, taken at
     # twice the window); it gave up and returned unterminated JSON before
-    engine = make_engine()
+    engine = make_tiny_engine()
     scripted(engine, '{"titles": [' + '{"title": "Titles"}, ' * 60)
     chunks, final = generate(engine, LONG_CLOSE, max_tokens=200,
                              loop_guard=LoopGuardParams(enabled=False))
@@ -355,12 +356,12 @@ DESCRIPTIONS = {"type": "object", "properties": {"descriptions": {"type": "array
     "required": ["descriptions"], "additionalProperties": False}
 
 
-def test_a_long_item_loop_is_cut_although_its_boundaries_come_once_a_period(make_engine):
+def test_a_long_item_loop_is_cut_although_its_boundaries_come_once_a_period(make_tiny_engine):
     # a 32-token item, longer than the 16 held-back tokens: the array may close only
     # after an item's last token, once per period, so a place to cut must be caught at
     # the token it appears (looking again a whole period later kept finding it behind
     # what was streamed, in phase, on a JSONSchemaBench answer that looped to its budget)
-    engine = make_engine()
+    engine = make_tiny_engine()
     item = ('{"description": "The title(s) of the uploaded resource, or a name by which the '
             'resource is known.", "description_type": "Methods"}, ')
     scripted(engine, '{"descriptions": [' + item * 12)

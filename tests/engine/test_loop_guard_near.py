@@ -5,7 +5,7 @@ sentences that restart with a changed word. Ended after ``near_repeats`` (8) ite
 ``sentence_repeats`` (4) sentences in a row, the copies seen kept; never what the schema
 demands (minItems, a pattern) nor a list of distinct items. Detector on the real
 tokenizer (xgrammar matcher); the engine on both grammar engines, with the scripted
-default model as tests/engine/test_loop_guard.py does."""
+tiny model as tests/engine/test_loop_guard.py does."""
 
 import json
 
@@ -128,8 +128,8 @@ def generate(engine, schema, name, max_tokens):
 
 
 @pytest.mark.parametrize("name", ENGINES)
-def test_engine_ends_counting_items_on_each_engine(make_engine, name):
-    engine = make_engine()
+def test_engine_ends_counting_items_on_each_engine(make_tiny_engine, name):
+    engine = make_tiny_engine()
     scripted(engine, order(range(5, 40)))
     text, final = generate(engine, ORDER, name, 1000)
     assert final.grammar_engine == name
@@ -140,8 +140,8 @@ def test_engine_ends_counting_items_on_each_engine(make_engine, name):
 
 
 @pytest.mark.parametrize("name", ENGINES)
-def test_engine_ends_restarting_sentences_on_each_engine(make_engine, name):
-    engine = make_engine()
+def test_engine_ends_restarting_sentences_on_each_engine(make_tiny_engine, name):
+    engine = make_tiny_engine()
     words = ["store", "park", "beach", "mall", "zoo", "lake", "gym", "bank"] * 8
     scripted(engine, '{"store": "' + " ".join(f"I went to the {w}." for w in words))
     text, final = generate(engine, STORE, name, 400)
@@ -206,8 +206,8 @@ def test_what_cycles_but_is_not_a_loop_is_kept(default_tokenizer, vocab, schema,
 
 
 @pytest.mark.parametrize("name", ENGINES)
-def test_engine_ends_items_that_cycle_on_each_engine(make_engine, name):
-    engine = make_engine()
+def test_engine_ends_items_that_cycle_on_each_engine(make_tiny_engine, name):
+    engine = make_tiny_engine()
     scripted(engine, cycle(range(1, 30)))
     text, final = generate(engine, ORDER, name, 2500)
     assert final.grammar_engine == name

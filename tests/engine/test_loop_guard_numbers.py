@@ -3,7 +3,7 @@ to 16 digits for ``number_digits`` (20) digits and two groups ends there, and th
 around it closes (or, where the schema wants more, a comma lets it go on). Numbers a
 schema or the world writes (``1000000000``, ``0.3333333333333333``, Avogadro's
 ``602214076000000000000000``) stay whole. Detector on the real tokenizer (xgrammar matcher); engine tests on both
-grammar engines with the scripted default model, as tests/engine/test_loop_guard.py does."""
+grammar engines with the scripted tiny model, as tests/engine/test_loop_guard.py does."""
 
 import json
 import re
@@ -84,8 +84,8 @@ NO_DIGIT_GUARDS = dict(max_int_digits=0, max_frac_digits=0, max_exp_digits=0)
 @pytest.mark.parametrize("name", ENGINES)
 @pytest.mark.parametrize("guards", [True, False], ids=["digit-guards", "no-digit-guards"])
 @pytest.mark.parametrize("number", ["1" * 300, "0." + "3" * 300])
-def test_engine_ends_a_looping_number_on_each_engine(make_engine, name, guards, number):
-    engine = make_engine()
+def test_engine_ends_a_looping_number_on_each_engine(make_tiny_engine, name, guards, number):
+    engine = make_tiny_engine()
     # the script runs out after the number: off it, the model prefers EOS, then closers;
     # the rest of the object is the model's to write, under the grammar
     scripted(engine, '{"name": "Lyon", "area_km2": ' + number)
@@ -112,10 +112,10 @@ FREE = {"type": "object", "properties": {"name": {"type": "string"}, "data": {}}
 
 @pytest.mark.parametrize("name", ENGINES)
 @pytest.mark.parametrize("data", ["1" * 300, "[2, {\"x\": 0." + "3" * 300])
-def test_engine_bounds_a_number_in_an_untyped_value_on_each_engine(make_engine, name, data):
+def test_engine_bounds_a_number_in_an_untyped_value_on_each_engine(make_tiny_engine, name, data):
     # `data` has no type: llguidance's grammar had no digit guards there (the loop guard,
     # off here, was all that ended such a number); both engines' grammars bound it now
-    engine = make_engine()
+    engine = make_tiny_engine()
     scripted(engine, '{"name": "Lyon", "data": ' + data)
     req = GenerationRequest([{"role": "user", "content": "go"}],
                             SamplingParams(max_new_tokens=200, temperature=0.0),

@@ -1,5 +1,6 @@
 """Reasoning models through the engine (worker/engine/reasoning.py): a free thought, then
-the answer in the grammar. The default model with scripted logits plays a reasoning model
+the answer in the grammar. The tiny model (the default model's tokenizer) with scripted
+logits plays a reasoning model
 (markers from the config: several tokens each, or one special token each), so the
 boundary logic is tested without a real reasoning model."""
 
@@ -95,8 +96,8 @@ def run(engine, schema=PERSON, max_tokens=120, prompt=None, **request):
 
 
 @pytest.mark.parametrize("markers", [MULTI, SINGLE], ids=["multi-token", "single-token"])
-def test_the_grammar_starts_right_after_the_marker(make_engine, markers):
-    engine = make_engine(reasoning=markers)
+def test_the_grammar_starts_right_after_the_marker(make_tiny_engine, markers):
+    engine = make_tiny_engine(reasoning=markers)
     seen = []
     answer_ids = scripted(engine, THOUGHT, ANSWER, markers["end"], seen)
     chunks, final = run(engine)
@@ -115,10 +116,10 @@ def test_the_grammar_starts_right_after_the_marker(make_engine, markers):
     assert engine.stats().live_processors == 0 and engine.stats().running == 0
 
 
-def test_no_chunk_shows_a_piece_of_the_marker(make_engine):
+def test_no_chunk_shows_a_piece_of_the_marker(make_tiny_engine):
     """The multi-token marker arrives over several steps (one chunk each): the reasoning
     deltas hold its first pieces back, so no chunk carries '</' or 'think'."""
-    engine = make_engine(reasoning=MULTI)
+    engine = make_tiny_engine(reasoning=MULTI)
     scripted(engine, "ok <b> done", ANSWER, MULTI["end"])
     chunks, final = run(engine)
     assert [c.reasoning for c in chunks if c.reasoning]
@@ -127,8 +128,8 @@ def test_no_chunk_shows_a_piece_of_the_marker(make_engine):
 
 
 @pytest.mark.parametrize("budget", [0, 1, 7, 24])
-def test_the_budget_forces_the_marker(make_engine, budget):
-    engine = make_engine(reasoning=MULTI)
+def test_the_budget_forces_the_marker(make_tiny_engine, budget):
+    engine = make_tiny_engine(reasoning=MULTI)
     long_thought = "Let me think step by step about every detail. " * 10
     scripted(engine, long_thought, ANSWER, MULTI["end"])
     chunks, final = run(engine, thinking_token_budget=budget)
@@ -139,18 +140,18 @@ def test_the_budget_forces_the_marker(make_engine, budget):
     assert engine.stats().thoughts_forced == 1
 
 
-def test_the_server_default_budget_applies(make_engine):
-    engine = make_engine(reasoning=MULTI, thinking_token_budget=5)
+def test_the_server_default_budget_applies(make_tiny_engine):
+    engine = make_tiny_engine(reasoning=MULTI, thinking_token_budget=5)
     scripted(engine, "Let me think step by step about every detail. " * 5, ANSWER,
              MULTI["end"])
     _, final = run(engine)
     assert final.reasoning_tokens == 5 + 3
 
 
-def test_a_stop_token_in_the_thought_becomes_the_marker(make_engine):
+def test_a_stop_token_in_the_thought_becomes_the_marker(make_tiny_engine):
     """A guided request owes its answer: EOS while thinking ends the thought, not the
     request."""
-    engine = make_engine(reasoning=MULTI)
+    engine = make_tiny_engine(reasoning=MULTI)
     eos = engine.tokenizer.decode([sorted(engine.eos_ids)[0]])
     scripted(engine, "short" + eos, ANSWER, MULTI["end"])
     chunks, final = run(engine)
@@ -158,10 +159,10 @@ def test_a_stop_token_in_the_thought_becomes_the_marker(make_engine):
     assert "".join(c.reasoning for c in chunks) == "short"
 
 
-def test_the_answer_validates_when_the_thought_eats_the_budget(make_engine):
+def test_the_answer_validates_when_the_thought_eats_the_budget(make_tiny_engine):
     """No thinking budget: the thought runs until only the answer's room is left, and the
     answer still closes inside max_tokens."""
-    engine = make_engine(reasoning=MULTI)
+    engine = make_tiny_engine(reasoning=MULTI)
     scripted(engine, "I keep thinking. " * 100, ANSWER + " " * 50, MULTI["end"])
     chunks, final = run(engine, max_tokens=60)
     assert final.completion_tokens <= 60
@@ -170,8 +171,8 @@ def test_the_answer_validates_when_the_thought_eats_the_budget(make_engine):
     assert final.validation == "valid"
 
 
-def test_a_budget_without_room_for_the_answer_is_refused(make_engine):
-    engine = make_engine(reasoning=MULTI)
+def test_a_budget_without_room_for_the_answer_is_refused(make_tiny_engine):
+    engine = make_tiny_engine(reasoning=MULTI)
     scripted(engine, THOUGHT, ANSWER, MULTI["end"])
     big = {"type": "object", "properties": {f"field_{i}": {"type": "string"}
                                             for i in range(12)},
@@ -182,9 +183,9 @@ def test_a_budget_without_room_for_the_answer_is_refused(make_engine):
     assert engine.stats().live_processors == 0
 
 
-def test_unguided_requests_think_too(make_engine):
+def test_unguided_requests_think_too(make_tiny_engine):
     """(Its prompt opens no thought: the model opens one itself, so it is one.)"""
-    engine = make_engine(reasoning=MULTI)
+    engine = make_tiny_engine(reasoning=MULTI)
     scripted(engine, MULTI["start"] + THOUGHT, "Ada, 36.", MULTI["end"])
     chunks, final = run(engine, schema=None, prompt=[{"role": "user", "content": "a person"}])
     assert "".join(c.reasoning for c in chunks) == THOUGHT
@@ -200,11 +201,11 @@ def test_an_engine_without_markers_has_no_thought(make_engine):
 
 
 @pytest.mark.parametrize("cut", [5, 20, 30])  # mid-thought, at the marker, mid-answer
-def test_failover_resumes_in_the_right_phase(make_engine, cut):
+def test_failover_resumes_in_the_right_phase(make_tiny_engine, cut):
     """A continuation (what the runtime client sends when a worker dies mid-stream) of
     the output streamed so far ends as the uninterrupted request did: the thought is
     not fed to the matcher, the answer goes on where it stopped."""
-    engine = make_engine(reasoning=MULTI)
+    engine = make_tiny_engine(reasoning=MULTI)
     scripted(engine, THOUGHT, ANSWER, MULTI["end"])
     whole, final = run(engine)
     tokens = [t for c in whole for t in c.token_ids]
@@ -223,14 +224,14 @@ def test_failover_resumes_in_the_right_phase(make_engine, cut):
     assert again.reasoning_tokens == final.reasoning_tokens
 
 
-def test_fuzz_thoughts_and_markers(make_engine):
+def test_fuzz_thoughts_and_markers(make_tiny_engine):
     """Random thought lengths, markers and budgets: every answer validates, and no
     thinking token reaches a matcher."""
     rng = random.Random(7)
     words = ["so", "maybe", "{", "]", '"', "ok,", "7", "\n", "hmm", "<", "/", "think"]
     for markers in (MULTI, SINGLE, {"start": "[[", "end": "]]"}):
         for _ in range(3):
-            engine = make_engine(reasoning=markers)
+            engine = make_tiny_engine(reasoning=markers)
             thought = " ".join(rng.choice(words) for _ in range(rng.randint(0, 40)))
             thought = thought.replace(markers["end"], "")
             seen = []

@@ -2,7 +2,8 @@
 (worker/engine/reasoning.py prompt_thought: in a thought only where the prompt, or a chat
 template's assistant turn, ends inside an open one), and the answer text that shares the
 end marker's token (unguided: content; guided: the grammar's first text, or dropped when
-the grammar refuses it). The default model with scripted logits plays the reasoning
+the grammar refuses it). The tiny model (the default model's tokenizer) with scripted
+logits plays the reasoning
 model (markers from the config, several tokens each in its vocabulary)."""
 
 import pytest
@@ -102,45 +103,45 @@ def test_prompt_thought_and_opens_thought():
     assert split_marker_token(decode, list("ab</think>") + ["x"], "</think>") is None
 
 
-def test_a_completion_prompt_that_closed_the_thought_starts_in_the_answer(make_engine):
-    engine = make_engine(reasoning=MARKERS)
+def test_a_completion_prompt_that_closed_the_thought_starts_in_the_answer(make_tiny_engine):
+    engine = make_tiny_engine(reasoning=MARKERS)
     script(engine, "Ada Lovelace.")
     text, reasoning, final = run(engine, "Q: name a person.\n<think>\nEasy.\n</think>\n\n")
     assert text == "Ada Lovelace." and reasoning == ""
     assert not final.reasoning_tokens
 
 
-def test_a_guided_request_whose_prompt_closed_the_thought_is_guided_at_once(make_engine):
-    engine = make_engine(reasoning=MARKERS)
+def test_a_guided_request_whose_prompt_closed_the_thought_is_guided_at_once(make_tiny_engine):
+    engine = make_tiny_engine(reasoning=MARKERS)
     script(engine, '{"name": "Ada"}')
     text, reasoning, final = run(engine, "Q\n<think>\n</think>\n", schema=PERSON)
     assert text == '{"name": "Ada"}' and reasoning == ""
     assert final.validation == "valid"
 
 
-def test_a_direct_answer_to_a_prompt_without_markers_is_the_answer(make_engine):
+def test_a_direct_answer_to_a_prompt_without_markers_is_the_answer(make_tiny_engine):
     """A chat template that opened no thought: the model answers at once."""
-    engine = make_engine(reasoning=MARKERS)
+    engine = make_tiny_engine(reasoning=MARKERS)
     script(engine, "Ada Lovelace.")
     text, reasoning, final = run(engine, CHAT)
     assert text == "Ada Lovelace." and reasoning == ""
     assert not final.reasoning_tokens
 
 
-def test_a_guided_chat_whose_template_opens_no_thought_is_guided_at_once(make_engine):
+def test_a_guided_chat_whose_template_opens_no_thought_is_guided_at_once(make_tiny_engine):
     """The default template's assistant turn holds no marker: the answer is under the
     grammar from its first token (it used to think, so the answer became the thought)."""
-    engine = make_engine(reasoning=MARKERS)
+    engine = make_tiny_engine(reasoning=MARKERS)
     script(engine, '{"name": "Ada"}')
     text, reasoning, final = run(engine, CHAT, schema=PERSON)
     assert text == '{"name": "Ada"}' and reasoning == ""
     assert final.validation == "valid" and not final.reasoning_tokens
 
 
-def test_a_marker_quoted_in_a_message_opens_no_thought(make_engine):
+def test_a_marker_quoted_in_a_message_opens_no_thought(make_tiny_engine):
     """A chat is judged by what its template appends for the assistant's turn, not by a
     marker a message happens to hold."""
-    engine = make_engine(reasoning=MARKERS)
+    engine = make_tiny_engine(reasoning=MARKERS)
     script(engine, "A tag.")
     chat = [{"role": "user", "content": "What does <think> mean in a prompt?"}]
     text, reasoning, final = run(engine, chat)
@@ -166,10 +167,10 @@ def template(default_tokenizer):
     default_tokenizer.chat_template = saved
 
 
-def test_a_template_that_names_the_markers_but_opens_none_answers_at_once(make_engine,
+def test_a_template_that_names_the_markers_but_opens_none_answers_at_once(make_tiny_engine,
                                                                           template):
     template(opens=False)
-    engine = make_engine()  # the markers come from the template
+    engine = make_tiny_engine()  # the markers come from the template
     assert engine.reasoning == ReasoningMarkers()
     script(engine, '{"name": "Ada"}')
     chat = [{"role": "user", "content": "Name one."},
@@ -179,9 +180,9 @@ def test_a_template_that_names_the_markers_but_opens_none_answers_at_once(make_e
     assert text == '{"name": "Ada"}' and reasoning == "" and final.validation == "valid"
 
 
-def test_a_template_that_opens_the_thought_thinks_first(make_engine, template):
+def test_a_template_that_opens_the_thought_thinks_first(make_tiny_engine, template):
     template(opens=True)
-    engine = make_engine()
+    engine = make_tiny_engine()
     script(engine, 'Someone famous.</think>{"name": "Ada"}')
     text, reasoning, final = run(engine, CHAT, schema=PERSON)
     assert reasoning == "Someone famous." and text == '{"name": "Ada"}'
@@ -190,35 +191,35 @@ def test_a_template_that_opens_the_thought_thinks_first(make_engine, template):
 
 @pytest.mark.parametrize("output", ["<think>Someone famous.</think>Ada.",
                                     "\n<think>\nSomeone famous.\n</think>\nAda."])
-def test_a_thought_the_model_opens_itself_is_a_thought(make_engine, output):
+def test_a_thought_the_model_opens_itself_is_a_thought(make_tiny_engine, output):
     """Unguided, no marker in the prompt: an output that opens a thought is one."""
-    engine = make_engine(reasoning=MARKERS)
+    engine = make_tiny_engine(reasoning=MARKERS)
     script(engine, output)
     text, reasoning, final = run(engine, CHAT)
     assert reasoning == "Someone famous." and text.strip() == "Ada."
 
 
 @pytest.mark.parametrize("output", ["<b>Ada</b>", "\n\n<html>Ada", "<", "\n<th>Ada</th>"])
-def test_an_output_that_only_begins_like_the_marker_is_the_answer(make_engine, output):
+def test_an_output_that_only_begins_like_the_marker_is_the_answer(make_tiny_engine, output):
     """'<' may begin '<think>': held back until the output's text decides, then streamed
     whole as the answer (it used to stay a thought for ever, or lose that '<')."""
-    engine = make_engine(reasoning=MARKERS)
+    engine = make_tiny_engine(reasoning=MARKERS)
     script(engine, output)
     text, reasoning, final = run(engine, CHAT)
     assert text == output and reasoning == "" and not final.reasoning_tokens
 
 
-def test_a_prompt_that_opened_the_thought_starts_in_it(make_engine):
-    engine = make_engine(reasoning=MARKERS)
+def test_a_prompt_that_opened_the_thought_starts_in_it(make_tiny_engine):
+    engine = make_tiny_engine(reasoning=MARKERS)
     script(engine, "Someone famous.</think>Ada.")
     text, reasoning, final = run(engine, "Q: name a person.\n<think>\n")
     assert reasoning == "Someone famous." and text == "Ada."
     assert final.reasoning_tokens > 0
 
 
-def test_text_after_the_marker_in_its_token_is_kept(make_engine):
+def test_text_after_the_marker_in_its_token_is_kept(make_tiny_engine):
     """'</think>' ends on a token that goes on ('>"'): that quote is the answer's."""
-    engine = make_engine(reasoning=MARKERS)
+    engine = make_tiny_engine(reasoning=MARKERS)
     tok = engine.tokenizer
     vocab = tok.get_vocab()
     assert '>"' in vocab  # the default model's vocabulary has it
@@ -236,10 +237,10 @@ def marker_with_a_quote(engine) -> list[int]:
             + [tok.get_vocab()['>"']] + tok('Ada"', add_special_tokens=False)["input_ids"])
 
 
-def test_a_guided_answer_keeps_the_text_after_the_marker_in_its_token(make_engine):
+def test_a_guided_answer_keeps_the_text_after_the_marker_in_its_token(make_tiny_engine):
     """The grammar accepts the quote: it is the answer's first text, fed to the matcher
     (it used to be dropped, and the answer went on from the model's next token)."""
-    engine = make_engine(reasoning=MARKERS)
+    engine = make_tiny_engine(reasoning=MARKERS)
     script_text(engine, marker_with_a_quote(engine))
     text, reasoning, final = run(engine, "Q: quote a name.\n<think>\n",
                                  schema={"type": "string"})
@@ -249,11 +250,11 @@ def test_a_guided_answer_keeps_the_text_after_the_marker_in_its_token(make_engin
     assert said == 'Hm.</think>"Ada"'
 
 
-def test_a_tail_the_grammar_refuses_is_dropped_with_its_token(make_engine):
+def test_a_tail_the_grammar_refuses_is_dropped_with_its_token(make_tiny_engine):
     """An object's answer cannot begin with the quote: the token becomes the bare marker
     (the model's context is what the client got) and the answer, sampled under the mask
     from there, validates."""
-    engine = make_engine(reasoning=MARKERS)
+    engine = make_tiny_engine(reasoning=MARKERS)
     script_text(engine, marker_with_a_quote(engine))
     text, reasoning, final = run(engine, "Q: quote a name.\n<think>\n", schema=PERSON)
     assert reasoning == "Hm." and final.validation == "valid"
