@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import finish, parser, smoke_model, table  # noqa: E402
 from core.grammar_spec import GrammarSpec  # noqa: E402
-from worker.engine import bitmask  # noqa: E402
+from worker.guided import bitmask  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.guided.backend import LLGUIDANCE, XGRAMMAR  # noqa: E402
@@ -370,7 +370,7 @@ def jump_bench(engine: LLMEngine, args) -> tuple[dict, str]:
 
 def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, str]:
     from bench.report import repeated_span
-    from worker.engine.validation import validate_json
+    from worker.guided.validation import validate_json
 
     figures, rows = {}, []
     quality = {"agree": 0, "split_first": 0, "canon": 0, "canon_agree": 0, "n": 0, "valid_jump": 0,

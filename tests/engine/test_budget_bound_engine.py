@@ -17,7 +17,7 @@ from core.grammar_spec import GrammarSpec
 from tests.unit.test_budget_bound_unit import LONG, SHORTEST
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
-from worker.engine.shortest_bound import TokenCapacity, schema_counts
+from worker.guided.shortest_bound import TokenCapacity, schema_counts
 
 pytestmark = pytest.mark.integration
 
@@ -144,7 +144,7 @@ def test_a_budget_the_check_predicted_is_admitted_on_a_busy_engine(make_engine):
     # that budget, on an engine whose every search is now cut short at once (a busy
     # machine), is admitted with the path the check found, not refused on a search that
     # ran out of time (issue 42: the verdict depended on the time a search got)
-    from worker.engine.grammar_check import GrammarChecker
+    from worker.guided.grammar_check import GrammarChecker
 
     engine = make_engine()
     spec = GrammarSpec.json_schema(json.dumps(UUIDS))

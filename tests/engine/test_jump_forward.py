@@ -7,10 +7,10 @@ import json
 import pytest
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.jump_forward import JumpForward
+from worker.guided.jump_forward import JumpForward
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
-from worker.engine.validation import validate_json
+from worker.guided.validation import validate_json
 
 # --- the boundary rules, on a hand-made vocabulary --------------------------------------
 

@@ -1,4 +1,4 @@
-"""Reasoning models through the engine (worker/engine/reasoning.py): a free thought, then
+"""Reasoning models through the engine (worker/guided/reasoning.py): a free thought, then
 the answer in the grammar. The default model with scripted logits plays a reasoning model
 (markers from the config: several tokens each, or one special token each), so the
 boundary logic is tested without a real reasoning model."""
@@ -12,7 +12,7 @@ import pytest
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from core.params import SamplingParams
-from worker.engine.reasoning import ReasoningMarkers, Thinking, thought_end
+from worker.guided.reasoning import ReasoningMarkers, Thinking, thought_end
 from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration

@@ -1,5 +1,5 @@
 """Where a reasoning model's request starts, read from its rendered prompt
-(worker/engine/reasoning.py prompt_thought: in a thought only where the prompt, or a chat
+(worker/guided/reasoning.py prompt_thought: in a thought only where the prompt, or a chat
 template's assistant turn, ends inside an open one), and the answer text that shares the
 end marker's token (unguided: content; guided: the grammar's first text, or dropped when
 the grammar refuses it). The default model with scripted logits plays the reasoning
@@ -9,7 +9,7 @@ import pytest
 
 from core.grammar_spec import GrammarSpec
 from core.params import SamplingParams
-from worker.engine.reasoning import (CLOSED, OPEN, ReasoningMarkers, opens_thought,
+from worker.guided.reasoning import (CLOSED, OPEN, ReasoningMarkers, opens_thought,
                                      prompt_thought, split_marker_token)
 from core.request import GenerationRequest
 

@@ -38,23 +38,23 @@ import torch
 
 from grammar_cache.config import GrammarCacheConfig
 from core.errors import ErrorKind
-from worker.engine import bitmask
+from worker.guided import bitmask
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import GrammarStopCheck, IncrementalDetokenizer
-from worker.engine.guided_process import GrammarFetchFactory, GuidedDecodingManager
-from worker.engine.jump_forward import JumpForward, JumpStats
+from worker.guided.guided_process import GrammarFetchFactory, GuidedDecodingManager
+from worker.guided.jump_forward import JumpForward, JumpStats
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
-from worker.engine.output_policy import OutputPolicy, OutputState, PolicyStats
-from worker.engine.reasoning import (OPEN, Thinking, from_template, generation_prompt,
+from worker.guided.output_policy import OutputPolicy, OutputState, PolicyStats
+from worker.guided.reasoning import (OPEN, Thinking, from_template, generation_prompt,
                                      opens_thought, prompt_thought, split_marker_token,
                                      thought_end)
 from worker.engine.sampling import ARSamplingStrategy, Sampler
 from worker.engine.scheduler import Scheduler
 from core.request import GenerationRequest, RequestOutput
 from worker.engine.sequence import Sequence, SeqStatus
-from worker.engine.validation import not_checked
+from worker.guided.validation import not_checked
 from worker.models import loader
 
 logger = logging.getLogger(__name__)
