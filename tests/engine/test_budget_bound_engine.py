@@ -83,7 +83,7 @@ def test_a_schema_far_over_the_budget_is_refused_without_a_search(make_engine, m
         assert f"needs at least 135 tokens, but max_tokens allows {max_tokens}" in out.error
         assert out.completion_tokens == 0
     assert engine.guided.closer.stats["searches"] == searches  # decided by the bound
-    assert engine.policy.stats.budget_checks == 3
+    assert engine.guide.policy.stats.budget_checks == 3
     assert elapsed < 5.0  # the compile dominates; a search that gives up costs 0.1 s each
 
 
@@ -127,7 +127,7 @@ def test_an_undecided_budget_does_not_search_on_every_step(make_engine, rows):
     outs = run(engine, [request(STORE, 40) for _ in range(rows)])
     assert all(o.finish_reason == "length" and o.completion_tokens == 40 for o in outs), \
         [(o.finish_reason, o.completion_tokens, o.error) for o in outs]
-    stats = engine.policy.stats
+    stats = engine.guide.policy.stats
     assert stats.closing_searches == 2 * rows
     assert stats.closing_giveups == 2 * rows
     # the admission's search: the dive, then a longer one (fitting, then shortest), once

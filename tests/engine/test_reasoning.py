@@ -79,8 +79,8 @@ def run(engine, schema=PERSON, max_tokens=120, prompt=None, **request):
     """One request to the end. The prompt opens a thought (as a reasoning template's
     generation prompt does: a request starts in a thought only then) unless given."""
     if prompt is None:
-        prompt = ([{"role": "user", "content": "a person"}] if engine.reasoning is None
-                  else f"Describe a person.\n{engine.reasoning.start}\n")
+        prompt = ([{"role": "user", "content": "a person"}] if engine.guide.reasoning is None
+                  else f"Describe a person.\n{engine.guide.reasoning.start}\n")
     req = GenerationRequest(prompt,
                             SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
                             grammar=GrammarSpec.json_schema(schema) if schema else None,

@@ -170,7 +170,7 @@ def test_a_template_that_names_the_markers_but_opens_none_answers_at_once(make_e
                                                                           template):
     template(opens=False)
     engine = make_engine()  # the markers come from the template
-    assert engine.reasoning == ReasoningMarkers()
+    assert engine.guide.reasoning == ReasoningMarkers()
     script(engine, '{"name": "Ada"}')
     chat = [{"role": "user", "content": "Name one."},
             {"role": "assistant", "content": "<think>x</think>Bob"},
