@@ -492,7 +492,7 @@ class GuidedRequest:
         return len(seq.held_logprobs)
 
     def _release(self, final: bool) -> tuple[list[int], list | None, str]:
-        return self.seq.release(self.releasable(final))
+        return self.seq.stream(self.releasable(final))
 
     def finish(self, reason: str, out: RequestOutput, waiting: bool) -> None:
         """The request ended with ``out`` (its last chunk, built): a compile it still
