@@ -41,14 +41,17 @@ from worker.engine.scheduler import Scheduler
 from core.request import GenerationRequest, RequestOutput
 from worker.engine.sequence import Sequence, SeqStatus
 from worker.guided.guided_process import GrammarFetchFactory, GuidedDecodingManager
-from worker.guided.request import GuidedPath, Outcome
+from worker.guided.request import GuidedCounters, GuidedPath, Outcome
 from worker.models import loader
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineStats:
+@dataclass(kw_only=True)
+class EngineStats(GuidedCounters):
+    """The engine's gauges (each one a worker metric): its batch and KV, and (from
+    GuidedCounters) the guided path's counters."""
+
     running: int
     waiting: int
     running_tokens: int
@@ -63,29 +66,6 @@ class EngineStats:
     live_processors: int = 0  # grammar matchers alive (the name is on the wire: kept)
     grammar_cache: dict = field(default_factory=dict)
     session_ids: list = field(default_factory=list)  # sessions with KV or requests here
-    # conformance counters: guided outputs closed early at their budget, outputs
-    # validated / found invalid, guided outputs that ended at the budget unclosed
-    closed_early: int = 0
-    validated: int = 0
-    invalid: int = 0
-    runaway: int = 0
-    closing_giveups: int = 0  # completion searches cut short (node cap or closing_search_ms)
-    closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
-    closing_searches: int = 0  # completion searches run near the end of a budget
-    closing_reused: int = 0  # ... skipped: the last step's path still closes (replayed)
-    closing_probes: int = 0  # dives before the closing window (is the completion longer?)
-    budget_checks: int = 0  # guided requests whose budget was checked at admission
-    budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
-    loop_cuts: int = 0  # repeating values the loop guard ended
-    loop_cut_outputs: int = 0  # guided outputs with at least one loop cut
-    thinking_tokens: int = 0  # output tokens of reasoning models' thoughts (markers included)
-    thoughts_forced: int = 0  # thoughts whose end marker the engine forced (budget, a stop)
-    # jump-forward (jump_forward.py): tokens appended without a decode step, the steps
-    # that did, those that re-split the sampled token, trailing tokens left to the model
-    jump_forward_tokens: int = 0
-    jump_forward_jumps: int = 0
-    jump_forward_retokenized: int = 0
-    jump_forward_held_back: int = 0
     sampled_tokens: int = 0  # tokens sampled (one per sampling row and step)
 
 

@@ -47,6 +47,20 @@ _ANSWER_SLACK = 8  # tokens a thought leaves above the answer's known length (re
 
 
 @dataclass
+class ThoughtStats:
+    """Counters of reasoning models' thoughts."""
+
+    thinking_tokens: int = 0  # output tokens of thoughts (markers included)
+    thoughts_forced: int = 0  # thoughts whose end marker was forced (budget, a stop)
+
+
+@dataclass
+class GuidedCounters(ThoughtStats, JumpStats, PolicyStats):
+    """Every counter of the guided path (how outputs ended: closing, the loop guard,
+    validation; jump-forward; thoughts): the guided fields of the engine's stats."""
+
+
+@dataclass
 class Outcome:
     """What a hook decided for its request: ``finish`` (a finish reason) ends it with the
     chunk's parts; None goes on with them. ``plain``: the row turned out to be a plain
@@ -121,7 +135,7 @@ class GuidedPath:
         return self._jumper
 
     def stats(self) -> dict:
-        """The path's counters, as EngineStats fields."""
+        """The path's counters (``GuidedCounters``' fields)."""
         return dict(thinking_tokens=self.thinking_tokens, thoughts_forced=self.thoughts_forced,
                     **(self.policy.stats if self.policy else PolicyStats()).as_dict(),
                     **(self._jumper.stats if self._jumper else JumpStats()).as_dict())
