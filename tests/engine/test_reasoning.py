@@ -272,8 +272,8 @@ def test_markers_from_the_chat_template(make_engine, default_tokenizer):
     saved = default_tokenizer.chat_template
     default_tokenizer.chat_template = saved + "{# <think> ... </think> #}"
     try:
-        assert make_engine().reasoning == ReasoningMarkers()
-        assert make_engine(reasoning=False).reasoning is None
+        assert make_engine().guide.reasoning == ReasoningMarkers()
+        assert make_engine(reasoning=False).guide.reasoning is None
     finally:
         default_tokenizer.chat_template = saved
-    assert make_engine().reasoning is None
+    assert make_engine().guide.reasoning is None
