@@ -99,7 +99,7 @@ def run(engine, items, *, spec_options: dict | None = None, seed: int = 0) -> di
     from core.grammar_spec import GrammarSpec
     from worker.engine.sampling import SamplingParams
     from core.request import GenerationRequest
-    from worker.engine.validation import validate_json
+    from worker.guided.validation import validate_json
     from core.errors import ErrorKind
 
     reqs, meta = [], []
@@ -182,7 +182,7 @@ def run_http(items, *, concurrency: int = 16, threads: int = 2,
 
     from cluster.config import ClusterConfig
     from deploy import service
-    from worker.engine.validation import validate_json
+    from worker.guided.validation import validate_json
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

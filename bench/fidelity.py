@@ -54,8 +54,8 @@ from core.grammar_spec import GrammarSpec  # noqa: E402
 from core.json_schema import is_local, resolve_or_none  # noqa: E402
 from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR,  # noqa: E402
                                    EngineRefused, auto_backend, backends_for)
-from worker.engine.schema_options import strict_schema  # noqa: E402
-from worker.engine.validation import validate_json  # noqa: E402
+from worker.guided.schema_options import strict_schema  # noqa: E402
+from worker.guided.validation import validate_json  # noqa: E402
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer", "minimum": 0}},

@@ -156,7 +156,7 @@ def micro(args) -> tuple[str, dict]:
     from grammar_cache.client import GrammarCacheClient
     from grammar_cache.compile import compile_spec
     from core.grammar_spec import GrammarSpec
-    from worker.engine.guided_process import GuidedDecodingManager
+    from worker.guided.guided_process import GuidedDecodingManager
     from worker.models.loader import load_tokenizer, resolve_model_dir
 
     tokenizer = load_tokenizer(resolve_model_dir(None, progress=False))

@@ -81,7 +81,7 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
            concurrency: int) -> dict:
     import openai
 
-    from worker.engine.validation import validate_json
+    from worker.guided.validation import validate_json
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1800)
     mismatches: list[str] = []

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.report import finish, parser, smoke_model, table  # noqa: E402
 from core.grammar_spec import GrammarSpec  # noqa: E402
-from worker.engine import bitmask  # noqa: E402
+from worker.guided import bitmask  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.guided.backend import LLGUIDANCE, XGRAMMAR  # noqa: E402
@@ -209,7 +209,7 @@ def main() -> None:
     window = engine.config.closing_window
     bitmask.warmup()
     if args.hold_back:
-        engine.jumper.hold_back = args.hold_back
+        engine.guide.jumper.hold_back = args.hold_back
     jump_figures, jump_body = ({}, "") if args.no_jump_bench else jump_bench(engine, args)
     if args.jump_only:
         finish("guided_jump_forward", jump_body, jump_figures, args)
@@ -370,7 +370,7 @@ def jump_bench(engine: LLMEngine, args) -> tuple[dict, str]:
 
 def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, str]:
     from bench.report import repeated_span
-    from worker.engine.validation import validate_json
+    from worker.guided.validation import validate_json
 
     figures, rows = {}, []
     quality = {"agree": 0, "split_first": 0, "canon": 0, "canon_agree": 0, "n": 0, "valid_jump": 0,
@@ -427,7 +427,7 @@ def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, st
         valid_share_nojump=round(quality["valid_nojump"] / max(1, quality["json"]), 3),
         loop_share_jump=round(quality["loop_jump"] / n, 3),
         loop_share_nojump=round(quality["loop_nojump"] / n, 3),
-        jump_hold_back=engine.jumper.hold_back)
+        jump_hold_back=engine.guide.jumper.hold_back)
     body = table(["workload", "batch", "jump tok/s", "no-jump tok/s", "unguided tok/s",
                   "jump / no-jump", "jump / unguided", "steps/token jump",
                   "steps/token no-jump"], rows)
@@ -444,7 +444,7 @@ def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, st
              + f"; valid {figures['valid_share_jump']:.2f} with, "
              f"{figures['valid_share_nojump']:.2f} without; loop share "
              f"{figures['loop_share_jump']:.2f} with, {figures['loop_share_nojump']:.2f} "
-             f"without. Hold-back rule: {engine.jumper.hold_back}. Batch 1 is "
+             f"without. Hold-back rule: {engine.guide.jumper.hold_back}. Batch 1 is "
              f"{b1_requests} requests one after another.")
     return figures, body
 

@@ -67,7 +67,7 @@ def run(base_url: str, model: str, items, *, max_tokens: int, concurrency: int,
         progress: bool = False) -> dict:
     import openai
 
-    from worker.engine.validation import validate_json
+    from worker.guided.validation import validate_json
 
     client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=1800)
 

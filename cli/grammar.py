@@ -1,5 +1,5 @@
 """``rayguide grammar check FILE...``: the grammar check of ``POST /v1/grammars``
-(worker/engine/grammar_check.py, docs/grammars.md) on this machine, with no server: the
+(worker/guided/grammar_check.py, docs/grammars.md) on this machine, with no server: the
 model's tokenizer (not its weights), the engine's default grammar engine, xgrammar's
 compiles in a child process under the grammar cache's limits (compile_timeout_s,
 compile_memory_mb), as the shared cache compiles them.
@@ -80,8 +80,8 @@ class LocalChecker:
         from grammar_cache.compile_pool import CompilePool
         from grammar_cache.config import GrammarCacheConfig
         from worker.engine.config import EngineConfig
-        from worker.engine.grammar_check import GrammarChecker
-        from worker.engine.guided_process import GuidedDecodingManager
+        from worker.guided.grammar_check import GrammarChecker
+        from worker.guided.guided_process import GuidedDecodingManager
         from worker.models import loader
 
         model_dir = loader.resolve_model_dir(model, progress=False)

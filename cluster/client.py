@@ -324,7 +324,7 @@ class RuntimeClient:
 
     async def check_grammar(self, spec: GrammarSpec, client: str | None = None,
                             wait_s: float | None = None) -> dict:
-        """The grammar check's report on ``spec`` (worker/engine/grammar_check.py), from a
+        """The grammar check's report on ``spec`` (worker/guided/grammar_check.py), from a
         worker routed to as the spec's requests are (grammar affinity), so the compile it
         makes is the one they find. A worker that dies before answering costs a retry
         elsewhere; a transient compile failure raises (GrammarUnavailable, in a

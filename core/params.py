@@ -3,7 +3,7 @@
 it, with a message naming the field.
 
 Kept apart from the sampler (worker/engine/sampling.py) and the guard
-(worker/engine/loop_guard.py) so that front ends, which build requests, import no torch.
+(worker/guided/loop_guard.py) so that front ends, which build requests, import no torch.
 """
 
 from __future__ import annotations

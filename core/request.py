@@ -39,10 +39,10 @@ class GenerationRequest:
     # the text the caller already has of those tokens (its chunks' text, concatenated);
     # None: their decode, less an unfinished last character
     resume_text: str | None = None
-    # the loop guard's settings for this request (worker/engine/loop_guard.py); None: the
+    # the loop guard's settings for this request (worker/guided/loop_guard.py); None: the
     # engine's default (on for JSON grammars unless EngineConfig.loop_guard is off)
     loop_guard: LoopGuardParams | None = None
-    # reasoning models (worker/engine/reasoning.py): the thought's cap in tokens; None:
+    # reasoning models (worker/guided/reasoning.py): the thought's cap in tokens; None:
     # the engine's default. Ignored by an engine without reasoning markers
     thinking_token_budget: int | None = None
     # who the request is for, as an opaque short string the front end derives (an API
@@ -95,9 +95,9 @@ class RequestOutput:
     # schema keywords xgrammar's grammar only approximates (validation is what enforces them)
     approximated: list[str] | None = None
     # values the loop guard ended where they began to repeat (then closed; see
-    # worker/engine/loop_guard.py); an output that then ended on its own finishes "stop"
+    # worker/guided/loop_guard.py); an output that then ended on its own finishes "stop"
     loop_cuts: int = 0
-    # a reasoning model's thought (worker/engine/reasoning.py): the new part of its text
+    # a reasoning model's thought (worker/guided/reasoning.py): the new part of its text
     # (``text`` holds the answer only), and on the final chunk how many output tokens the
     # thought took (its end marker included)
     reasoning: str = ""

@@ -201,7 +201,7 @@ class WorkerActor:
 
     async def check_grammar(self, spec, client: str | None = None,
                             wait_s: float | None = None) -> dict:
-        """The grammar check (worker/engine/grammar_check.py) on this worker's own compile
+        """The grammar check (worker/guided/grammar_check.py) on this worker's own compile
         path, so a request for ``spec`` that follows finds it compiled here (and, for
         xgrammar, in the shared cache); the report as a dict. A grammar error is part of
         the report; a transient failure (GrammarUnavailable) is raised. ``wait_s``: how
@@ -210,7 +210,7 @@ class WorkerActor:
         on, for the next check (or request) of the spec to find."""
         import asyncio
 
-        from worker.engine.grammar_check import GrammarChecker
+        from worker.guided.grammar_check import GrammarChecker
 
         guided = self.engine.engine.guided
         if guided is None:

@@ -17,7 +17,7 @@ from core.grammar_spec import GrammarSpec
 from tests.unit.test_budget_bound_unit import LONG, SHORTEST
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
-from worker.engine.shortest_bound import TokenCapacity, schema_counts
+from worker.guided.shortest_bound import TokenCapacity, schema_counts
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +83,7 @@ def test_a_schema_far_over_the_budget_is_refused_without_a_search(make_engine, m
         assert f"needs at least 135 tokens, but max_tokens allows {max_tokens}" in out.error
         assert out.completion_tokens == 0
     assert engine.guided.closer.stats["searches"] == searches  # decided by the bound
-    assert engine.policy.stats.budget_checks == 3
+    assert engine.guide.policy.stats.budget_checks == 3
     assert elapsed < 5.0  # the compile dominates; a search that gives up costs 0.1 s each
 
 
@@ -129,7 +129,7 @@ def test_an_undecided_budget_does_not_search_on_every_step(make_tiny_engine, row
     outs = run(engine, [request(STORE, 40) for _ in range(rows)])
     assert all(o.finish_reason == "length" and o.completion_tokens == 40 for o in outs), \
         [(o.finish_reason, o.completion_tokens, o.error) for o in outs]
-    stats = engine.policy.stats
+    stats = engine.guide.policy.stats
     assert stats.closing_searches == 2 * rows
     assert stats.closing_giveups == 2 * rows
     # the admission's search: the dive, then a longer one (fitting, then shortest), once
@@ -146,7 +146,7 @@ def test_a_budget_the_check_predicted_is_admitted_on_a_busy_engine(make_engine):
     # that budget, on an engine whose every search is now cut short at once (a busy
     # machine), is admitted with the path the check found, not refused on a search that
     # ran out of time (issue 42: the verdict depended on the time a search got)
-    from worker.engine.grammar_check import GrammarChecker
+    from worker.guided.grammar_check import GrammarChecker
 
     engine = make_engine()
     spec = GrammarSpec.json_schema(json.dumps(UUIDS))

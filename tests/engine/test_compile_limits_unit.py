@@ -23,8 +23,8 @@ from core.grammar_spec import GrammarSpec
 from worker.guided.backend import LLGUIDANCE, XGRAMMAR, EngineRefused
 from worker.guided.llguidance_backend import (LLGUIDANCE_LIMITS, LLGuidanceBackend,
                                               _llguidance_grammar)
-from worker.engine.guided_process import GuidedDecodingManager
-from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
+from worker.guided.guided_process import GuidedDecodingManager
+from worker.guided.schema_budget import RewriteBudget, SchemaTooComplex
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,8 @@ from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
-from worker.engine.validation import validate_json
-from worker.engine.validation import validate_json
+from worker.guided.validation import validate_json
+from worker.guided.validation import validate_json
 
 pytestmark = pytest.mark.integration
 
@@ -161,14 +161,14 @@ def test_admission_verdicts_are_remembered_per_grammar_and_budget(make_engine):
                         for i in range(3)])
     assert all(o.finish_reason == "stop" and re.fullmatch("[0-9]{6}", o.text) for o in outs), \
         [(o.finish_reason, o.text, o.error) for o in outs]
-    assert engine.policy.stats.budget_checks == 5
-    assert engine.policy.stats.budget_checks_memo == 3  # 1 of the refusals, 2 of the digits
+    assert engine.guide.policy.stats.budget_checks == 5
+    assert engine.guide.policy.stats.budget_checks_memo == 3  # 1 of the refusals, 2 of the digits
     # one fresh search for the digits' verdict; the rest were memo hits (a decode step's
     # own closing searches come later, near the end of the budget)
     assert engine.guided.closer.stats["searches"] - searches >= 1
     # another budget is another verdict
     run(engine, [GenerationRequest(chat("A person"), params(5), grammar=person)])
-    assert engine.policy.stats.budget_checks_memo == 3
+    assert engine.guide.policy.stats.budget_checks_memo == 3
 
 
 def test_validation_catches_what_the_grammar_lets_through(make_engine):
@@ -307,7 +307,7 @@ def test_closing_paths_are_replayed_not_searched_each_step(make_engine):
         jsonschema.validate(json.loads(out.text), PERSON)
     steps = sum(o.completion_tokens for o in outs)
     decode_searches = engine.guided.closer.stats["searches"] - searches
-    assert engine.policy.stats.closing_reused >= steps // 4, (engine.policy.stats, steps)
+    assert engine.guide.policy.stats.closing_reused >= steps // 4, (engine.guide.policy.stats, steps)
     assert decode_searches <= steps // 3, (decode_searches, steps, engine.counters)
 
 

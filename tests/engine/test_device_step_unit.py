@@ -97,7 +97,7 @@ def test_guided_masking_keeps_every_tensor_on_the_device():
             self.bitmask[rows, 0] = 0b1010
 
         def apply_bitmask(self, logits, n):
-            from worker.engine.bitmask import apply_token_bitmask_inplace
+            from worker.guided.bitmask import apply_token_bitmask_inplace
 
             apply_token_bitmask_inplace(logits[:n], self.bitmask[:n])
 

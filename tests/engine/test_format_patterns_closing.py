@@ -9,7 +9,7 @@ import pytest
 import xgrammar as xgr
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.validation import validate_json
+from worker.guided.validation import validate_json
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ CASES = [("email", "", 6), ("email", "ab", 5), ("email", "ab.c", 5), ("email", "
 @pytest.fixture(scope="module")
 def manager(default_tokenizer):
     from worker.guided.llguidance_backend import LLGuidanceBackend
-    from worker.engine.guided_process import GuidedDecodingManager
+    from worker.guided.guided_process import GuidedDecodingManager
 
     tok = default_tokenizer
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))

@@ -1,4 +1,4 @@
-"""The grammar check on one engine, no Ray (worker/engine/grammar_check.py): its report is
+"""The grammar check on one engine, no Ray (worker/guided/grammar_check.py): its report is
 what the engine's requests then meet, on the default model, for schemas it calls
 refused, approximated and exact; and a request after a check compiles nothing."""
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_check import GrammarChecker
+from worker.guided.grammar_check import GrammarChecker
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
 

@@ -14,8 +14,8 @@ from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
 from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR, EngineRefused,
                                    auto_backend, backends_for, compile_auto)
-from worker.engine.schema_options import strict_schema
-from worker.engine.schema_rewrites import exact_rewrites
+from worker.guided.schema_options import strict_schema
+from worker.guided.schema_rewrites import exact_rewrites
 
 pytestmark = pytest.mark.integration  # the tokenizer comes from the converted default model
 

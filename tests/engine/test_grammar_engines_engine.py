@@ -12,7 +12,7 @@ from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
-from worker.engine.validation import validate_json
+from worker.guided.validation import validate_json
 
 pytestmark = pytest.mark.integration
 

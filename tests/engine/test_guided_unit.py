@@ -12,8 +12,8 @@ import xgrammar as xgr
 from grammar_cache.compile import GrammarError, choice_ebnf
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
-from worker.engine.bitmask import apply_token_bitmask_inplace, reference_apply
-from worker.engine.guided_process import GuidedDecodingManager
+from worker.guided.bitmask import apply_token_bitmask_inplace, reference_apply
+from worker.guided.guided_process import GuidedDecodingManager
 from worker.engine.logits_process import FusedLogitsProcessor
 from worker.engine.sampling import SamplingInputs
 
@@ -248,7 +248,7 @@ def test_grammar_cache_is_bounded_by_bytes():
     (GrammarSpec.ebnf('root ::= "[" item ("," item)* "]"\nitem ::= "a" | "b"'), "[a,", "a]"),
 ])
 def test_shortest_completion(manager, spec, prefix, completion):
-    from worker.engine.closing import CompletionSearch
+    from worker.guided.closing import CompletionSearch
 
     search = CompletionSearch(manager.tokenizer_info, time_limit_s=60)  # node caps only
     m = manager.new_matcher(compile(manager, spec))
@@ -269,7 +269,7 @@ def test_shortest_completion(manager, spec, prefix, completion):
 
 
 def test_search_cut_short_by_the_clock_is_not_exhausted(manager):
-    from worker.engine.closing import CompletionSearch
+    from worker.guided.closing import CompletionSearch
 
     search = CompletionSearch(manager.tokenizer_info, time_limit_s=0.0)
     m = manager.new_matcher(compile(manager, GrammarSpec.regex("a[0-9]{3}b")))
@@ -340,7 +340,7 @@ def test_choice_ebnf_escapes(manager):
 
 
 def test_cpu_kernel_is_built():
-    from worker.engine.bitmask import warmup
+    from worker.guided.bitmask import warmup
 
     assert warmup(), "the C bitmask kernel did not build (is a C compiler installed?)"
 

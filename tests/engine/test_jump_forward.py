@@ -7,10 +7,10 @@ import json
 import pytest
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.jump_forward import JumpForward
+from worker.guided.jump_forward import JumpForward
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
-from worker.engine.validation import validate_json
+from worker.guided.validation import validate_json
 
 # --- the boundary rules, on a hand-made vocabulary --------------------------------------
 
@@ -200,7 +200,7 @@ def test_jump_off_samples_every_token(engine_factory):
     spec = GrammarSpec.json_schema(KEYS_SCHEMA)
     outs = run(engine, [req("Item 0.", spec)])
     stats = engine.stats()
-    assert stats.jump_forward_tokens == 0 and engine.jumper is None
+    assert stats.jump_forward_tokens == 0 and engine.guide.jumper is None
     assert validate_json(KEYS_SCHEMA, outs[0].text) is None
     # every output token sampled, one per step (the closing path aside: none at this budget)
     assert stats.sampled_tokens == outs[0].completion_tokens

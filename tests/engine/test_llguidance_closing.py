@@ -10,8 +10,8 @@ import json
 import pytest
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.guided_process import GuidedDecodingManager
-from worker.engine.validation import validate_json
+from worker.guided.guided_process import GuidedDecodingManager
+from worker.guided.validation import validate_json
 
 pytestmark = pytest.mark.integration
 

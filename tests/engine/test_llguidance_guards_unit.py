@@ -16,7 +16,7 @@ from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from worker.guided.backend import EngineRefused
 from worker.guided.llguidance_backend import _llguidance_grammar
-from worker.engine.schema_options import number_guards
+from worker.guided.schema_options import number_guards
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The loop guard (worker/engine/loop_guard.py, output_policy.py): a guided JSON value that
+"""The loop guard (worker/guided/loop_guard.py, output_policy.py): a guided JSON value that
 repeats itself is ended where the repetition began, closed, and the document goes on.
 
 The detector is tested on the real tokenizer's token ids; the engine tests script the
@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from core.grammar_spec import GrammarSpec
 from core.params import LoopGuardParams
-from worker.engine.loop_guard import LoopGuard, closer_ids, token_shapes
+from worker.guided.loop_guard import LoopGuard, closer_ids, token_shapes
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
 

@@ -1,4 +1,4 @@
-"""The loop guard's own cost (worker/engine/loop_guard.py): bounded work and memory per
+"""The loop guard's own cost (worker/guided/loop_guard.py): bounded work and memory per
 token where it finds a loop it may not cut (a ``minLength`` string of one character, a
 deep nesting), and nothing recorded while it is off. Work is counted as the Python lines
 the guard runs (deterministic), memory with tracemalloc; no wall time.
@@ -11,7 +11,7 @@ import tracemalloc
 import pytest
 
 from core.params import LoopGuardParams
-from worker.engine.loop_guard import LoopGuard, closer_ids, token_shapes
+from worker.guided.loop_guard import LoopGuard, closer_ids, token_shapes
 
 pytestmark = pytest.mark.unit
 

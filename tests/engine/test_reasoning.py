@@ -1,4 +1,4 @@
-"""Reasoning models through the engine (worker/engine/reasoning.py): a free thought, then
+"""Reasoning models through the engine (worker/guided/reasoning.py): a free thought, then
 the answer in the grammar. The tiny model (the default model's tokenizer) with scripted
 logits plays a reasoning model
 (markers from the config: several tokens each, or one special token each), so the
@@ -13,7 +13,7 @@ import pytest
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from core.params import SamplingParams
-from worker.engine.reasoning import ReasoningMarkers, Thinking, thought_end
+from worker.guided.reasoning import ReasoningMarkers, Thinking, thought_end
 from core.request import GenerationRequest
 
 pytestmark = pytest.mark.integration
@@ -80,8 +80,8 @@ def run(engine, schema=PERSON, max_tokens=120, prompt=None, **request):
     """One request to the end. The prompt opens a thought (as a reasoning template's
     generation prompt does: a request starts in a thought only then) unless given."""
     if prompt is None:
-        prompt = ([{"role": "user", "content": "a person"}] if engine.reasoning is None
-                  else f"Describe a person.\n{engine.reasoning.start}\n")
+        prompt = ([{"role": "user", "content": "a person"}] if engine.guide.reasoning is None
+                  else f"Describe a person.\n{engine.guide.reasoning.start}\n")
     req = GenerationRequest(prompt,
                             SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
                             grammar=GrammarSpec.json_schema(schema) if schema else None,
@@ -273,8 +273,8 @@ def test_markers_from_the_chat_template(make_engine, default_tokenizer):
     saved = default_tokenizer.chat_template
     default_tokenizer.chat_template = saved + "{# <think> ... </think> #}"
     try:
-        assert make_engine().reasoning == ReasoningMarkers()
-        assert make_engine(reasoning=False).reasoning is None
+        assert make_engine().guide.reasoning == ReasoningMarkers()
+        assert make_engine(reasoning=False).guide.reasoning is None
     finally:
         default_tokenizer.chat_template = saved
-    assert make_engine().reasoning is None
+    assert make_engine().guide.reasoning is None

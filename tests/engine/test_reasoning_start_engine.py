@@ -1,5 +1,5 @@
 """Where a reasoning model's request starts, read from its rendered prompt
-(worker/engine/reasoning.py prompt_thought: in a thought only where the prompt, or a chat
+(worker/guided/reasoning.py prompt_thought: in a thought only where the prompt, or a chat
 template's assistant turn, ends inside an open one), and the answer text that shares the
 end marker's token (unguided: content; guided: the grammar's first text, or dropped when
 the grammar refuses it). The tiny model (the default model's tokenizer) with scripted
@@ -10,7 +10,7 @@ import pytest
 
 from core.grammar_spec import GrammarSpec
 from core.params import SamplingParams
-from worker.engine.reasoning import (CLOSED, OPEN, ReasoningMarkers, opens_thought,
+from worker.guided.reasoning import (CLOSED, OPEN, ReasoningMarkers, opens_thought,
                                      prompt_thought, split_marker_token)
 from core.request import GenerationRequest
 
@@ -171,7 +171,7 @@ def test_a_template_that_names_the_markers_but_opens_none_answers_at_once(make_t
                                                                           template):
     template(opens=False)
     engine = make_tiny_engine()  # the markers come from the template
-    assert engine.reasoning == ReasoningMarkers()
+    assert engine.guide.reasoning == ReasoningMarkers()
     script(engine, '{"name": "Ada"}')
     chat = [{"role": "user", "content": "Name one."},
             {"role": "assistant", "content": "<think>x</think>Bob"},

@@ -137,7 +137,7 @@ def test_paged_attention_reads_blocks_in_place_for_decode_and_prefill(device, gr
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_apply_bitmask_matches_the_reference(device):
-    from worker.engine.bitmask import reference_apply
+    from worker.guided.bitmask import reference_apply
 
     dev = _dev(device)
     g = torch.Generator().manual_seed(4)

@@ -73,7 +73,7 @@ def test_the_response_names_the_engine(engine):
 
 def test_metrics_count_grammars_and_requests_per_engine():
     from deploy.metrics import Metrics
-    from worker.engine.guided_process import GuidedStats
+    from worker.guided.guided_process import GuidedStats
 
     stats = GuidedStats(xgrammar_grammars=2, llguidance_grammars=3, xgrammar_requests=5,
                         llguidance_requests=7)

@@ -12,7 +12,7 @@ from deploy import openai_api as api
 from deploy.errors import APIError
 from deploy.settings import AppSettings, Limits
 from core.grammar_spec import GrammarSpec
-from worker.engine.validation import validate_json
+from worker.guided.validation import validate_json
 
 pytestmark = pytest.mark.unit
 

@@ -103,7 +103,7 @@ def test_a_made_up_name_is_caught(files, token):
     assert _problems(f"The path: {token}.", files)
 
 
-@pytest.mark.parametrize("token", ["`worker/engine/closing.py`", "`closing.py`",
+@pytest.mark.parametrize("token", ["`worker/guided/closing.py`", "`closing.py`",
                                    "`RoutingTable.route`", "`auto_backend()`",
                                    "`get(spec, fp, lease=True)`", "`engine: {jump_forward: false}`",
                                    "`max_num_seqs`", "`SessionKV`", "`auto`", "`[B, V]`"])

@@ -1,4 +1,4 @@
-"""The lower bound on a JSON-schema grammar's shortest output (worker/engine/shortest_bound.py).
+"""The lower bound on a JSON-schema grammar's shortest output (worker/guided/shortest_bound.py).
 
 The bound must never exceed what an accepted output holds: each schema below comes with
 its shortest instance, written by hand in both layouts the grammar may use, and the
@@ -13,7 +13,7 @@ import time
 import jsonschema
 import pytest
 
-from worker.engine.shortest_bound import ANY, TokenCapacity, literal, schema_counts
+from worker.guided.shortest_bound import ANY, TokenCapacity, literal, schema_counts
 
 pytestmark = pytest.mark.unit
 

@@ -14,10 +14,10 @@ from core.errors import ErrorKind, GrammarError
 from core.grammar_spec import GrammarSpec
 from worker.guided.backend import LLGUIDANCE, XGRAMMAR, EngineRefused
 from worker.guided.llguidance_backend import LLGuidanceBackend, _llguidance_grammar
-from worker.engine.guided_process import GuidedDecodingManager
-from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
-from worker.engine.schema_options import number_guards
-from worker.engine.schema_rewrites import exact_rewrites
+from worker.guided.guided_process import GuidedDecodingManager
+from worker.guided.schema_budget import RewriteBudget, SchemaTooComplex
+from worker.guided.schema_options import number_guards
+from worker.guided.schema_rewrites import exact_rewrites
 
 pytestmark = pytest.mark.unit
 

@@ -17,7 +17,7 @@ from grammar_cache.format_patterns import format_patterns, format_patterns_text,
 from core.grammar_spec import GrammarSpec
 from tests.engine.test_llguidance_guards_unit import BYTES, ENGINES, accepts, llguidance
 from worker.guided.llguidance_backend import _llguidance_grammar
-from worker.engine.validation import approximated_keywords, validate_json
+from worker.guided.validation import approximated_keywords, validate_json
 
 pytestmark = pytest.mark.unit
 

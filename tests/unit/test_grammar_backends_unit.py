@@ -12,7 +12,7 @@ import torch
 import xgrammar as xgr
 
 from core.grammar_spec import GrammarSpec
-from worker.engine.guided_process import GuidedDecodingManager
+from worker.guided.guided_process import GuidedDecodingManager
 from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR, CompiledGrammar,
                                    GrammarBackend, GrammarMatcher, backend_order)
 

@@ -9,8 +9,8 @@ from deploy.settings import Limits
 from core.grammar_spec import grammar_id, is_grammar_id
 from grammar_cache.checked import CheckedGrammars
 from core.grammar_spec import GrammarSpec
-from worker.engine.grammar_check import approximated_paths, refused_paths
-from worker.engine.validation import approximated_keywords
+from worker.guided.grammar_check import approximated_paths, refused_paths
+from worker.guided.validation import approximated_keywords
 
 pytestmark = pytest.mark.unit
 

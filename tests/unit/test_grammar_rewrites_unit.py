@@ -1,5 +1,5 @@
 """The exact rewrites that let llguidance take a JSON schema it would refuse
-(worker/engine/schema_rewrites.py: ``exact_rewrites``): an enum-bounded node filtered by
+(worker/guided/schema_rewrites.py: ``exact_rewrites``): an enum-bounded node filtered by
 the validator, ``not`` negated, ``oneOf`` as ``anyOf`` where its branches cannot overlap.
 Each rule: its output, and llguidance (on a byte tokenizer, so no model) accepting a
 valid instance and rejecting an invalid one; and where a rewrite would not be exact, the
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from core.grammar_spec import GrammarSpec
 from worker.guided.backend import EngineRefused
 from worker.guided.llguidance_backend import _llguidance_grammar
-from worker.engine.schema_options import strict_schema
-from worker.engine.schema_rewrites import exact_rewrites
-from worker.engine.validation import validate_json
+from worker.guided.schema_options import strict_schema
+from worker.guided.schema_rewrites import exact_rewrites
+from worker.guided.validation import validate_json
 
 pytestmark = pytest.mark.unit
 

@@ -249,8 +249,8 @@ def test_later_stages_read_the_parse_not_the_text(monkeypatch):
     import json
 
     from grammar_cache.compile import _bad_pattern
-    from worker.engine.shortest_bound import schema_counts
-    from worker.engine.validation import approximated_keywords
+    from worker.guided.shortest_bound import schema_counts
+    from worker.guided.validation import approximated_keywords
 
     spec = GrammarSpec.json_schema({"type": "object", "required": ["a"], "properties": {
         "a": {"type": "string", "pattern": "^[a-z]{2}$", "minLength": 2}}})

@@ -6,8 +6,8 @@ of another layer must be one its layer may make:
 
 with ``worker -> grammar_cache`` (the worker's cache client) and, inside the worker,
 ``worker/actor.py -> worker/engine -> worker/guided, worker/models`` (worker/guided: the
-grammar backends). core imports no other layer. The exceptions are named in
-``EXCEPTIONS``: the llguidance backend's schema preparation still lives in worker/engine.
+guided path: grammar backends, output policy, reasoning). core imports no other layer.
+The exceptions are named in ``EXCEPTIONS``.
 The engine (worker/engine, worker/models) imports no Ray and no HTTP library, neither
 itself nor through a module of the project it imports; core imports nothing heavy
 (it is unpickled in every process: front ends, the scheduler, the workers)."""
@@ -28,7 +28,7 @@ MAY_IMPORT = {
     "grammar_cache": {"core"},
     "scheduler": {"core"},
     "worker.models": {"core", "grammar_cache"},
-    "worker.guided": {"core", "grammar_cache"},
+    "worker.guided": {"core", "grammar_cache", "worker.models"},
     "worker.engine": {"core", "grammar_cache", "worker.guided", "worker.models"},
     "worker": {"core", "grammar_cache", "worker.engine", "worker.guided", "worker.models"},
     "cluster": {"core", "grammar_cache", "scheduler", "worker", "worker.engine",
@@ -39,10 +39,14 @@ MAY_IMPORT = {
             "worker.guided", "worker.models"},
 }
 # (importing module, imported module) pairs allowed against the layer rule, each with why:
-# the llguidance backend prepares a schema with the schema modules that still live in
-# worker/engine (rewrites, options, budget); until they move below it, these edges point up
-EXCEPTIONS = {("worker.guided.llguidance_backend", f"worker.engine.{m}")
-              for m in ("schema_rewrites", "schema_options", "schema_budget")}
+# the guided path reads and edits the engine's nouns: its config, its Sequence and the
+# detokenizer a thought replaces (none of them reaches those guided modules:
+# test_engine_nouns_import_no_guided_module keeps it so: no cycle of modules)
+ENGINE_NOUNS = ("worker.engine.config", "worker.engine.sequence", "worker.engine.detokenizer")
+EXCEPTIONS = {("worker.guided.output_policy", "worker.engine.config"),
+              ("worker.guided.output_policy", "worker.engine.sequence"),
+              ("worker.guided.request", "worker.engine.sequence"),
+              ("worker.guided.request", "worker.engine.detokenizer")}
 RAY_OR_HTTP = {"ray", "fastapi", "starlette", "httpx", "uvicorn", "aiohttp", "requests"}
 HEAVY = RAY_OR_HTTP | {"torch", "transformers", "xgrammar", "llguidance"}
 # third-party packages a layer must not import, itself or through the project's modules
@@ -144,6 +148,35 @@ def test_every_import_points_down(graph):
     assert violations(*graph) == []
 
 
+def noun_cycles(mods: dict[str, Path], graph: dict[str, list[tuple[int, str]]]) -> list[str]:
+    """The engine nouns (``ENGINE_NOUNS``) that reach, directly or through other modules,
+    a guided module that imports them: the two would import each other."""
+    readers = {mod for mod, _ in EXCEPTIONS}
+    bad = []
+    for noun in ENGINE_NOUNS:
+        seen, todo = {noun}, [noun]
+        while todo:
+            for _, name in graph[todo.pop()]:
+                target = _resolve(name, mods)
+                if target is not None and target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        bad += [f"{noun} reaches {m}" for m in sorted(seen & readers)]
+    return bad
+
+
+def test_engine_nouns_import_no_guided_module(graph):
+    assert noun_cycles(*graph) == []
+
+
+def test_a_cycle_through_an_engine_noun_is_caught(graph):
+    mods, edges = graph
+    planted = {**edges, "worker.engine.detokenizer": [
+        *edges["worker.engine.detokenizer"], (1, "worker.guided.output_policy")]}
+    assert noun_cycles(mods, planted) == [
+        "worker.engine.detokenizer reaches worker.guided.output_policy"]
+
+
 def test_every_runtime_module_has_a_layer(graph):
     assert all(layer_of(m) for m in graph[0])
     assert set(MAY_IMPORT) == set(LAYERS)
@@ -163,15 +196,15 @@ def test_every_runtime_module_has_a_layer(graph):
     ("worker/models/rope.py", "from . import llama\nfrom ..engine import config",
      "worker.models imports worker.engine.config (worker.engine)"),
     ("worker/engine/detokenizer.py", "import ray", "worker.engine imports ray"),
-    ("worker/engine/bitmask.py", "from starlette.requests import Request",
+    ("worker/engine/block_manager.py", "from starlette.requests import Request",
      "worker.engine imports starlette.requests.Request"),
     ("worker/guided/backend.py", "from worker.engine.sequence import Sequence",
      "worker.guided imports worker.engine.sequence.Sequence (worker.engine)"),
-    ("worker/guided/xgrammar_backend.py", "from worker.engine.schema_rewrites import RewriteBudget",
-     "worker.guided imports worker.engine.schema_rewrites.RewriteBudget (worker.engine)"),
+    ("worker/guided/xgrammar_backend.py", "from worker.engine.scheduler import Scheduler",
+     "worker.guided imports worker.engine.scheduler.Scheduler (worker.engine)"),
     ("worker/guided/llguidance_backend.py", "import ray", "worker.guided imports ray"),
     ("grammar_cache/compile.py", "import httpx",  # reached from the engine
-     "worker.engine imports httpx via grammar_cache.compile"),
+     "worker.guided imports httpx via grammar_cache.compile"),
     ("core/backoff.py", "import torch", "core imports torch"),
 ])
 def test_a_wrong_import_is_caught(graph, file, line, expect):

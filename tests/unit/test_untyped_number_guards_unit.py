@@ -11,7 +11,7 @@ import pytest
 
 from core.grammar_spec import GrammarSpec
 from tests.engine.test_llguidance_guards_unit import ENGINES, accepts
-from worker.engine.schema_options import number_guards
+from worker.guided.schema_options import number_guards
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""``format`` in post-validation (worker/engine/validation.py): checked, never an annotation
+"""``format`` in post-validation (worker/guided/validation.py): checked, never an annotation
 an output is called valid over unchecked.
 
 - every format jsonschema-rs knows is checked, whatever the schema's draft;
@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from worker.engine import validation
-from worker.engine.validation import approximated_keywords, not_checked, validate_json
+from worker.guided import validation
+from worker.guided.validation import approximated_keywords, not_checked, validate_json
 
 pytestmark = pytest.mark.unit
 

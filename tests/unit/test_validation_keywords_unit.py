@@ -3,7 +3,7 @@
 
 import pytest
 
-from worker.engine.validation import approximated_keywords, validate_json
+from worker.guided.validation import approximated_keywords, validate_json
 
 pytestmark = pytest.mark.unit
 

@@ -133,7 +133,7 @@ class EngineConfig(ConfigModel):
     @field_validator("reasoning")
     @classmethod
     def _reasoning(cls, v):
-        from worker.engine.reasoning import ReasoningMarkers
+        from worker.guided.reasoning import ReasoningMarkers
 
         return ReasoningMarkers.parse(v)
 

@@ -55,6 +55,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.thinking_token_budget = request.thinking_token_budget
         self.thinking = None  # reasoning.Thinking while a reasoning model's thought runs
+        self.guide = None  # its guided part (worker/guided/request.py), None: plain
         self.stop = request.params.stop  # the answer's stop strings (not the thought's)
 
     @property
@@ -106,9 +107,21 @@ class Sequence:
     def replace_released(self, tokens: list[int]) -> None:
         """The newest output token, released to the chunk being built (not sent yet, its KV
         not computed), is replaced by ``tokens`` (a reasoning end marker split from the
-        answer text in its token: engine._split_marker_token)."""
+        answer text in its token: GuidedRequest._split_marker_token)."""
         assert not self.held_logprobs and self.num_computed < len(self.token_ids)
         self.token_ids[-1:] = tokens
+
+    def stream(self, n: int) -> tuple[list[int], list | None, str]:
+        """The ``n`` oldest held output tokens go to the stream: (tokens, their logprobs or
+        None when none was asked for and none sampled, their text)."""
+        if not n:
+            return [], None, ""
+        new_tokens = self.output_ids[self.num_output - len(self.held_logprobs):][:n]
+        lps = self.release_held(n)
+        text = self.detokenizer.add_tokens(new_tokens)
+        if self.params.logprobs is None and all(lp is None for lp in lps):
+            lps = None
+        return new_tokens, lps, text
 
     def release_held(self, n: int) -> list:
         """The logprobs of the ``n`` oldest held output tokens, which go to the stream now

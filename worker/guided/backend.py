@@ -2,7 +2,7 @@
 library that compiles a grammar and masks tokens by it) behind one small interface, and
 the ``auto`` rule that picks one per grammar.
 
-The engine's guided path (worker/engine/guided_process.py: GuidedDecodingManager), the
+The engine's guided path (worker/guided/guided_process.py: GuidedDecodingManager), the
 closing search (closing.py), the loop guard and the stop-string check use only this
 interface, so every guided feature works on either backend. One module per library
 implements it (xgrammar_backend.py, llguidance_backend.py); nothing outside this package
@@ -32,7 +32,7 @@ estimate worse (a path is missed), never an output invalid: every closing path i
 replayed on the real matcher before it is emitted.
 
 Both backends write the same bitmask layout (xgrammar's: bit ``t % 32`` of word ``t // 32``),
-so worker/engine/bitmask.py applies either. Their masks differ slightly: llguidance
+so worker/guided/bitmask.py applies either. Their masks differ slightly: llguidance
 leaves out special tokens, and where the grammar forces text (``{"`` of ``{"a": ``) the
 tokens that cover only part of it (``{``), which it still accepts if fed. Stop tokens are
 the model's EOS ids on both: a stop token is accepted only where the grammar may end, and

@@ -64,11 +64,11 @@ import torch
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from grammar_cache.format_patterns import format_patterns
-from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex
-from worker.engine.schema_options import (MAX_LLGUIDANCE_FRAC_DIGITS,
+from worker.guided.schema_budget import RewriteBudget, SchemaTooComplex
+from worker.guided.schema_options import (MAX_LLGUIDANCE_FRAC_DIGITS,
                                           MAX_LLGUIDANCE_INT_DIGITS, any_value_guarded,
                                           number_guards, strict_schema)
-from worker.engine.schema_rewrites import exact_rewrites
+from worker.guided.schema_rewrites import exact_rewrites
 from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, PROBE_FIELDS, PROBE_RUN,
                                    PROBE_TEXTS, SEPARATOR_TEXTS, CompiledGrammar,
                                    EngineRefused, GrammarBackend, GrammarMatcher)

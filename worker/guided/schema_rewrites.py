@@ -24,7 +24,7 @@ import json
 
 from core.json_schema import (ANNOTATIONS, SCHEMA_LISTS, SCHEMA_MAPS, SCHEMA_VALUES,
                               resolve_or_none, walk)
-from worker.engine.schema_budget import RewriteBudget, SchemaTooComplex, spend, under_budget
+from worker.guided.schema_budget import RewriteBudget, SchemaTooComplex, spend, under_budget
 
 __all__ = ["RewriteBudget", "SchemaTooComplex", "exact_rewrites"]
 
@@ -202,7 +202,7 @@ def _enum_filtered(node: dict, root):
         for key in ("definitions", "$defs", "$schema"):
             if isinstance(root, dict) and key in root:
                 schema[key] = root[key]
-    from worker.engine.validation import _validator
+    from worker.guided.validation import _validator
 
     text = json.dumps(schema, sort_keys=True)
     spend(len(text) // 64 + len(values))

@@ -33,14 +33,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from worker.engine.closing import Completion
+from worker.guided.closing import Completion
 from worker.engine.config import EngineConfig
 from core.params import LoopGuardParams
-from worker.engine.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
+from worker.guided.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
 from core.request import RequestOutput
 from worker.engine.sequence import Sequence
-from worker.engine.shortest_bound import TokenCapacity, schema_counts
-from worker.engine.validation import approximated_keywords, validate_json
+from worker.guided.shortest_bound import TokenCapacity, schema_counts
+from worker.guided.validation import approximated_keywords, validate_json
 
 logger = logging.getLogger(__name__)
 

@@ -51,9 +51,9 @@ from core.grammar_spec import GrammarSpec
 from core.json_schema import pointer, walk
 from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
                                    EngineRefused)
-from worker.engine.output_policy import remember_start_path
-from worker.engine.shortest_bound import TokenCapacity, schema_counts
-from worker.engine.validation import approximated_keywords, node_approximated, not_checked
+from worker.guided.output_policy import remember_start_path
+from worker.guided.shortest_bound import TokenCapacity, schema_counts
+from worker.guided.validation import approximated_keywords, node_approximated, not_checked
 
 JSON_KINDS = ("json_schema", "json_object")
 # the closing search's reach from the grammar's start, in single-character steps (it

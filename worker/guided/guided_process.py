@@ -53,8 +53,8 @@ from grammar_cache.compile_pool import CompilePool
 from grammar_cache.config import MAX_REPETITION, GrammarCacheConfig
 from core.errors import GrammarUnavailable
 from core.grammar_spec import GrammarSpec
-from worker.engine.bitmask import apply_token_bitmask_inplace
-from worker.engine.closing import NEXT_BYTE, CompletionSearch
+from worker.guided.bitmask import apply_token_bitmask_inplace
+from worker.guided.closing import NEXT_BYTE, CompletionSearch
 from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR, CompiledGrammar,
                                    EngineRefused, GrammarBackend, GrammarMatcher,
                                    backend_order)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from core.json_schema import ANNOTATIONS
-from worker.engine.schema_budget import RewriteBudget, spend, under_budget
+from worker.guided.schema_budget import RewriteBudget, spend, under_budget
 
 # keywords whose presence beside "properties" / "prefixItems" makes closing the node wrong
 # (the extra properties / items may be declared there) or a no-op
