@@ -246,7 +246,7 @@ class CompletionSearch:
         closing characters, then literals and digits, then the rest), states merged by mask
         and depth, with a node cap. A completion, or None."""
         seen: set = set()
-        budget = [self.max_expansions // 4]
+        budget = [self.max_expansions // 2]  # (a long completion: 20 required keys)
 
         def go(m, row, path, hist, ctx, states):
             if m.is_completed():
