@@ -162,18 +162,19 @@ class CompletionSearch:
         return found
 
     def estimate(self, matcher: GrammarMatcher, limit: int, *,
-                 pending: bytes = b"") -> list[int] | None:
+                 pending: bytes = b"", scale: int = 1) -> list[int] | None:
         """The greedy dive alone (milliseconds): a completion, maybe longer than the
         shortest, or None. What tells the engine, before the closing window, that this
-        output needs more room than the window to close."""
+        output needs more room than the window to close. ``scale``: times the usual time
+        and nodes (a dive once per grammar, from its start)."""
         matcher = as_matcher(matcher, self.info.vocab_size)
         if matcher.is_completed():
             return []
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
             0x80, 0xBF)
-        self._deadline = time.perf_counter() + self.time_limit_s
+        self._deadline = time.perf_counter() + scale * self.time_limit_s
         self._reps_memo = {}
-        dived = self._dive(matcher, limit)
+        dived = self._dive(matcher, limit, scale * self.max_expansions // 2)
         return None if dived is None else self._compact(matcher, dived)
 
     def fitting(self, matcher: GrammarMatcher, budget: int, *,
@@ -241,12 +242,13 @@ class CompletionSearch:
     def _blank(self, tokens: list[int]) -> bool:
         return len(tokens) == 1 and self.vocab[tokens[0]].isspace()
 
-    def _dive(self, matcher, limit: int) -> list[int] | None:
+    def _dive(self, matcher, limit: int, nodes: int | None = None) -> list[int] | None:
         """Depth-first, closing edges first (the forced string, then tokens made of
         closing characters, then literals and digits, then the rest), states merged by mask
         and depth, with a node cap. A completion, or None."""
         seen: set = set()
-        budget = [self.max_expansions // 2]  # (a long completion: 20 required keys)
+        # (half the search's nodes: a completion of 20 required keys takes 100 and more)
+        budget = [self.max_expansions // 2 if nodes is None else nodes]
 
         def go(m, row, path, hist, ctx, states):
             if m.is_completed():

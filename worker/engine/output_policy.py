@@ -364,7 +364,7 @@ class OutputPolicy:
         if known is None and not facts.get("start_dive_tried"):
             facts["start_dive_tried"] = True
             closer = self.guided.closer
-            path = closer.estimate(matcher, 4 * budget + 16)
+            path = closer.estimate(matcher, 4 * budget + 16, scale=_START_SCALE)
             if path is not None:
                 remember_start_path(seq.compiled, path)
                 known = path
@@ -599,6 +599,7 @@ class OutputPolicy:
 
 
 _GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
+_START_SCALE = 4  # the dive from a grammar's start (once per grammar): 4x time and nodes
 _GIVEUPS = 3  # searches cut short (admission's included) before a request stops searching
 _RETRY_BASE = 4  # the k-th give-up is retried _RETRY_BASE ** k tokens later
 _TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
