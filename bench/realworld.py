@@ -3,7 +3,7 @@ and as the response format, greedy, a 512-token budget, at the server's defaults
 guard on). What must hold: every answer that runs to its budget is valid JSON that
 validates, or the request was refused before generating.
 
-    python -m bench.realworld --schemas DIR [--per-split N] [--quick | --smoke] [--json]
+    python -m bench.realworld --schemas DIR [--per-split N] [--only NAME,...] [--quick | --smoke] [--json]
 
 ``DIR`` is a folder of schema files, one sub-folder per split: JSONSchemaBench's ``data/``
 (``git clone https://github.com/guidance-ai/jsonschemabench``; not vendored here: no
@@ -17,7 +17,9 @@ mean_output_tokens, wall_s, invalid_examples; compliance (answers that validate 
 answers), valid_share_all (over requests: a refusal counts as a failure), compliance_<engine> and requests_<engine> per grammar engine that served
 (the response's ``guided.engine``; refusals count under ``refused``), latency_p50_s,
 latency_max_s (the slowest request, refusals included). ``--engine`` forces the server's
-grammar engine (default: the server's default, ``auto``).
+grammar engine (default: the server's default, ``auto``). ``--only`` keeps, of the
+sample, the schemas named (``split/stem``, as the progress lines and ``invalid_examples``
+name them): a run's failures again, without the rest of its sample.
 """
 
 from __future__ import annotations
@@ -155,6 +157,8 @@ def main(argv=None) -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--engine", choices=["auto", "xgrammar", "llguidance"], default=None,
                     help="force the server's grammar engine")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated schema names (split/stem) to keep of the sample")
     ap.add_argument("--progress", action="store_true",
                     help="one line on stderr per request as it ends")
     args = ap.parse_args(argv)
@@ -164,6 +168,12 @@ def main(argv=None) -> None:
     items = sample(None if args.smoke else args.schemas, per_split)
     if args.smoke:
         items = items[:2]
+    if args.only:
+        wanted = set(args.only.split(","))
+        items = [item for item in items if item[0] in wanted]
+        missing = wanted - {name for name, _ in items}
+        if missing:
+            ap.error(f"not in the sample: {', '.join(sorted(missing))}")
 
     with report.served(args) as (url, name):
         figures = run(url + "/v1", name, items, max_tokens=8 if args.smoke else args.max_tokens,

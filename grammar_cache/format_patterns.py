@@ -1,13 +1,12 @@
 """String ``format`` s as patterns that only match what the post-validation accepts.
 
 Both engines' own grammars for some formats are wider than jsonschema-rs (the validator
-of worker/engine/validation.py), so an answer written under them, at its budget or freely,
+of worker/guided/validation.py), so an answer written under them, at its budget or freely,
 can come back ``invalid`` (probed on xgrammar 0.2.8, llguidance 1.9.1, jsonschema-rs 0.60):
 
 - ``email``: a label with ``--`` at its 3rd-4th characters (``xn--abc``: punycode the
-  validator refuses; both engines); a local part over 64 characters, a domain label over
-  63 and a domain over 253 are left possible (see ``_LOCAL``, ``_DOMAIN``: bounded, they
-  defeated the closing search) and are flagged ``invalid`` when written;
+  validator refuses; both engines); a local part over 64 characters (a model's runaway
+  ``123-456-7890000123...`` at its budget), a domain label over 63 and a domain over 253;
 - ``hostname``: the same labels and length (a label over 63 on xgrammar only);
 - ``date`` / ``date-time``: February 29th of a year that is not a leap year (both),
   a day past its month's end (``2024-04-31``, xgrammar); year 0000 is left out too (the
@@ -21,7 +20,8 @@ can come back ``invalid`` (probed on xgrammar 0.2.8, llguidance 1.9.1, jsonschem
 ``format_patterns`` writes each of these formats as a ``pattern`` (``^...$``, the same
 regex on both engines) that matches a subset of what the validator accepts: long or
 punycode labels, leap seconds, quoted local parts and IP-literal domains of e-mail
-addresses are left out, nothing a model needs. ``idn-email`` / ``idn-hostname`` get the
+addresses, local parts of more than 3 dots (or of 2-3 dots and a part over 15 characters,
+see ``_LOCAL``) and domains of more than 4 labels are left out, nothing a model needs. ``idn-email`` / ``idn-hostname`` get the
 ASCII subset (which the validator accepts as IDN): xgrammar would write a plain string,
 llguidance refuses them. The other formats the engines enforce (uuid, uri, uri-reference,
 uri-template, duration) matched the validator in the probes: strings sampled at random
@@ -55,17 +55,12 @@ def _label(n: int) -> str:
 
 # at most 4 labels, the last of at most 61: 3 * 64 + 61 = 253 characters
 _HOSTNAME = f"({_label(63)}\\.){{0,3}}{_label(61)}"
-# an e-mail's domain: labels of any length (no "--" at their 3rd-4th characters): with the
-# bounded labels above, closing a longer document from inside an address took the closing
-# search past its node budget (each place in a bounded run is a state of its own)
-_FREE_LABEL = f"{_X}({_X}|{_H}({_X}({_H}*{_X}){{0,1}}|-{_X}({_H}*{_X}){{0,1}})){{0,1}}"
-_DOMAIN = f"({_FREE_LABEL}\\.)*{_FREE_LABEL}"
 _ATOM = "[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
-# a dot-atom; not bounded to the 64 characters the validator allows: a bounded run before
-# the "@" (64 places, each a state of its own) left the closing search (closing.py) no
-# path to the "@" within its node budget, so an answer cut inside an address could not
-# close (a local part over 64 characters stays possible, and is flagged invalid)
-_LOCAL = f"{_ATOM}+(\\.{_ATOM}+)*"
+# a dot-atom of at most 64 characters (a regex cannot count a run's characters across its
+# dots, so as three cases: no dot, one, two or three); the closing search leaves such a
+# bounded run by its "@" (closing.py, ``_fresh``), the domain is a hostname
+_LOCAL = (f"({_ATOM}{{1,64}}|{_ATOM}{{1,31}}\\.{_ATOM}{{1,32}}"
+          f"|({_ATOM}{{1,15}}\\.){{2,3}}{_ATOM}{{1,16}})")
 # years 0001-9999: the validator takes year 0000 (RFC 3339), Python's date and so pydantic
 # refuse it (a client's `date` field raised ValidationError on "0000-01-01")
 _YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
@@ -95,7 +90,7 @@ def _time(frac_digits: int) -> str:
 def pattern_for(fmt: str, frac_digits: int = 0) -> str | None:
     """The anchored pattern written for ``format: fmt``, or None where the format is left
     to the engine; ``frac_digits`` bounds a time's fraction of a second (0: unbounded)."""
-    body = {"email": f"{_LOCAL}@{_DOMAIN}", "hostname": _HOSTNAME,
+    body = {"email": f"{_LOCAL}@{_HOSTNAME}", "hostname": _HOSTNAME,
             "date": _DATE, "time": _time(frac_digits),
             "date-time": f"{_DATE}[Tt]{_time(frac_digits)}",
             "ipv4": f"({_OCTET}\\.){{3}}{_OCTET}", "ipv6": f"({_IPV6})",

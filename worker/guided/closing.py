@@ -109,6 +109,10 @@ class CompletionSearch:
         self._word = self.cand >> 5
         self._bit = (self.cand & 31).to(torch.int32)
         self._mask = xgr.allocate_token_bitmask(1, tokenizer_info.vocab_size)
+        self._scratch = xgr.allocate_token_bitmask(1, tokenizer_info.vocab_size)
+        single = torch.tensor([t for t, raw in enumerate(vocab)
+                               if len(raw) == 1 and t not in stop], dtype=torch.long)
+        self._byte_word, self._byte_bit = single >> 5, (single & 31).to(torch.int32)
         letters = self.cand[[i for i, c in enumerate(self.cand_class) if c == 2]]
         self._letter_word, self._letter_bit = letters >> 5, (letters & 31).to(torch.int32)
         closers = [t for t in self.cand.tolist() if self._closing_rank([t]) == 1]
@@ -158,28 +162,25 @@ class CompletionSearch:
         return found
 
     def estimate(self, matcher: GrammarMatcher, limit: int, *, pending: bytes = b"",
-                 time_limit_s: float | None = None,
+                 scale: int = 1, time_limit_s: float | None = None,
                  max_expansions: int | None = None) -> list[int] | None:
         """The greedy dive alone (milliseconds): a completion, maybe longer than the
         shortest, or None. What tells the engine, before the closing window, that this
-        output needs more room than the window to close. ``time_limit_s`` and
-        ``max_expansions`` replace the search's own caps for this dive (the closing
-        probe's: a large grammar's dive takes longer)."""
+        output needs more room than the window to close. ``scale``: times the usual time
+        and nodes (a dive once per grammar, from its start); ``time_limit_s`` and
+        ``max_expansions`` replace them (the closing probe's: a large grammar's dive
+        takes longer)."""
         matcher = as_matcher(matcher, self.info.vocab_size)
         if matcher.is_completed():
             return []
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
             0x80, 0xBF)
         self._deadline = time.perf_counter() + (
-            self.time_limit_s if time_limit_s is None else time_limit_s)
+            scale * self.time_limit_s if time_limit_s is None else time_limit_s)
         self._reps_memo = {}
-        cap = self.max_expansions
-        if max_expansions is not None:
-            self.max_expansions = max_expansions
-        try:
-            dived = self._dive(matcher, limit)
-        finally:
-            self.max_expansions = cap
+        nodes = (scale * self.max_expansions if max_expansions is None
+                 else max_expansions) // 2
+        dived = self._dive(matcher, limit, nodes)
         return None if dived is None else self._compact(matcher, dived)
 
     def fitting(self, matcher: GrammarMatcher, budget: int, *,
@@ -247,12 +248,13 @@ class CompletionSearch:
     def _blank(self, tokens: list[int]) -> bool:
         return len(tokens) == 1 and self.vocab[tokens[0]].isspace()
 
-    def _dive(self, matcher, limit: int) -> list[int] | None:
+    def _dive(self, matcher, limit: int, nodes: int | None = None) -> list[int] | None:
         """Depth-first, closing edges first (the forced string, then tokens made of
         closing characters, then literals and digits, then the rest), states merged by mask
         and depth, with a node cap. A completion, or None."""
         seen: set = set()
-        budget = [self.max_expansions // 4]
+        # (half the search's nodes: a completion of 20 required keys takes 100 and more)
+        budget = [self.max_expansions // 2 if nodes is None else nodes]
 
         def go(m, row, path, hist, ctx, states):
             if m.is_completed():
@@ -261,8 +263,8 @@ class CompletionSearch:
                 return None
             budget[0] -= 1
             text = self._in_text(row)
-            if text:
-                states = states | {m.state_key()}
+            if text:  # (the place, and the characters that may come next)
+                states = states | {m.state_key(), self._char_state(m, row)}
             tried: set = set()
             # the closing edges first, on their own: they are what a dive takes at almost
             # every node, and listing every edge (a scratch matcher per candidate, to keep
@@ -271,11 +273,15 @@ class CompletionSearch:
                 if edges is None:
                     edges = [ts for ts in self._edges(m, row, first=not path)
                              if tuple(ts) not in tried]
-                if text:  # in text, a character that leads somewhere new first
-                    fresh = self._fresh(m, edges, states)
-                    def order(ts, fresh=fresh):
+                if text:  # in text, a character that leads somewhere new first: to a
+                    # new set of next characters (the "@" of an address) before a new
+                    # place in a run (a bounded run has a new place after every letter:
+                    # spelled to its end, a 64-character local part took a dive past its
+                    # node budget)
+                    fresh, new_step = self._fresh(m, edges, states)
+                    def order(ts, fresh=fresh, new_step=new_step):
                         rank = self._closing_rank(ts, True)
-                        return (rank > 1, ts not in fresh, rank)
+                        return (rank > 1, ts not in new_step, ts not in fresh, rank)
                 else:
                     order = self._closing_rank
                 for tokens in sorted(edges, key=order):
@@ -330,16 +336,33 @@ class CompletionSearch:
     def _closer_edge(self, token: int, text: bool) -> bool:
         return self._closing_rank([token], text) <= 1
 
-    def _fresh(self, m, edges: list[list[int]], states: frozenset) -> list[list[int]]:
-        """The single-token edges that lead to a parser state not in ``states`` (tried on
-        one scratch matcher and rolled back)."""
-        probe, fresh = m.fork(), []
+    def _fresh(self, m, edges: list[list[int]],
+               states: frozenset) -> tuple[list[list[int]], list[list[int]]]:
+        """The single-token edges that lead to a parser state not in ``states``, and the
+        punctuation among them whose next characters (``_char_state``) are not in it
+        either: the ways out of a run (tried on one scratch matcher and rolled back)."""
+        probe, fresh, new_chars = m.fork(), [], []
         for tokens in edges:
             if len(tokens) == 1 and probe.accept_token(tokens[0]):
                 if probe.state_key() not in states:
                     fresh.append(tokens)
+                    raw = self.vocab[tokens[0]]
+                    if len(raw) == 1 and not raw.isalnum() and \
+                            self._char_state(probe) not in states:
+                        new_chars.append(tokens)
                 probe.rollback(1)
-        return fresh
+        return fresh, new_chars
+
+    def _char_state(self, m, row: torch.Tensor | None = None) -> tuple:
+        """What may come next, character by character: whether the grammar may end, the
+        forced text and the single-byte tokens allowed (``row``: ``m``'s mask, where
+        known). Unlike the mask, the same at every place of a run (``[a-z]{1,64}``) but its
+        last: a token of 16 letters is allowed only where 16 places are left."""
+        if row is None:
+            m.fill_bitmask(self._scratch)
+            row = self._scratch[0]
+        bits = ((row[self._byte_word] >> self._byte_bit) & 1).numpy().tobytes()
+        return ("chars", m.is_completed(), m.forced_continuation(), bits)
 
     def _late(self) -> bool:
         if time.perf_counter() < self._deadline:
@@ -374,7 +397,7 @@ class CompletionSearch:
         if raw and all(b in _CLOSERS for b in raw) and (not text or b'"' in raw):
             return 1
         if text and len(raw) == 1 and not raw.isalnum() and not raw.isspace():
-            return 4 if raw != b"-" else 5
+            return 4 if raw not in b"-." else 5  # (a separator asks for more text)
         if raw in _LITERALS and not text:
             return 2
         if raw[:1].isdigit():  # a value, but never worth continuing a number with

@@ -319,6 +319,8 @@ class OutputPolicy:
             if fresh and self.shortest_bound(seq) > budget:
                 self.stats.budget_checks += 1
                 return self._budget_verdict(seq, budget, self._bound_refusal(seq))
+            if fresh and seq.compiled is not None:
+                self._estimate_at_start(seq, matcher, budget)
             return None
         self.stats.budget_checks += 1
         facts = seq.compiled.facts if fresh and seq.compiled is not None else None
@@ -355,6 +357,25 @@ class OutputPolicy:
         # a continuation was admitted once and its client has tokens already: a worker's
         # death must not turn into a 400, so it goes on and closes what the budget allows
         return refusal if fresh else None
+
+    def _estimate_at_start(self, seq: Sequence, matcher, budget: int) -> None:
+        """A budget over the closing window: the grammar's output from its start (the one
+        known, else the dive's: milliseconds, once per grammar), kept as the closing
+        estimate where it is longer than the window, so that closing begins in time for
+        it. The probe at twice the window comes too late for such a grammar: 20 required
+        properties left took more tokens to close than were left (real-world schemas cut
+        unclosed at their budget)."""
+        facts = seq.compiled.facts
+        known = facts.get("start_path")
+        if known is None and not facts.get("start_dive_tried"):
+            facts["start_dive_tried"] = True
+            closer = self.guided.closer
+            path = closer.estimate(matcher, 4 * budget + 16, scale=_START_SCALE)
+            if path is not None:
+                remember_start_path(seq.compiled, path)
+                known = path
+        if known is not None and len(known) + _GUARD_ZONE > self.config.closing_window:
+            seq.ending.closing_estimate = (seq.num_output, len(known))
 
     def shortest_bound(self, seq: Sequence) -> int:
         """A lower bound on the tokens of the grammar's shortest output (0: none known),
@@ -627,6 +648,7 @@ class OutputPolicy:
 
 _GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
 _LONG_PROBES = 2  # dives per request given closing_probe_ms (see OutputPolicy._dive)
+_START_SCALE = 4  # the dive from a grammar's start (once per grammar): 4x time and nodes
 _GIVEUPS = 3  # searches cut short (admission's included) before a request stops searching
 _RETRY_BASE = 4  # the k-th give-up is retried _RETRY_BASE ** k tokens later
 _TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
