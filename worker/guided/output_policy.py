@@ -360,17 +360,23 @@ class OutputPolicy:
 
     def _estimate_at_start(self, seq: Sequence, matcher, budget: int) -> None:
         """A budget over the closing window: the grammar's output from its start (the one
-        known, else the dive's: milliseconds, once per grammar), kept as the closing
+        known, else the dive's: milliseconds, at most twice per grammar, each given the
+        closing probe's time), kept as the closing
         estimate where it is longer than the window, so that closing begins in time for
         it. The probe at twice the window comes too late for such a grammar: 20 required
         properties left took more tokens to close than were left (real-world schemas cut
         unclosed at their budget)."""
         facts = seq.compiled.facts
         known = facts.get("start_path")
-        if known is None and not facts.get("start_dive_tried"):
-            facts["start_dive_tried"] = True
+        if known is None and facts.get("start_dives", 0) < _START_DIVES:
+            # the probe's time (a busy machine cut 4x the search's short), 4x the nodes
+            facts["start_dives"] = facts.get("start_dives", 0) + 1
             closer = self.guided.closer
-            path = closer.estimate(matcher, 4 * budget + 16, scale=_START_SCALE)
+            path = closer.estimate(
+                matcher, 4 * budget + 16, scale=_START_SCALE,
+                time_limit_s=max(self.config.closing_probe_ms / 1000,
+                                 _START_SCALE * closer.time_limit_s),
+                max_expansions=_START_SCALE * closer.max_expansions)
             if path is not None:
                 remember_start_path(seq.compiled, path)
                 known = path
@@ -648,7 +654,8 @@ class OutputPolicy:
 
 _GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
 _LONG_PROBES = 2  # dives per request given closing_probe_ms (see OutputPolicy._dive)
-_START_SCALE = 4  # the dive from a grammar's start (once per grammar): 4x time and nodes
+_START_SCALE = 4  # the dive from a grammar's start: 4x the nodes (and at least 4x the time)
+_START_DIVES = 2  # dives from a grammar's start per grammar (one cut short is tried again)
 _GIVEUPS = 3  # searches cut short (admission's included) before a request stops searching
 _RETRY_BASE = 4  # the k-th give-up is retried _RETRY_BASE ** k tokens later
 _TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
