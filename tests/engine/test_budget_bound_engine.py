@@ -14,7 +14,7 @@ import xgrammar as xgr
 from grammar_cache.compile import compile_spec
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
-from tests.unit.test_budget_bound_unit import LONG, SHORTEST
+from tests.unit.test_budget_bound_unit import LONG, SHORTEST_AND_NAMES
 from worker.engine.sampling import SamplingParams
 from core.request import GenerationRequest
 from worker.guided.shortest_bound import TokenCapacity, schema_counts
@@ -43,7 +43,8 @@ def vocab_info(default_tokenizer):
     return info, TokenCapacity(list(info.decoded_vocab))
 
 
-@pytest.mark.parametrize("name, schema, instance", SHORTEST, ids=[r[0] for r in SHORTEST])
+@pytest.mark.parametrize("name, schema, instance", SHORTEST_AND_NAMES,
+                         ids=[r[0] for r in SHORTEST_AND_NAMES])
 @pytest.mark.parametrize("whitespace", ["spaced", "compact"])
 def test_the_bound_stays_under_instances_the_grammar_accepts(default_tokenizer, vocab_info,
                                                              name, schema, instance,
@@ -58,7 +59,8 @@ def test_the_bound_stays_under_instances_the_grammar_accepts(default_tokenizer, 
     texts = [json.dumps(instance), json.dumps(instance, separators=(",", ":"))]
     accepted = [t for t in texts if _accepts(grammar, t)]
     assert accepted, texts
-    bound = capacity.min_tokens(schema_counts(json.dumps(schema)))
+    bound = capacity.bound(json.dumps(schema))  # both bounds (the literal texts' too)
+    assert bound >= capacity.min_tokens(schema_counts(json.dumps(schema)))
     for text in accepted:
         assert bound <= len(default_tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -80,7 +82,8 @@ def test_a_schema_far_over_the_budget_is_refused_without_a_search(make_engine, m
     elapsed = time.perf_counter() - t
     for out in outs:
         assert out.error_kind == ErrorKind.BUDGET_TOO_SMALL, (out.error, out.text)
-        assert f"needs at least 135 tokens, but max_tokens allows {max_tokens}" in out.error
+        # 135 from the characters, 202 from the names' tokens (40 x '"name"', '"biography"')
+        assert f"needs at least 202 tokens, but max_tokens allows {max_tokens}" in out.error
         assert out.completion_tokens == 0
     assert engine.guided.closer.stats["searches"] == searches  # decided by the bound
     assert engine.guide.policy.stats.budget_checks == 3
@@ -159,3 +162,43 @@ def test_a_budget_the_check_predicted_is_admitted_on_a_busy_engine(make_engine):
     assert engine.guided.closer.stats["searches"] == searches  # no search at admission
     json.loads(out.text)
     assert out.validation == "valid", out.text
+
+
+@pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
+def test_both_backends_spell_names_and_enum_strings_literally(make_tiny_engine, engine_name):
+    """The literal texts' bound (shortest_bound.py) counts the tokens of a property's name
+    and an enum string as they are spelt: it holds only if no backend takes an escaped
+    spelling of them (which a tokenizer could cover otherwise)."""
+    engine = make_tiny_engine()
+    schema = {"type": "object", "properties": {"kind": {"enum": ["alpha", "beta"]}},
+              "required": ["kind"], "additionalProperties": False}
+    spec = GrammarSpec.json_schema(json.dumps(schema), engine=engine_name)
+    compiled = engine.guided.get_grammar(spec).result(timeout=60)
+    assert compiled.engine == engine_name
+
+    def takes(text):
+        matcher = engine.guided.new_matcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert takes('{"kind": "alpha"}') or takes('{"kind":"alpha"}')
+    for escaped in ('{"\\u006bind": "alpha"}', '{"kind": "\\u0061lpha"}',
+                    '{"\\u006bind":"alpha"}', '{"kind":"\\u0061lpha"}'):
+        assert not takes(escaped), escaped
+
+
+def test_many_long_names_are_refused_by_their_tokens(make_tiny_engine):
+    """88 required camelCase names (Github_ultra/o21136 is such a schema): its outputs
+    need far over 512 tokens, which the characters' bound (quotes, braces) does not show;
+    the names' tokens do, and the request is refused before it generates instead of
+    running to its budget unclosed."""
+    names = [f"serviceProviderAssurance{w}Declaration" for w in (
+        "Alpha", "Bravo", "Charlie", "Delta", "Echo", "Foxtrot", "Golf", "Hotel")]
+    schema = {"type": "object", "properties": {
+        f"{n}{i}": {"type": "boolean"} for n in names for i in range(11)},
+        "required": [f"{n}{i}" for n in names for i in range(11)]}
+    engine = make_tiny_engine()
+    capacity = TokenCapacity(engine.guided.closer.vocab)
+    assert capacity.min_tokens(schema_counts(schema)) < 512 < capacity.bound(schema)
+    out, = run(engine, [request(schema, 512)])
+    assert out.error_kind == ErrorKind.BUDGET_TOO_SMALL, (out.error, out.text)
+    assert out.completion_tokens == 0 and "shortest output needs" in out.error

@@ -9,8 +9,11 @@ import json
 import jsonschema
 import pytest
 
+from core.grammar_spec import GrammarSpec
 from core.params import LoopGuardParams
+from core.request import GenerationRequest
 from tests.engine.test_loop_guard import generate, scripted
+from worker.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.integration
 
@@ -30,4 +33,84 @@ def test_a_completion_longer_than_twice_the_window_closes_in_time(make_engine):
                              loop_guard=LoopGuardParams(enabled=False))
     text = "".join(c.text for c in chunks)
     jsonschema.validate(json.loads(text), MANY_KEYS)
+    assert final.finish_reason == "length" and final.closed_early
+
+
+def rambling_after_script(engine, text):
+    """``scripted``, but off the script the model writes a new word on every step wherever
+    a string allows one (a different word each time: nothing for the loop guard to cut):
+    an answer that, cut back by the guard, fills its next string until the budget runs
+    out, as the real-world ones did."""
+    tok = engine.tokenizer
+    script = tok(text, add_special_tokens=False)["input_ids"]
+    words = [i for t, i in sorted(tok.get_vocab().items())
+             if t.startswith("\u0120") and t[1:].isalpha() and t[1:].islower()
+             and len(t) >= 7][:600]
+    scripted(engine, text)
+    run = engine.runner.run
+
+    def run_rambling(scheduled):
+        logits, rows = run(scheduled)
+        sampled = [s.seq for s in scheduled if s.samples]
+        for i, seq in enumerate(sampled):
+            out = seq.output_ids
+            if not (out == script[:len(out)] and len(out) < len(script)):
+                logits[i, words[len(out) % len(words)]] = 120.0  # over EOS and closers
+        return logits, rows
+
+    engine.runner.run = run_rambling
+
+
+def run_one(engine, schema, max_tokens, engine_name, **request):
+    req = GenerationRequest([{"role": "user", "content": "go"}],
+                            SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
+                            grammar=GrammarSpec.json_schema(schema, engine=engine_name),
+                            **request)
+    engine.add_request(req)
+    chunks = []
+    while engine.has_work():
+        chunks += [o for o in engine.step() if o.request_id == req.request_id]
+    return "".join(c.text for c in chunks), chunks[-1]
+
+
+@pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
+def test_closing_begins_in_time_after_a_loop_cut(make_tiny_engine, engine_name):
+    """The loop guard cuts a run of repeated items; the output cut back then fills a string
+    until its budget. A cut used to drop the estimate taken at admission (16 required keys
+    to come, longer than twice the window), so the probe at 96 tokens left found a
+    completion longer than what was left and the answer ran to its budget cut inside a
+    string (Github_ultra/o21219, WashingtonPost/wp_100)."""
+    engine = make_tiny_engine()
+    rambling_after_script(engine, '{"titles": [' + '{"title": "Titles"}, ' * 12)
+    text, final = run_one(engine, MANY_KEYS, 360, engine_name)
+    assert final.loop_cuts, "the repeated items were not cut: the test checks nothing"
+    assert final.grammar_engine == engine_name
+    jsonschema.validate(json.loads(text), MANY_KEYS)
+    assert final.finish_reason == "length" and final.closed_early
+
+
+OPTIONAL_FIRST = {"type": "object", "properties": {
+    **{f"optional_property_{i}": {"type": "string"} for i in range(8)},
+    **{f"required_property_number_{i}": {"type": "string"} for i in range(10)}},
+    "required": [f"required_property_number_{i}" for i in range(10)],
+    "additionalProperties": False}
+
+
+@pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
+def test_a_budget_of_the_checked_shortest_output_closes_valid(make_tiny_engine, engine_name):
+    """``max_tokens`` = the grammar check's shortest output, over the closing window, on a
+    busy engine (every search cut short): the request is admitted with the output the
+    check found (Github_hard/o60179 ran to its budget unclosed: the dive, the only closing
+    a busy engine has left, fills optional properties and was longer than the budget)."""
+    from worker.guided.grammar_check import GrammarChecker
+
+    engine = make_tiny_engine(closing_probe_ms=30_000.0)
+    spec = GrammarSpec.json_schema(OPTIONAL_FIRST, engine=engine_name)
+    engine.guided.closer.time_limit_s = 30.0  # the check's searches, on a busy test machine
+    shortest = GrammarChecker(engine.guided).check(spec).shortest_output["tokens"]
+    assert shortest > engine.config.closing_window
+    engine.guided.closer.time_limit_s = 0.0  # a busy engine: every search is cut short
+    rambling_after_script(engine, "")
+    text, final = run_one(engine, OPTIONAL_FIRST, shortest, engine_name)
+    jsonschema.validate(json.loads(text), OPTIONAL_FIRST)
     assert final.finish_reason == "length" and final.closed_early

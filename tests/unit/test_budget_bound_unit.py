@@ -69,7 +69,7 @@ def text_counts(text: str) -> tuple[int, ...]:
     """What a text holds, in the layout of shortest_bound.Counts."""
     raw = text.encode()
     return (len(raw), *(raw.count(c) for c in b'{}[]":,'),
-            sum(0x30 <= b <= 0x39 for b in raw))
+            sum(0x30 <= b <= 0x39 for b in raw), 0)
 
 
 def layouts(value):
@@ -117,12 +117,56 @@ def test_capacity_counts_what_one_token_holds():
     assert cap.caps[8] == 1  # digits: one a token
 
 
-@pytest.mark.parametrize("name, schema, instance", SHORTEST, ids=[r[0] for r in SHORTEST])
+MANY_NAMES = {"type": "object", "properties": {
+    f"propertyNumber{i}": {"enum": ["Service provider assertion", "Independent validation"]}
+    for i in range(12)}, "required": [f"propertyNumber{i}" for i in range(12)]}
+SHORTEST_AND_NAMES = SHORTEST + [
+    ("names", MANY_NAMES, {f"propertyNumber{i}": "Independent validation" for i in range(12)})]
+
+
+@pytest.mark.parametrize("name, schema, instance", SHORTEST_AND_NAMES,
+                         ids=[r[0] for r in SHORTEST_AND_NAMES])
 def test_no_tokenization_is_shorter_than_the_bound(name, schema, instance):
+    # both bounds: the characters', and the literal texts' (cover)
     cap = TokenCapacity(VOCAB)
-    bound = cap.min_tokens(schema_counts(schema))
+    bound = cap.bound(schema)
+    assert bound >= cap.min_tokens(schema_counts(schema))
     for text in layouts(instance):
         assert bound <= fewest_tokens(text), (text, bound)
+
+
+@pytest.mark.parametrize("text", ['"name"', '"biography"', '"people"', '"a"', '"nameless"',
+                                  '"Service provider assertion"', '""'])
+def test_a_cover_counts_the_tokens_starting_inside_a_text(text):
+    # against brute force: every placement of the text inside a longer output, the fewest
+    # tokens starting inside it in any tokenization (some bytes of context either side)
+    cap = TokenCapacity(VOCAB)
+    raw = text.encode()
+    least = min(_starting_inside(b + raw + a, len(b), len(b) + len(raw))
+                for b in (b"", b"{", b", ", b'{"', b"x") for a in (b"", b":", b'": "', b"}"))
+    assert cap.cover(text) <= least
+    assert cap.cover(text) == least or text == '""'  # (two quotes: one token ends both)
+
+
+def _starting_inside(raw: bytes, start: int, end: int) -> int:
+    """The fewest tokens, over every tokenization of ``raw`` by VOCAB, whose first byte
+    lies in ``raw[start:end]``."""
+    best = [0] + [1 << 30] * len(raw)
+    for i in range(1, len(raw) + 1):
+        for t in VOCAB:
+            if len(t) <= i and raw[i - len(t):i] == t:
+                begins = i - len(t)
+                best[i] = min(best[i], best[begins] + (start <= begins < end))
+    return best[-1]
+
+
+def test_names_bound_a_schema_the_characters_do_not():
+    # 12 required names of 16 characters each, not in the vocabulary: spelt in pieces
+    # (here one character a token), where the characters alone count a few quotes a token
+    cap = TokenCapacity(VOCAB)
+    chars = cap.min_tokens(schema_counts(MANY_NAMES))
+    assert cap.bound(MANY_NAMES) > 2 * chars
+    assert schema_counts(MANY_NAMES)[9] == 0  # without a cover, nothing counted there
 
 
 def test_a_long_schema_is_bounded_far_above_a_small_budget():

@@ -91,7 +91,8 @@ class CompiledGrammar:
     # what searches learned of the grammar, shared by its requests and the grammar check:
     # "start_path", the shortest output found from its start so far (OutputPolicy's
     # admission: a budget that holds it is admitted with it, whatever a later search on a
-    # busy engine finds in its time)
+    # busy engine finds in its time); "checked_budget", the shortest output the grammar
+    # check reported (a request with that max_tokens is admitted with "start_path")
     facts: dict = field(default_factory=dict, compare=False, repr=False)
 
 

@@ -52,7 +52,7 @@ from core.json_schema import pointer, walk
 from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
                                    EngineRefused)
 from worker.guided.output_policy import remember_start_path
-from worker.guided.shortest_bound import TokenCapacity, schema_counts
+from worker.guided.shortest_bound import TokenCapacity
 from worker.guided.validation import approximated_keywords, node_approximated, not_checked
 
 JSON_KINDS = ("json_schema", "json_object")
@@ -223,6 +223,8 @@ class GrammarChecker:
             if longer is None or len(longer) <= budget:
                 break
             budget = len(longer)
+        # a request whose max_tokens is the reported figure is admitted with ``best``
+        compiled.facts["checked_budget"] = max(budget, at_least)
         return {"tokens": max(budget, at_least), "at_least": at_least,
                 "exhausted": exact.exhausted}
 
@@ -233,7 +235,7 @@ class GrammarChecker:
             return 0
         if self._capacity is None:
             self._capacity = TokenCapacity(self.guided.closer.vocab)
-        return self._capacity.min_tokens(schema_counts(spec.parsed))
+        return self._capacity.bound(spec.parsed)
 
 
 # keyword paths ------------------------------------------------------------------------------

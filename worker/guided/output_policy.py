@@ -39,7 +39,7 @@ from core.params import LoopGuardParams
 from worker.guided.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
 from core.request import RequestOutput
 from worker.engine.sequence import Sequence
-from worker.guided.shortest_bound import TokenCapacity, schema_counts
+from worker.guided.shortest_bound import TokenCapacity
 from worker.guided.validation import approximated_keywords, validate_json
 
 logger = logging.getLogger(__name__)
@@ -61,11 +61,16 @@ class OutputState:
     closing_giveups: int = 0
     closing_retry_at: int = 0
     closing_start: list[int] | None = None  # shortest output found at admission
+    start_forced: bool = False  # ... given whatever the budget (the checked budget's)
     closing_probed: bool = False  # the dive's estimate taken before the window
+    # the output's length from the grammar's start, where it is longer than the window
+    # (admission's estimate): what a cut leaves as the estimate, so that closing still
+    # begins in time after it (the output cut back is as far from its end as before)
+    prior_estimate: int | None = None
     # the probe's dive path (at output length, path): what closing falls back on where
     # every search is cut short (a large grammar); probes given the long time so far
     fallback: tuple[int, list[int]] | None = None
-    long_probes: int = 0
+    long_probe_s: float = 0.0  # the time its dives with the probe's caps have taken
     forced_path: list[int] | None = None  # the output, when that is all that fits
     # the last closing path: (at output length, path, by how many tokens it may be
     # longer than the shortest there; see OutputPolicy._carried_path)
@@ -78,9 +83,11 @@ class OutputState:
     base: int = 0
     hold: int = 0  # the newest output tokens held back from the stream
 
-    def reset_closing(self) -> None:
-        """After a cut the output is another: no closing estimate or path holds."""
-        self.closing_estimate = self.closing_path = self.fallback = None
+    def reset_closing(self, at: int) -> None:
+        """After a cut (the output now ``at`` tokens) the output is another: no closing
+        path holds, and the estimate is the grammar's from its start, if it has one."""
+        self.closing_path = self.fallback = None
+        self.closing_estimate = None if self.prior_estimate is None else (at, self.prior_estimate)
         self.closing_failed = False
         self.closing_giveups = self.closing_retry_at = 0
         self.closing_probed = False
@@ -254,7 +261,7 @@ class OutputPolicy:
         seq.append(cut.closers)  # (their KV is computed next step)
         st.loop.cut(cut.keep, cut.closers)
         st.loop_cuts.append(cut)
-        st.reset_closing()
+        st.reset_closing(seq.num_output)
         self.stats.loop_cuts += 1
         if len(st.loop_cuts) == 1:
             self.stats.loop_cut_outputs += 1
@@ -292,7 +299,8 @@ class OutputPolicy:
         prompt still runs (a session keeps its KV); its first token is the path's first,
         and the rest follows at once (``_maybe_close``)."""
         path, seq.ending.closing_start = seq.ending.closing_start, None
-        if not path or self.remaining(seq) > len(path) + self.config.closing_margin:
+        if not path or (self.remaining(seq) > len(path) + self.config.closing_margin
+                        and not seq.ending.start_forced):
             return
         probe = matcher.fork()
         if all(probe.accept_token(t) for t in path):
@@ -321,6 +329,17 @@ class OutputPolicy:
                 return self._budget_verdict(seq, budget, self._bound_refusal(seq))
             if fresh and seq.compiled is not None:
                 self._estimate_at_start(seq, matcher, budget)
+                facts = seq.compiled.facts
+                known = facts.get("start_path")
+                if known is not None and len(known) <= budget <= cfg.closing_margin + max(
+                        len(known), facts.get("checked_budget", 0)):
+                    # a budget down to the output found from the start, or to the shortest
+                    # output the grammar check reported (sent as max_tokens): admitted with
+                    # that output, as within the window. Sampled freely, a large grammar's
+                    # closing found only longer paths (Github_hard/o60179)
+                    self.stats.budget_checks_memo += 1
+                    seq.ending.start_forced = True
+                    return self._budget_verdict(seq, budget, _Verdict(path=list(known)))
             return None
         self.stats.budget_checks += 1
         facts = seq.compiled.facts if fresh and seq.compiled is not None else None
@@ -382,6 +401,7 @@ class OutputPolicy:
                 known = path
         if known is not None and len(known) + _GUARD_ZONE > self.config.closing_window:
             seq.ending.closing_estimate = (seq.num_output, len(known))
+            seq.ending.prior_estimate = len(known)
 
     def shortest_bound(self, seq: Sequence) -> int:
         """A lower bound on the tokens of the grammar's shortest output (0: none known),
@@ -395,8 +415,7 @@ class OutputPolicy:
             return bound
         if self._capacity is None:
             self._capacity = TokenCapacity(self.guided.closer.vocab)
-        bound = self._bounds[key] = self._capacity.min_tokens(
-            schema_counts(seq.grammar.parsed))
+        bound = self._bounds[key] = self._capacity.bound(seq.grammar.parsed)
         while len(self._bounds) > _BUDGET_MEMO_SIZE:
             self._bounds.popitem(last=False)
         return bound
@@ -545,19 +564,24 @@ class OutputPolicy:
             st.closing_estimate = (seq.num_output, len(path))
 
     def _dive(self, seq: Sequence, matcher) -> list[int] | None:
-        """The closing probe's dive from here, kept as the request's fallback. The first
-        ``_LONG_PROBES`` of a request get ``closing_probe_ms`` and ten times the search's
-        nodes (a large grammar's dive needs them), the others the search's own caps."""
+        """The closing probe's dive from here, kept as the request's fallback. A request's
+        dives get ``closing_probe_ms`` and ten times the search's nodes (a large grammar's
+        dive needs them) until they have taken ``_LONG_PROBES`` times that time in all (a
+        dive of a large grammar takes about 0.1 s, and each loop cut needs a new one), the
+        others the search's own caps."""
         st = seq.ending
         closer = self.guided.closer
         self.stats.closing_probes += 1
         caps = {}
-        if st.long_probes < _LONG_PROBES and self.config.closing_probe_ms > 0:
-            st.long_probes += 1
-            caps = {"time_limit_s": self.config.closing_probe_ms / 1000,
-                    "max_expansions": 10 * closer.max_expansions}
+        probe_s = self.config.closing_probe_ms / 1000
+        long = probe_s > 0 and st.long_probe_s < _LONG_PROBES * probe_s
+        if long:
+            caps = {"time_limit_s": probe_s, "max_expansions": 10 * closer.max_expansions}
+        began = time.perf_counter()
         path = closer.estimate(matcher, 4 * self.remaining(seq) + 16,
                                pending=closer.pending_bytes(seq.output_ids), **caps)
+        if long:
+            st.long_probe_s += time.perf_counter() - began
         if path is not None:
             st.fallback = (seq.num_output, path)
         return path
@@ -612,7 +636,11 @@ class OutputPolicy:
             return None
         path = at_path[1]
         left = self.remaining(seq) - 1  # after this token
-        if token == path[0] or left > len(path) + _GUARD_ZONE:
+        # a path no search stands behind (a dive's, where every search gives up) is held
+        # at any distance from the budget's end: it is the only way out known, and the
+        # next search would give up again
+        unsure = at_path[2] >= _UNKNOWN
+        if token == path[0] or (left > len(path) + _GUARD_ZONE and not unsure):
             return None
         matcher = self.guided.matchers.get(seq.matcher_key)
         if matcher is None:
@@ -632,6 +660,9 @@ class OutputPolicy:
                     slack = min(slack, at_path[2])
                 seq.ending.closing_path = (seq.num_output + 1, again, max(slack, 0))
                 return None
+        if unsure and left > len(path) + _GUARD_ZONE:
+            self.stats.closing_steered += 1  # (no search: see above)
+            return path[0]
         self.stats.closing_searches += 1
         found = closer.shortest(probe, 2 * left + 8,
                                 pending=closer.pending_bytes(seq.output_ids + [token]))
@@ -653,7 +684,7 @@ class OutputPolicy:
 
 
 _GUARD_ZONE = 12  # tokens above the closing path within which sampled tokens are checked
-_LONG_PROBES = 2  # dives per request given closing_probe_ms (see OutputPolicy._dive)
+_LONG_PROBES = 2  # a request's dives with the probe's caps: this many times its time in all
 _START_SCALE = 4  # the dive from a grammar's start: 4x the nodes (and at least 4x the time)
 _START_DIVES = 2  # dives from a grammar's start per grammar (one cut short is tried again)
 _GIVEUPS = 3  # searches cut short (admission's included) before a request stops searching

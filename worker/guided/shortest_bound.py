@@ -23,24 +23,39 @@ The bound is the largest of these over a few sets (bytes alone are weak: one tok
 81 blanks; quotes are strong: no token holds more than 3). Blanks, numbers' digits and a
 string's free text count for nothing, so a schema of short required strings in a short
 object gets a loose bound, and the search decides it.
+
+A second bound counts tokens directly: the texts every output spells literally, a required
+property's name with its quotes and the shortest of an enum's strings (both grammar
+backends write them as their compact JSON text; tests/engine/test_budget_bound_engine.py
+checks that they refuse an escaped spelling). These texts lie apart in the output, so the
+tokens that *start* inside each are distinct tokens, and each text needs at least
+``TokenCapacity.cover(text)`` of them: the fewest in any tiling of the text by vocabulary
+tokens where the first may begin before the text (a token ending in its first bytes) and
+the last may run past it. With ``schema_counts(schema, cover=capacity.cover)`` their sum
+is ``Counts[9]``, and ``capacity.bound(schema)`` takes the larger of the two bounds. A
+schema of 88 required camelCase names (Github_ultra/o21136): 224 tokens from the
+characters, 984 from the names, where a real output needs over 512.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
 from core.json_schema import Resolver
 
 # the counted characters; Counts[0] is the output's length in bytes, Counts[1 + i] the
-# occurrences of _CHARS[i], Counts[8] its digits
+# occurrences of _CHARS[i], Counts[8] its digits, Counts[9] the tokens its literal texts
+# need (0 without a cover: see the module doc)
 _CHARS = b'{}[]":,'
 Counts = tuple[int, ...]
 _BRACE_O, _BRACE_C, _BRACK_O, _BRACK_C, _QUOTE, _COLON, _COMMA = range(1, 8)
 _DIGITS = 8
-_ZERO: Counts = (0,) * 9
+_FIXED = 9
+_ZERO: Counts = (0,) * 10
+Cover = Callable[[str], int]
 # weight sets (indices into Counts): bytes, each counted kind, and a few unions (a token
 # holds at most 3 of '{}"' where it holds 16 commas; many vocabularies spell numbers one
 # digit a token)
@@ -52,7 +67,7 @@ _SETS = tuple((i,) for i in range(9)) + _PUNCT + tuple(s + (_DIGITS,) for s in _
 def _vec(nbytes: int = 0, index: int | None = None, n: int = 0, digits: int = 0) -> Counts:
     """``nbytes`` bytes, of which ``n`` are the counted character ``index`` (its bytes
     are included) and ``digits`` are digits (included in ``nbytes`` by the caller)."""
-    c = [nbytes, 0, 0, 0, 0, 0, 0, 0, digits]
+    c = [nbytes, 0, 0, 0, 0, 0, 0, 0, digits, 0]
     if index is not None:
         c[0] += n
         c[index] += n
@@ -89,28 +104,36 @@ def _char(index: int, n: int = 1) -> Counts:
     return _vec(index=index, n=n)
 
 
-def _text(text: str) -> Counts:
+def _text(text: str, cover: Cover | None = None) -> Counts:
     """A JSON string of fixed text (a key, a const): its quotes, one byte at least per
     character and its digits (an escape is longer, and ``\\u0031`` still holds digits).
-    Its other counted characters are not counted: an escape may spell them otherwise."""
+    Its other counted characters are not counted: an escape may spell them otherwise.
+    With a ``cover``, the tokens its JSON text needs, where that text has one spelling
+    only (printable ASCII without a quote or a backslash: nothing to escape)."""
     digits = sum(ch.isascii() and ch.isdigit() for ch in text)
-    return _add(_char(_QUOTE, 2), _vec(len(text), digits=digits))
+    counts = _add(_char(_QUOTE, 2), _vec(len(text), digits=digits))
+    if cover is not None and text.isascii() and text.isprintable() and not (
+            set(text) & {'"', "\\"}):
+        counts = counts[:_FIXED] + (cover(f'"{text}"'),)
+    return counts
 
 
-def schema_counts(schema) -> Counts:
+def schema_counts(schema, cover: Cover | None = None) -> Counts:
     """What every output of the grammar for ``schema`` (a dict, bool or JSON text)
-    contains at least: bytes, then ``{ } [ ] " : ,`` (see the module doc). A schema that
-    cannot be read gives ``ANY``."""
+    contains at least: bytes, then ``{ } [ ] " : ,``, digits, and with a ``cover``
+    (``TokenCapacity.cover``) the tokens of its literal texts (see the module doc). A
+    schema that cannot be read gives ``ANY``."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except (ValueError, RecursionError):
             return ANY
-    return _Walk(schema).value(schema, 0)
+    return _Walk(schema, cover).value(schema, 0)
 
 
 class _Walk:
-    def __init__(self, root):
+    def __init__(self, root, cover: Cover | None = None):
+        self.cover = cover
         self.resolver = Resolver(root)
         self.nodes = 0
         self.refs: dict[str, Counts] = {}  # resolved $refs (a cycle cut at ANY: lower still)
@@ -129,10 +152,10 @@ class _Walk:
             if isinstance(branches, list) and branches:
                 readings.append(_least(self.value(b, depth + 1) for b in branches))
         if "const" in node:
-            readings.append(literal(node["const"], depth))
+            readings.append(literal(node["const"], depth, self.cover))
         enum = node.get("enum")
         if isinstance(enum, list) and enum:
-            readings.append(_least(literal(v, depth) for v in enum))
+            readings.append(_least(literal(v, depth, self.cover) for v in enum))
         typed = self._typed(node, depth)
         if typed is not None:
             readings.append(typed)
@@ -174,7 +197,8 @@ class _Walk:
             names = [n for n in dict.fromkeys(r for r in required if isinstance(r, str))
                      if n in props]
             for name in names:
-                parts += [_text(name), _char(_COLON), self.value(props[name], depth + 1)]
+                parts += [_text(name, self.cover), _char(_COLON),
+                          self.value(props[name], depth + 1)]
             if names:
                 parts.append(_char(_COMMA, len(names) - 1))
         return _add(*parts)
@@ -235,7 +259,7 @@ def _pattern_width(pattern: str) -> int:
     return min(int(low), 1 << 20)
 
 
-def literal(value, depth: int = 0) -> Counts:
+def literal(value, depth: int = 0, cover: Cover | None = None) -> Counts:
     """What the JSON text of a const value contains at least (compact: no blanks; a
     number counts one byte, xgrammar may write ``1.0`` as ``1``)."""
     if depth > _MAX_DEPTH:
@@ -245,14 +269,14 @@ def literal(value, depth: int = 0) -> Counts:
     if value is False:
         return _vec(5)
     if isinstance(value, str):
-        return _text(value)
+        return _text(value, cover)
     if isinstance(value, list):
         parts = [_char(_BRACK_O), _char(_BRACK_C), _char(_COMMA, max(len(value) - 1, 0))]
-        return _add(*parts, *(literal(v, depth + 1) for v in value))
+        return _add(*parts, *(literal(v, depth + 1, cover) for v in value))
     if isinstance(value, dict):
         parts = [_char(_BRACE_O), _char(_BRACE_C), _char(_COMMA, max(len(value) - 1, 0))]
         for k, v in value.items():
-            parts += [_text(str(k)), _char(_COLON), literal(v, depth + 1)]
+            parts += [_text(str(k), cover), _char(_COLON), literal(v, depth + 1, cover)]
         return _add(*parts)
     return _NUMBER
 
@@ -271,12 +295,56 @@ class TokenCapacity:
         per_token.append(np.bincount(owner[(text >= 0x30) & (text <= 0x39)],
                                      minlength=len(vocab)))
         self.caps = [int(sum(per_token[i] for i in s).max(initial=0)) for s in _SETS]
+        self._vocab = vocab
+        self._tokens: set[bytes] | None = None  # (built on the first cover)
+        self._covers: dict[str, int] = {}
+
+    def bound(self, schema) -> int:
+        """The fewest tokens of any output of ``schema``'s grammar: both bounds."""
+        return self.min_tokens(schema_counts(schema, cover=self.cover))
+
+    def cover(self, text: str) -> int:
+        """The fewest tokens that start inside ``text`` wherever an output spells it (see
+        the module doc): 0 where one token can hold it whole."""
+        known = self._covers.get(text)
+        if known is not None:
+            return known
+        if self._tokens is None:
+            tokens = {t for t in self._vocab if t}
+            self._tokens = tokens
+            self._prefixes = {t[:i] for t in tokens for i in range(1, len(t) + 1)}
+            self._suffixes = {t[-i:] for t in tokens for i in range(1, len(t) + 1)}
+            self._blob = b"\x00".join(tokens)
+            self._longest = max(map(len, tokens), default=1)
+        raw = text.encode()
+        n = len(raw)
+        if len(self._covers) > _COVERS_KEPT:
+            self._covers.clear()
+        if raw in self._blob:
+            self._covers[text] = 0  # one token holds it (and whatever lies either side)
+            return 0
+        # fewest[i]: tokens starting at i, i+1, ... that tile raw[i:] (the last may run on)
+        fewest = [0] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            best = 1 if raw[i:] in self._prefixes else _NEVER
+            for j in range(i + 1, min(n, i + self._longest) + 1):
+                if fewest[j] + 1 < best and raw[i:j] in self._tokens:
+                    best = fewest[j] + 1
+            fewest[i] = best
+        # the first token starting inside may begin at k: raw[:k] ends a token before it
+        need = min(fewest[k] for k in range(n) if k == 0 or raw[:k] in self._suffixes)
+        self._covers[text] = need
+        return need
 
     def min_tokens(self, counts: Counts) -> int:
         """The fewest tokens whose texts can hold ``counts``: for every weight set with a
         cap, ceil(weight / cap) (see the module doc)."""
-        need = 0
+        need = counts[_FIXED]  # (0 where the counts were taken without a cover)
         for s, cap in zip(_SETS, self.caps):
             if cap:
                 need = max(need, -(-sum(counts[i] for i in s) // cap))
         return need
+
+
+_NEVER = 1 << 30
+_COVERS_KEPT = 65_536  # texts whose cover a TokenCapacity keeps
