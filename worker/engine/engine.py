@@ -114,7 +114,7 @@ class LLMEngine:
                                       self.eos_ids, self.runner.device,
                                       remaining=self._remaining, grammar_fetch=grammar_fetch,
                                       grammar_limits=grammar_limits)
-        self.guided: GuidedDecodingManager | None = self.guide.manager  # masks, matchers
+        self.guided: GuidedDecodingManager | None = self.guide.manager  # masks, grammar stats
         self.seqs: dict[str, Sequence] = {}
         self.waiting_for_grammar: list[Sequence] = []
         self._rng = random.Random(config.seed)
