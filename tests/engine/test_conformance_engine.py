@@ -231,21 +231,20 @@ def test_sampling_never_breaks_a_character(make_engine):
     by_bytes = {v: i for i, v in enumerate(guided.closer.vocab) if len(v) == 1}
     spec = GrammarSpec.json_schema({"type": "object", "properties": {"s": {"type": "string"}},
                                     "required": ["s"]}, whitespace="compact")
-    key = ("utf8-test", 0)
-    matcher = guided.add_matcher(key, engine.guided.get_grammar(spec).result(timeout=60))
+    matcher = guided.add_matcher(engine.guided.get_grammar(spec).result(timeout=60))
     try:
         assert matcher.accept_string('{"s":"') and matcher.accept_token(by_bytes[b"\xe0"])
         out = [by_bytes[b"\xe0"]]
         logits = torch.zeros(1, guided.tokenizer_info.vocab_size)
         logits[0, by_bytes[b"\x80"]] = 50.0  # the model's favourite: invalid here
         logits[0, by_bytes[b"\xa4"]] = 10.0
-        inputs = SamplingInputs([SamplingRow(params(1), torch.Generator(), [], out)], [key])
+        inputs = SamplingInputs([SamplingRow(params(1), torch.Generator(), [], out)], [matcher])
         proc = FusedLogitsProcessor(inputs, guided)
         proc.prepare()
         [token] = Sampler()(logits, inputs.rows, proc).token_ids
         assert token == by_bytes[b"\xa4"]  # E0 A4: the start of a valid character
     finally:
-        guided.remove_matcher(key)
+        guided.remove_matcher(matcher)
 
 
 FORMATS = {"type": "object", "properties": {

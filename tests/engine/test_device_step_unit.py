@@ -89,7 +89,6 @@ def test_guided_masking_keeps_every_tensor_on_the_device():
     from worker.engine.sampling import SamplingInputs
 
     class Manager:  # a manager's host side: a CPU bitmask and a UTF-8 ban list
-        matchers = {("r", 0): object()}
         stop_token_ids = [2]
         bitmask = torch.full((4, 10), -1, dtype=torch.int32)
 
@@ -109,7 +108,7 @@ def test_guided_masking_keeps_every_tensor_on_the_device():
 
     rows = [SamplingRow(SamplingParams(temperature=0.5), torch.Generator().manual_seed(0),
                         [1], [2])]
-    proc = FusedLogitsProcessor(SamplingInputs(rows, [("r", 0)]), Manager())
+    proc = FusedLogitsProcessor(SamplingInputs(rows, [object()]), Manager())
     proc.prepare()
     logits = torch.empty(1, 300, device="meta")
     packed = sample_on_device(logits, SamplingPlan.build(rows, logits.device), proc)

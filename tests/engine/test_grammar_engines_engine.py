@@ -90,9 +90,8 @@ def test_a_mixed_batch_serves_each_row_on_its_engine(engine):
     mixed_steps = 0
     outs = {r.request_id: None for r in reqs}
     while engine.has_work():
-        keys = [engine.seqs[r.request_id].matcher_key for r in reqs
-                if r.request_id in engine.seqs]
-        live = {engine.guided.matchers[k].engine for k in keys if k in engine.guided.matchers}
+        guides = [engine.seqs[r.request_id].guide for r in reqs if r.request_id in engine.seqs]
+        live = {g.matcher.engine for g in guides if g.matcher is not None}
         mixed_steps += live == {"xgrammar", "llguidance"}
         for chunk in engine.step():
             if outs[chunk.request_id] is None:

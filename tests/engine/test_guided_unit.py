@@ -1,5 +1,5 @@
 """Guided decoding without a model: a tiny hand-made vocabulary, every grammar kind, the
-batch mask against a reference, one matcher per request, a missing matcher failing its
+batch mask against a reference, one matcher per request, a rejected token failing its
 row only, stop ids where the grammar may end, the NaN guard, the byte-bounded grammar LRU,
 shortest completions, the CPU mask kernel, bad grammars."""
 
@@ -123,25 +123,26 @@ def test_padded_vocab_rows_are_never_allowed(manager):
 
 def test_batch_mask_equals_reference_and_leaves_unguided_rows(manager):
     specs = {0: GrammarSpec.regex("(yes|no)"), 2: GrammarSpec.json_object(), 3: GrammarSpec.regex("ab?")}
+    ctx = [None] * 5
     for row, spec in specs.items():
-        manager.add_matcher((f"s{row}", 0), compile(manager, spec))
-    manager.matchers[("s2", 0)].accept_string('{"a')
-    ctx = [("s0", 0), None, ("s2", 0), ("s3", 0), None]
-    inputs = SamplingInputs(rows=[_row() for _ in ctx], matcher_keys=ctx)
+        ctx[row] = manager.add_matcher(compile(manager, spec))
+    ctx[2].accept_string('{"a')
+    inputs = SamplingInputs(rows=[_row() for _ in ctx], row_matchers=ctx)
     logits = torch.randn(5, 40)
     expected = logits.clone()
-    for row, key in enumerate(ctx):
-        if key is not None:
+    for row, matcher in enumerate(ctx):
+        if matcher is not None:
             mask = xgr.allocate_token_bitmask(1, 40)
-            manager.matchers[key].fill_next_token_bitmask(mask)
+            matcher.fill_next_token_bitmask(mask)
             reference_apply(expected[row:row + 1], mask)
     proc = FusedLogitsProcessor(inputs, manager)
     proc.prepare()
     proc(logits)
     assert torch.equal(logits, expected)
     assert torch.isfinite(logits[1]).all() and torch.isfinite(logits[4]).all()
-    for key in ("s0", "s2", "s3"):
-        manager.remove_matcher((key, 0))
+    for matcher in ctx:
+        if matcher is not None:
+            manager.remove_matcher(matcher)
 
 
 def _row(**params):
@@ -150,39 +151,37 @@ def _row(**params):
     return SamplingRow(SamplingParams(**params), torch.Generator(), [1], [])
 
 
-def test_a_missing_matcher_fails_its_row_only(manager):
+def test_a_rejected_token_fails_its_row_only(manager):
     compiled = compile(manager, GrammarSpec.regex("x+"))
-    manager.add_matcher(("live", 1), compiled)
-    keys = [("gone", 2), None, ("live", 1)]
-    proc = FusedLogitsProcessor(SamplingInputs([_row() for _ in keys], keys), manager)
+    rows = [manager.add_matcher(compiled), None, manager.add_matcher(compiled)]
+    proc = FusedLogitsProcessor(SamplingInputs([_row() for _ in rows], rows), manager)
     proc.prepare()
-    logits = torch.randn(3, 40)
-    proc(logits)
+    proc(torch.randn(3, 40))
     x = VOCAB.index("x")
-    status = proc.accept_token([x, 5, x])
-    assert status[0].error_kind == ErrorKind.INTERNAL and "gone" in status[0].error
+    status = proc.accept_token([VOCAB.index("a"), 5, x])
+    assert status[0].error_kind == ErrorKind.REJECTED
     assert 1 not in status and 2 not in status  # the others go on
-    manager.remove_matcher(("live", 1))
+    for matcher in (rows[0], rows[2]):
+        manager.remove_matcher(matcher)
 
 
-def test_matcher_keys_are_never_shared(manager):
+def test_each_request_gets_a_matcher_of_its_own(manager):
     compiled = compile(manager, GrammarSpec.regex("x"))
-    first = manager.add_matcher(("r1", 0), compiled)
-    with pytest.raises(RuntimeError, match="already exists"):
-        manager.add_matcher(("r1", 0), compiled)
-    second = manager.add_matcher(("r1", 1), compiled)  # the same request id reused later
+    first = manager.add_matcher(compiled)
+    second = manager.add_matcher(compiled)  # the same grammar: never the same matcher
+    assert manager.num_matchers == 2
     assert first.accept_string("x") and first.accept_token(EOS) and first.is_terminated()
     assert second is not first and not second.is_terminated() and second.accept_string("x")
-    manager.remove_matcher(("r1", 0))
-    manager.remove_matcher(("r1", 1))
+    manager.remove_matcher(first)
+    manager.remove_matcher(first)  # a second release changes nothing
+    manager.remove_matcher(second)
     assert manager.num_matchers == 0
 
 
 def test_stop_ids_are_allowed_only_where_the_grammar_may_end(manager):
     compiled = compile(manager, GrammarSpec.regex("ab?"))
     stop = VOCAB.index("yes")  # not in the grammar
-    manager.add_matcher(("st", 0), compiled)
-    keys = [("st", 0)]
+    keys = [manager.add_matcher(compiled)]
     rows = [_row(stop_token_ids=(stop,))]
 
     def step(token):
@@ -196,15 +195,15 @@ def test_stop_ids_are_allowed_only_where_the_grammar_may_end(manager):
     assert not allowed
     allowed, status = step(stop)  # after "a" it may: the stop id ends the row
     assert allowed and status[0].stop and not status[0].error
-    manager.remove_matcher(("st", 0))
+    manager.remove_matcher(keys[0])
 
 
 def test_nan_logits_never_sample_a_masked_token(manager):
     from worker.engine.sampling import Sampler
 
     compiled = compile(manager, GrammarSpec.regex("(yes|no)"))
-    manager.add_matcher(("nan", 0), compiled)
-    keys = [("nan", 0), ("nan", 0)]
+    matcher = manager.add_matcher(compiled)
+    keys = [matcher, matcher]
     for temperature in (0.0, 1.0, 1e-40):
         rows = [_row(temperature=temperature), _row(temperature=temperature)]
         logits = torch.full((2, 40), float("nan"))
@@ -213,7 +212,7 @@ def test_nan_logits_never_sample_a_masked_token(manager):
         proc.prepare()
         tokens = Sampler()(logits, rows, proc).token_ids
         assert all(VOCAB[t] in ("yes", "no") for t in tokens), tokens
-    manager.remove_matcher(("nan", 0))
+    manager.remove_matcher(matcher)
 
 
 def test_tiny_temperature_is_greedy():

@@ -61,8 +61,8 @@ def scripted(engine, thought: str, answer: str, end: str, seen: list | None = No
     if seen is not None:
         add = engine.guided.add_matcher
 
-        def recording(key, compiled):
-            matcher = add(key, compiled)
+        def recording(compiled):
+            matcher = add(compiled)
             accept = matcher.accept_token
 
             def accept_token(t):

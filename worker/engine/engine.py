@@ -114,7 +114,7 @@ class LLMEngine:
                                       self.eos_ids, self.runner.device,
                                       remaining=self._remaining, grammar_fetch=grammar_fetch,
                                       grammar_limits=grammar_limits)
-        self.guided: GuidedDecodingManager | None = self.guide.manager  # masks, matchers
+        self.guided: GuidedDecodingManager | None = self.guide.manager  # masks, grammar stats
         self.seqs: dict[str, Sequence] = {}
         self.waiting_for_grammar: list[Sequence] = []
         self._rng = random.Random(config.seed)
@@ -161,7 +161,7 @@ class LLMEngine:
         seq.append(resumed, streamed=True)  # KV recomputed, not re-emitted
         seq.resumed_text = already  # what the caller has, for validating the whole output
         self.seqs[seq.request_id] = seq
-        if seq.grammar_future is not None:
+        if seq.guide is not None and seq.guide.grammar_future is not None:
             seq.status = SeqStatus.WAITING_FOR_GRAMMAR
             self.waiting_for_grammar.append(seq)
         else:
@@ -254,7 +254,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             if self.waiting_for_grammar:  # nothing to run until a grammar is ready
-                wait([s.grammar_future for s in self.waiting_for_grammar], timeout=0.05,
+                wait([s.guide.grammar_future for s in self.waiting_for_grammar], timeout=0.05,
                      return_when=FIRST_COMPLETED)
                 return outputs
             return outputs + self._unschedulable()
@@ -289,7 +289,7 @@ class LLMEngine:
         outputs = []
         limit = self.config.grammar_timeout_s
         for seq in list(self.waiting_for_grammar):
-            if seq.grammar_future.done():
+            if seq.guide.grammar_future.done():
                 refused = seq.guide.admit()
                 if refused is not None:
                     outputs.append(self._end(seq, refused))

@@ -1,8 +1,8 @@
 """FusedLogitsProcessor: one step's logits processing for the whole sampling batch.
 
     proc = FusedLogitsProcessor(inputs, manager)
-    proc.prepare()            # before the forward: looks up each guided row's matcher and
-                              # starts filling the batch bitmask on a worker thread
+    proc.prepare()            # before the forward: starts filling the batch bitmask on a
+                              # worker thread, each masked row through its request's matcher
     logits = model(...)       # the fill runs meanwhile (xgrammar releases the GIL)
     sampler(logits, rows, proc)   # proc(logits): penalties, join the fill, mask in place
                                   # (and no byte UTF-8 forbids mid-character), NaN -> -inf;
@@ -12,9 +12,9 @@
 One bitmask tensor serves the batch (the manager's, allocated once); bitmask row i is
 logits row i, so nothing is re-sorted; unguided rows are left untouched.
 
-Everything that can go wrong is per row: a request whose matcher is missing fails alone
-(INTERNAL), a token the matcher refuses fails alone (REJECTED), and neither touches the
-other rows of the batch.
+Everything that can go wrong is per row: a token the matcher refuses fails its row alone
+(REJECTED; GRAMMAR_TOO_LARGE for a matcher over its limits) and touches no other row of
+the batch.
 
 Stop token ids on a guided row: they are allowed (unmasked) exactly where the grammar may
 end, i.e. where the row's mask allows an EOS token, and end the row there like EOS; where
@@ -63,26 +63,18 @@ class FusedLogitsProcessor:
         self.timings = StepTimings()
         self._rows: list[int] = []
         self._matchers: list = []
-        self._failed: dict[int, RowStatus] = {}
         self._may_end: dict[int, bool] = {}  # rows with stop ids: may the grammar end here
         self._fill: Future | None = None
 
     def prepare(self) -> None:
-        """Looks up the guided rows' matchers (a missing one fails its row only) and
-        starts the bitmask fill on the fill thread."""
-        manager = self.manager
-        if manager is None:
+        """Starts the bitmask fill of the masked rows (those with a matcher) on the fill
+        thread."""
+        if self.manager is None:
             return
-        for i, key in enumerate(self.inputs.matcher_keys):
-            if key is None:
-                continue
-            matcher = manager.matchers.get(key)
-            if matcher is None:
-                self._failed[i] = RowStatus(error=f"no grammar matcher for {key[0]}",
-                                            error_kind=ErrorKind.INTERNAL)
-                continue
-            self._rows.append(i)
-            self._matchers.append(matcher)
+        for i, matcher in enumerate(self.inputs.row_matchers):
+            if matcher is not None:
+                self._rows.append(i)
+                self._matchers.append(matcher)
         self.timings.guided_rows = len(self._rows)
         if self._rows:
             self._fill = _fill_pool.submit(self._fill_bitmask)
@@ -139,9 +131,9 @@ class FusedLogitsProcessor:
 
     def accept_token(self, tokens: list[int]) -> dict[int, RowStatus]:
         """Advances the guided rows' matchers; returns the rows whose matcher terminated,
-        that ended on a stop token id, or that failed (missing matcher, rejected token:
-        both should be impossible)."""
-        out: dict[int, RowStatus] = dict(self._failed)
+        that ended on a stop token id, or that failed (a rejected token: impossible under
+        the mask, or a matcher over its limits)."""
+        out: dict[int, RowStatus] = {}
         t = time.perf_counter()
         for row, matcher in zip(self._rows, self._matchers):
             token = tokens[row]

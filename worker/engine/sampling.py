@@ -1,9 +1,10 @@
 """The per-step sampling inputs and the batch sampler. ``SamplingParams`` lives in
 params.py (no torch there, for front ends) and is re-exported here.
 
-``ARSamplingStrategy`` builds each step's ``SamplingInputs``: one row per sampling sequence and its ``matcher_keys`` (the grammar
-matcher key of a guided row, None for an unguided one). ``Sampler`` turns the rows'
-logits into tokens: the logits processor (penalties, grammar mask) first, then greedy rows
+``ARSamplingStrategy`` builds each step's ``SamplingInputs``: one row per sampling
+sequence, and its ``row_matchers`` (the matcher that masks the row this step, from the
+request's guided part; None for a row not masked). ``Sampler`` turns the rows' logits
+into tokens: the logits processor (penalties, grammar mask) first, then greedy rows
 by argmax, then temperature, top-k, min-p and top-p, then one draw per row from the row's
 own generator (so a seeded request gives the same tokens whatever shares its batch), by
 inverting the row's cumulative distribution (``_draw``). Every tensor stays on the logits'
@@ -41,18 +42,18 @@ class SamplingRow:
 @dataclass
 class SamplingInputs:
     rows: list[SamplingRow]
-    # per row: the grammar matcher's key (Sequence.matcher_key) if guided, else None
-    matcher_keys: list[tuple[str, int] | None]
+    # per row: the matcher that masks it this step (GuidedRequest.mask_matcher), else None
+    row_matchers: list
 
 
 class ARSamplingStrategy:
     """Builds SamplingInputs for autoregressive decoding."""
 
     def make_sampling_inputs(self, seqs) -> SamplingInputs:
-        """One row per sequence, in order; guided rows carry their matcher key."""
+        """One row per sequence, in order; a row its grammar masks carries the matcher."""
         rows = [SamplingRow(s.params, s.generator, s.prompt_ids, s.output_ids) for s in seqs]
-        keys = [s.matcher_key if s.guided_now else None for s in seqs]
-        return SamplingInputs(rows, keys)
+        matchers = [s.guide.mask_matcher if s.guide is not None else None for s in seqs]
+        return SamplingInputs(rows, matchers)
 
 
 @dataclass

@@ -4,7 +4,6 @@ streams back are core/request.py)."""
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from typing import TYPE_CHECKING
 
@@ -19,9 +18,6 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-_seq_counter = itertools.count()
 
 
 class Sequence:
@@ -39,41 +35,17 @@ class Sequence:
         self.num_computed = 0
         self.block_table: list[int] = []
         self.status = SeqStatus.WAITING
-        self.grammar = request.grammar
-        self.grammar_future = None  # Future of the compiled grammar while it compiles
-        self.compiled = None  # the compiled grammar once ready (stop-string checks)
-        self.validation = request.validation
-        self.loop_guard = request.loop_guard  # None: the engine's default
-        self.ending = None  # OutputState of the output policy, for a guided request
+        self.grammar = request.grammar  # the grammar asked for (None: unguided)
         self.held_logprobs: list = []  # per output token not yet streamed (None: forced)
         self.detokenizer = detokenizer
         self.resumed_text = ""  # a continuation's output streamed before its worker died
         self.generator = generator
         self.cached_tokens = 0
         self.arrival = time.monotonic()
-        self.order = next(_seq_counter)
         self.finish_reason: str | None = None
-        self.thinking_token_budget = request.thinking_token_budget
-        self.thinking = None  # reasoning.Thinking while a reasoning model's thought runs
-        self.guide = None  # its guided part (worker/guided/request.py), None: plain
-        self.stop = request.params.stop  # the answer's stop strings (not the thought's)
-
-    @property
-    def guided_now(self) -> bool:
-        """Whether the grammar applies to this step's token: a guided request, not
-        thinking."""
-        return self.grammar is not None and (self.thinking is None or self.thinking.done)
-
-    @property
-    def thinking_now(self) -> bool:
-        return self.thinking is not None and not self.thinking.done
-
-    @property
-    def matcher_key(self) -> tuple[str, int]:
-        """Key of this request's grammar matcher: the request id plus an engine-wide
-        counter, so neither a client-chosen session id nor a reused request id can ever
-        make two requests share (or one release the other's) matcher."""
-        return (self.request_id, self.order)
+        # its guided part (worker/guided/request.py: its grammar's matcher, a thought, the
+        # output policy's state), None: plain. The engine and scheduler only call its hooks
+        self.guide = None
 
     @property
     def remaining_budget(self) -> int:

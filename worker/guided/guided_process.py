@@ -5,8 +5,9 @@ It owns the tokenizer info (built with the *model's* vocab size, so padded embed
 and ids the tokenizer lacks can never be sampled under a grammar, and with the model's
 real EOS ids as stop tokens), compiles grammars off the step loop with a cache of
 compiled grammars and of failures (bounded by bytes), owns the batch token bitmask
-(allocated once at the engine's max batch size), and keeps one matcher per request, keyed
-by ``Sequence.matcher_key`` (the request, never a client-chosen session id).
+(allocated once at the engine's max batch size), and makes each guided request its own
+matcher (``add_matcher``: the request's GuidedRequest owns it and hands it back with
+``remove_matcher``; the manager counts the live ones).
 
 Which engine compiles a spec (``resolve``): the spec's ``engine`` when it names one, else
 the manager's ``default_engine`` (``EngineConfig.grammar_engine``), and ``auto`` by the rule
@@ -63,7 +64,6 @@ from worker.guided.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
 
-MatcherKey = tuple[str, int]  # Sequence.matcher_key: (request_id, engine-wide counter)
 # fetch(spec, client): ``client`` is the asking request's GenerationRequest.client (an
 # opaque string or None), for the shared cache's fair share of compiles between clients
 GrammarFetch = Callable[[GrammarSpec, "str | None"], "xgr.CompiledGrammar"]
@@ -135,7 +135,7 @@ class GuidedDecodingManager:
         # [max_batch_size, ceil(vocab / 32)] int32, reused every step
         self.bitmask = xgr.allocate_token_bitmask(max_batch_size, self.vocab_size)
         self.fill_threads = fill_threads
-        self.matchers: dict[MatcherKey, GrammarMatcher] = {}
+        self._live: set[GrammarMatcher] = set()  # the requests' matchers (add_matcher)
         self._grammars: OrderedDict[str, object] = OrderedDict()  # key -> compiled | error
         self._sizes: dict[str, int] = {}  # key -> bytes it counts against cache_bytes
         self.cached_bytes = 0
@@ -423,27 +423,26 @@ class GuidedDecodingManager:
 
     # matchers ---------------------------------------------------------------------------
 
-    def add_matcher(self, key: MatcherKey, compiled: CompiledGrammar) -> GrammarMatcher:
-        """A fresh matcher for one request, counted per engine. A key is never reused
-        (request id plus an engine-wide counter), so an existing entry would be a bug: it
-        raises."""
-        if key in self.matchers:
-            raise RuntimeError(f"a grammar matcher for {key} already exists")
+    def add_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
+        """A fresh matcher for one request (its GuidedRequest owns it: no other request
+        can reach it), counted per engine and live until ``remove_matcher``."""
         matcher = self.new_matcher(compiled)
         self.stats.count(compiled.engine, "requests")
-        self.matchers[key] = matcher
+        self._live.add(matcher)
         return matcher
 
     def new_matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A matcher at the start of ``compiled`` (not registered: for checks and tests)."""
         return self.backend(compiled.engine).matcher(compiled)
 
-    def remove_matcher(self, key: MatcherKey) -> None:
-        self.matchers.pop(key, None)
+    def remove_matcher(self, matcher: GrammarMatcher) -> None:
+        """A request's matcher is no longer needed (its request ended)."""
+        self._live.discard(matcher)
 
     @property
     def num_matchers(self) -> int:
-        return len(self.matchers)
+        """The requests' matchers alive (added, not yet removed)."""
+        return len(self._live)
 
     # masks ------------------------------------------------------------------------------
 

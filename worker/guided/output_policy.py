@@ -10,7 +10,7 @@
     policy.release(seq, final)      # how many output tokens may be streamed now
     policy.report(seq, reason, out) # closing, loop cuts and post-validation onto the last chunk
 
-Its per-request state is one ``OutputState`` (``Sequence.ending``); its counters are one
+Its per-request state is one ``OutputState`` (``GuidedRequest.ending``); its counters are one
 ``PolicyStats``. The searches themselves live in closing.py (the shortest completion) and
 loop_guard.py (the repeating span and where to end it); post-validation in validation.py.
 
@@ -156,8 +156,8 @@ class OutputPolicy:
         too_small = self._budget_too_small(seq, matcher)
         if too_small is not None:
             return too_small
-        st = seq.ending
-        params = seq.loop_guard or self.loop_defaults
+        st = seq.guide.ending
+        params = seq.guide.loop_guard or self.loop_defaults
         if self._closers is None:
             self._closers = closer_ids(self.guided.closer.vocab)
             self._shapes = token_shapes(self.guided.closer.vocab)
@@ -166,7 +166,7 @@ class OutputPolicy:
             # with stop strings the text is checked as it is made: nothing is held back
             st.hold = 0 if seq.params.stop else params.hold_tokens
         st.released = st.base = seq.num_output  # a continuation's was streamed already
-        if not seq.thinking_now:  # a thought's plan waits for its answer (begin_answer)
+        if not seq.guide.thinking_now:  # a thought's plan waits for its answer (begin_answer)
             self._plan_close_at_start(seq, matcher)
         return None
 
@@ -174,7 +174,7 @@ class OutputPolicy:
         """A reasoning model's thought ended: the policy follows the answer from here
         (what admission found for the grammar's start holds here: the matcher saw no
         thought)."""
-        st = seq.ending
+        st = seq.guide.ending
         st.released = st.base = seq.num_output
         if st.closing_estimate is not None:
             st.closing_estimate = (seq.num_output, st.closing_estimate[1])
@@ -190,9 +190,9 @@ class OutputPolicy:
         output takes the plan's token; one near its budget's end whose sampled token would
         leave no room to close takes the closing path's. A replaced token has no logprob."""
         for i, seq in enumerate(seqs):
-            if not seq.guided_now:
+            if seq.guide is None or not seq.guide.guided_now:
                 continue
-            st = seq.ending
+            st = seq.guide.ending
             forced = st.forced_path[0] if st.forced_path else self._keep_closable(
                 seq, token_ids[i])
             if forced is not None and forced != token_ids[i]:
@@ -206,7 +206,7 @@ class OutputPolicy:
         value is cut and closed (the output is rewritten, None is returned: it goes on);
         then near the budget's end the closing path is forced: (its tokens, appended to
         the output already, and the finish reason)."""
-        st = seq.ending
+        st = seq.guide.ending
         if st.loop is not None and st.loop.active:  # spent: it records nothing more
             for token in seq.token_ids[len(seq.token_ids) - new:]:
                 st.loop.push(token)
@@ -223,7 +223,7 @@ class OutputPolicy:
     def release(self, seq: Sequence, final: bool) -> int:
         """How many more output tokens the stream may have now: all when the request
         finishes, else all but the newest ``hold`` (which a loop cut may still remove)."""
-        st = seq.ending
+        st = seq.guide.ending
         upto = seq.num_output if final else max(st.released, seq.num_output - st.hold)
         n, st.released = upto - st.released, upto
         return n
@@ -233,10 +233,10 @@ class OutputPolicy:
         ``closers``: nothing streamed is taken back, the grammar accepts them, and (cut at
         the newest token) the grammar does not force them anyway (``"aaaa"`` for
         ``a{4}``: that is no cut)."""
-        keep += seq.ending.base  # the guard counts the tokens it was shown
-        if keep < seq.ending.released:
+        keep += seq.guide.ending.base  # the guard counts the tokens it was shown
+        if keep < seq.guide.ending.released:
             return False
-        matcher = self.guided.matchers.get(seq.matcher_key)
+        matcher = seq.guide.matcher
         if matcher is None:
             return False
         probe = matcher.fork()
@@ -251,9 +251,9 @@ class OutputPolicy:
     def _cut(self, seq: Sequence, cut: LoopCut) -> None:
         """Rolls the output, its matcher and its KV back to ``cut.keep`` tokens, then
         appends the closers (accepted by the matcher; their KV is computed next step)."""
-        st = seq.ending
+        st = seq.guide.ending
         drop = seq.num_output - (st.base + cut.keep)
-        matcher = self.guided.matchers[seq.matcher_key]
+        matcher = seq.guide.matcher
         matcher.rollback(drop)
         for t in cut.closers:
             matcher.accept_token(t)
@@ -270,7 +270,7 @@ class OutputPolicy:
 
     def report(self, seq: Sequence, reason: str, out: RequestOutput) -> None:
         """Closing, loop cuts and validation onto the final chunk (once per request)."""
-        st = seq.ending
+        st = seq.guide.ending
         out.closed_early = st.closed_early
         out.loop_cuts = len(st.loop_cuts)
         if st.closed_early:
@@ -282,7 +282,7 @@ class OutputPolicy:
             return
         schema = seq.grammar.source if kind == "json_schema" else None
         out.approximated = approximated_keywords(seq.grammar.parsed) if schema else []
-        if seq.validation == "off":
+        if seq.guide.validation == "off":
             return
         error = validate_json(schema, seq.resumed_text + seq.detokenizer.text)
         self.stats.validated += 1
@@ -298,13 +298,13 @@ class OutputPolicy:
         gets that output: one freely sampled token could leave no room to close. The
         prompt still runs (a session keeps its KV); its first token is the path's first,
         and the rest follows at once (``_maybe_close``)."""
-        path, seq.ending.closing_start = seq.ending.closing_start, None
+        path, seq.guide.ending.closing_start = seq.guide.ending.closing_start, None
         if not path or (self.remaining(seq) > len(path) + self.config.closing_margin
-                        and not seq.ending.start_forced):
+                        and not seq.guide.ending.start_forced):
             return
         probe = matcher.fork()
         if all(probe.accept_token(t) for t in path):
-            seq.ending.forced_path = path
+            seq.guide.ending.forced_path = path
 
     def _budget_too_small(self, seq: Sequence, matcher) -> str | None:
         """A message when the grammar's shortest output needs more tokens than a fresh
@@ -327,9 +327,9 @@ class OutputPolicy:
             if fresh and self.shortest_bound(seq) > budget:
                 self.stats.budget_checks += 1
                 return self._budget_verdict(seq, budget, self._bound_refusal(seq))
-            if fresh and seq.compiled is not None:
+            if fresh and seq.guide.compiled is not None:
                 self._estimate_at_start(seq, matcher, budget)
-                facts = seq.compiled.facts
+                facts = seq.guide.compiled.facts
                 known = facts.get("start_path")
                 if known is not None and len(known) <= budget <= cfg.closing_margin + max(
                         len(known), facts.get("checked_budget", 0)):
@@ -338,11 +338,11 @@ class OutputPolicy:
                     # that output, as within the window. Sampled freely, a large grammar's
                     # closing found only longer paths (Github_hard/o60179)
                     self.stats.budget_checks_memo += 1
-                    seq.ending.start_forced = True
+                    seq.guide.ending.start_forced = True
                     return self._budget_verdict(seq, budget, _Verdict(path=list(known)))
             return None
         self.stats.budget_checks += 1
-        facts = seq.compiled.facts if fresh and seq.compiled is not None else None
+        facts = seq.guide.compiled.facts if fresh and seq.guide.compiled is not None else None
         known = facts.get("start_path") if facts is not None else None
         if known is not None and len(known) <= budget:
             # an output that fits was found from the start before (a request's search, the
@@ -367,7 +367,7 @@ class OutputPolicy:
                                           closer.pending_bytes(seq.output_ids))
             certain = closer.stats["timeouts"] == timeouts
         if facts is not None and verdict.path is not None:
-            remember_start_path(seq.compiled, verdict.path)
+            remember_start_path(seq.guide.compiled, verdict.path)
         if key is not None:
             self._budget_memo[key] = (time.monotonic(), certain, verdict)
             while len(self._budget_memo) > _BUDGET_MEMO_SIZE:
@@ -385,7 +385,7 @@ class OutputPolicy:
         it. The probe at twice the window comes too late for such a grammar: 20 required
         properties left took more tokens to close than were left (real-world schemas cut
         unclosed at their budget)."""
-        facts = seq.compiled.facts
+        facts = seq.guide.compiled.facts
         known = facts.get("start_path")
         if known is None and facts.get("start_dives", 0) < _START_DIVES:
             # the probe's time (a busy machine cut 4x the search's short), 4x the nodes
@@ -397,11 +397,11 @@ class OutputPolicy:
                                  _START_SCALE * closer.time_limit_s),
                 max_expansions=_START_SCALE * closer.max_expansions)
             if path is not None:
-                remember_start_path(seq.compiled, path)
+                remember_start_path(seq.guide.compiled, path)
                 known = path
         if known is not None and len(known) + _GUARD_ZONE > self.config.closing_window:
-            seq.ending.closing_estimate = (seq.num_output, len(known))
-            seq.ending.prior_estimate = len(known)
+            seq.guide.ending.closing_estimate = (seq.num_output, len(known))
+            seq.guide.ending.prior_estimate = len(known)
 
     def shortest_bound(self, seq: Sequence) -> int:
         """A lower bound on the tokens of the grammar's shortest output (0: none known),
@@ -449,7 +449,7 @@ class OutputPolicy:
 
     @staticmethod
     def _budget_verdict(seq: Sequence, budget: int, verdict: _Verdict) -> str | None:
-        st = seq.ending
+        st = seq.guide.ending
         if verdict.path is not None:
             st.closing_estimate = (seq.num_output, len(verdict.path))
             st.closing_start = list(verdict.path)
@@ -469,12 +469,12 @@ class OutputPolicy:
         """Budget-aware closing (see closing.py). When the tokens left are down to the
         grammar's shortest completion (plus ``closing_margin``), returns that completion,
         already accepted by the request's matcher, and the finish reason; else None."""
-        if seq.ending.forced_path is not None:  # its first token was just taken: the rest now
-            path, seq.ending.forced_path = seq.ending.forced_path[1:], None
+        if seq.guide.ending.forced_path is not None:  # its first token was just taken: the rest now
+            path, seq.guide.ending.forced_path = seq.guide.ending.forced_path[1:], None
             return self._force(seq, path)
         cfg = self.config
         left = self.remaining(seq)
-        st = seq.ending
+        st = seq.guide.ending
         if not cfg.closing_window or st.closing_failed:
             return None
         window = cfg.closing_window
@@ -486,9 +486,9 @@ class OutputPolicy:
             window = max(window, st.closing_estimate[1] + _GUARD_ZONE + cfg.closing_margin)
         if left > window:
             return None
-        if seq.num_output < seq.ending.closing_retry_at:
+        if seq.num_output < seq.guide.ending.closing_retry_at:
             return None
-        est = seq.ending.closing_estimate
+        est = seq.guide.ending.closing_estimate
         if est is not None:
             # one token grows the shortest completion by a few tokens at most (it can open
             # a string, an object and a key at once): skip the search while far from it
@@ -498,7 +498,7 @@ class OutputPolicy:
             if left > max(need + _GROWTH * (seq.num_output - at),
                           need + _GUARD_ZONE) + cfg.closing_margin:
                 return None
-        matcher = self.guided.matchers.get(seq.matcher_key)
+        matcher = seq.guide.matcher
         if matcher is None:
             return None
         carried, slack = self._carried_path(seq, matcher)
@@ -531,19 +531,19 @@ class OutputPolicy:
                     if fallback is not None:
                         self.stats.closing_fallbacks += 1
                         if left > len(fallback) + cfg.closing_margin + _GUARD_ZONE:
-                            seq.ending.closing_path = (seq.num_output, fallback, _UNKNOWN)
+                            seq.guide.ending.closing_path = (seq.num_output, fallback, _UNKNOWN)
                             return None
                         return self._force(seq, fallback)
                     _gave_up(seq)
                     self.stats.closing_giveups += 1
                 else:
-                    seq.ending.closing_failed = True
+                    seq.guide.ending.closing_failed = True
                 return None
-        seq.ending.closing_estimate = (seq.num_output, len(found.tokens))
+        seq.guide.ending.closing_estimate = (seq.num_output, len(found.tokens))
         if left > len(found.tokens) + cfg.closing_margin:
             # near the end, the next sampled token is checked against this path: one
             # token can cost many (", " in an array opens a whole object)
-            seq.ending.closing_path = (seq.num_output, found.tokens, slack)
+            seq.guide.ending.closing_path = (seq.num_output, found.tokens, slack)
             return None
         if not found.tokens and self.guided.only_stop_allowed(matcher):
             return [], "stop"  # complete, and the grammar allows nothing more
@@ -554,9 +554,9 @@ class OutputPolicy:
         completion length (milliseconds), kept as the closing estimate when it is longer
         than the window, so that closing begins in time for it (a completion of 50 tokens
         found at 48 left cannot be emitted any more)."""
-        st = seq.ending
+        st = seq.guide.ending
         st.closing_probed = True
-        matcher = self.guided.matchers.get(seq.matcher_key)
+        matcher = seq.guide.matcher
         if matcher is None:
             return
         path = self._dive(seq, matcher)
@@ -569,7 +569,7 @@ class OutputPolicy:
         dive needs them) until they have taken ``_LONG_PROBES`` times that time in all (a
         dive of a large grammar takes about 0.1 s, and each loop cut needs a new one), the
         others the search's own caps."""
-        st = seq.ending
+        st = seq.guide.ending
         closer = self.guided.closer
         self.stats.closing_probes += 1
         caps = {}
@@ -591,7 +591,7 @@ class OutputPolicy:
         from here (its rest, when the tokens since were its own; else replayed whole on a
         fork), else a new dive's (``_dive``: long while the request has long probes left);
         None when none fits ``left``."""
-        st = seq.ending
+        st = seq.guide.ending
         path = None
         if st.fallback is not None:
             at, dived = st.fallback
@@ -616,7 +616,7 @@ class OutputPolicy:
         The slack follows from one bound: a token shortens the shortest completion by one
         at most. A path found by a search has none (a search is the reference); k tokens
         after a path of length L with slack s, the shortest is at least L - s - k long."""
-        at = seq.ending.closing_path
+        at = seq.guide.ending.closing_path
         if at is None:
             return None, _UNKNOWN
         at_output, path, slack = at
@@ -631,7 +631,7 @@ class OutputPolicy:
         """Within ``_GUARD_ZONE`` tokens of the closing path found for this very state: the
         sampled token if the output can still close after it within the budget, else the
         path's first token (which can). None: not checked."""
-        at_path = seq.ending.closing_path
+        at_path = seq.guide.ending.closing_path
         if at_path is None or at_path[0] != seq.num_output or not at_path[1]:
             return None
         path = at_path[1]
@@ -642,7 +642,7 @@ class OutputPolicy:
         unsure = at_path[2] >= _UNKNOWN
         if token == path[0] or (left > len(path) + _GUARD_ZONE and not unsure):
             return None
-        matcher = self.guided.matchers.get(seq.matcher_key)
+        matcher = seq.guide.matcher
         if matcher is None:
             return None
         probe = matcher.fork()
@@ -658,7 +658,7 @@ class OutputPolicy:
                 slack = at_path[2] + 1 - (len(path) - len(again))
                 if closer.same_place(matcher, probe):
                     slack = min(slack, at_path[2])
-                seq.ending.closing_path = (seq.num_output + 1, again, max(slack, 0))
+                seq.guide.ending.closing_path = (seq.num_output + 1, again, max(slack, 0))
                 return None
         if unsure and left > len(path) + _GUARD_ZONE:
             self.stats.closing_steered += 1  # (no search: see above)
@@ -667,14 +667,14 @@ class OutputPolicy:
         found = closer.shortest(probe, 2 * left + 8,
                                 pending=closer.pending_bytes(seq.output_ids + [token]))
         if found.tokens is not None and len(found.tokens) <= left:
-            seq.ending.closing_path = (seq.num_output + 1, found.tokens, 0)  # for _maybe_close
+            seq.guide.ending.closing_path = (seq.num_output + 1, found.tokens, 0)  # for _maybe_close
             return None
         self.stats.closing_steered += 1
         return path[0]
 
     def _force(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str]:
         """Feeds a closing path to the request's matcher (which checks every token)."""
-        matcher = self.guided.matchers.get(seq.matcher_key)
+        matcher = seq.guide.matcher
         for i, t in enumerate(tokens):
             if matcher is None or not matcher.accept_token(t):
                 logger.error("closing: the grammar refused forced token %d", t)
@@ -699,7 +699,7 @@ def _gave_up(seq: Sequence) -> None:
     again 4, then 16 tokens later, then never. A grammar the search cannot decide in
     time rarely becomes decidable a token later, and each try stalls the whole batch for
     up to ``closing_search_ms``."""
-    st = seq.ending
+    st = seq.guide.ending
     st.closing_giveups += 1
     st.closing_retry_at = seq.num_output + _RETRY_BASE ** st.closing_giveups
     st.closing_failed = st.closing_giveups >= _GIVEUPS

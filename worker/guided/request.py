@@ -10,11 +10,21 @@ guided path:
     n = seq.guide.releasable(final)          # how many output tokens the stream may have
     seq.guide.finish(reason, out, waiting)   # matcher freed, thought and report on the chunk
 
-The request's guided state is its matcher, its ``Thinking`` (reasoning.py: the thought is
-a phase around the grammar: no mask, no policy until it ends), the output policy's
-``OutputState`` (``Sequence.ending``) and the grammar's cached facts (the compiled
-grammar's ``facts``, the answer room per grammar here). How a guided output ends (budget
-check, closing, loop guard, jump-forward, validation) is decided in this package only.
+and the step reads two of its fields: ``grammar_future`` (the request waits for it) and
+``mask_matcher`` (the matcher that fills the row's mask this step; None: not masked).
+
+The request's guided state is the GuidedRequest's alone (``Sequence`` holds none of it):
+its grammar's future, then the compiled grammar and a matcher of its own, its
+``Thinking`` (reasoning.py), the output policy's ``OutputState`` (``ending``), and the
+grammar's cached facts (the compiled grammar's ``facts``, the answer room per grammar
+here). How a guided output ends (budget check, closing, loop guard, jump-forward,
+validation) is decided in this package only.
+
+The thought is a phase of the request (no mask, no policy until it ends), not a wrapper
+around its matcher as SGLang's reasoner wraps a grammar object: its end is decided on
+text (a marker spans tokens, and a token holding thought and answer is split), it swaps
+the detokenizer and sets the answer's room in the budget, and an unguided request has one
+with no grammar at all. The mask sees the phase in one place, ``mask_matcher``.
 
 Why one module over 500 lines: the hooks act on one request's phases in a fixed order
 (a thought, the marker, the answer under its grammar); each step they take (the policy,
@@ -143,14 +153,14 @@ class GuidedPath:
     def owed(self, seq: Sequence) -> int:
         """Tokens a request's budget must keep for what it owes: while it thinks, a token
         of thought at least and the end marker."""
-        return len(self.end_ids) + 1 if seq.thinking_now else 0
+        return len(self.end_ids) + 1 if seq.guide is not None and seq.guide.thinking_now else 0
 
     # hooks --------------------------------------------------------------------------------
 
     def attach(self, seq: Sequence, request: GenerationRequest,
                resumed: list[int]) -> "GuidedRequest | None":
         """A new request's guided part, before its resumed output is appended: its grammar
-        asked for (the sequence then waits for it: ``Sequence.grammar_future``) and, for a
+        asked for (the sequence then waits for it: ``GuidedRequest.grammar_future``) and, for a
         reasoning model's request that starts in a thought, the thought set up (its own
         detokenizer). None for a plain request. A ValueError changes nothing."""
         if request.grammar is not None and self.manager is None:
@@ -160,11 +170,10 @@ class GuidedPath:
             thinking = self._thinking(seq, request, resumed)
         if thinking is None and request.grammar is None:
             return None
-        guide = GuidedRequest(self, seq)
-        seq.thinking = thinking
+        guide = GuidedRequest(self, seq, request, thinking)
         if request.grammar is not None:
-            seq.grammar_future = self.manager.get_grammar(request.grammar, request.client,
-                                                          waiter=True)
+            guide.grammar_future = self.manager.get_grammar(request.grammar, request.client,
+                                                            waiter=True)
         return guide
 
     def steer(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> None:
@@ -218,7 +227,7 @@ class GuidedPath:
             if after and already.startswith(after):  # the marker's token holds it: context
                 already = already[len(after):]
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, prompt_ids + thought, stop=seq.stop,
+                self.tokenizer, prompt_ids + thought, stop=seq.params.stop,
                 resumed_token_ids=resumed[end:], resumed_text=already)
         return th
 
@@ -257,13 +266,37 @@ class GuidedPath:
 
 
 class GuidedRequest:
-    """One request's guided part (``Sequence.guide``): its matcher once its grammar is
-    ready, its thought (``Sequence.thinking``), its output policy state
-    (``Sequence.ending``), and the hooks the engine's step calls."""
+    """One request's guided part (``Sequence.guide``): its grammar (the future while it
+    compiles, then the compiled grammar and a matcher of its own), its thought, its output
+    policy state, and the hooks the engine's step calls."""
 
-    def __init__(self, path: GuidedPath, seq: Sequence):
+    def __init__(self, path: GuidedPath, seq: Sequence, request: GenerationRequest,
+                 thinking: Thinking | None):
         self.path, self.seq = path, seq
-        self.matcher = None  # the grammar's matcher, from admission on
+        self.grammar_future = None  # Future of the compiled grammar while it compiles
+        self.compiled = None  # the compiled grammar, from admission on
+        self.matcher = None  # the grammar's matcher, from admission to the end
+        self.thinking = thinking  # a reasoning model's thought (None: none)
+        self.ending: OutputState | None = None  # the output policy's, from admission on
+        self.validation = request.validation
+        self.loop_guard = request.loop_guard  # None: the engine's default
+
+    @property
+    def thinking_now(self) -> bool:
+        """Whether this step's token is the thought's."""
+        return self.thinking is not None and not self.thinking.done
+
+    @property
+    def guided_now(self) -> bool:
+        """Whether the grammar applies to this step's token: a guided request, not
+        thinking."""
+        return self.seq.grammar is not None and not self.thinking_now
+
+    @property
+    def mask_matcher(self):
+        """The matcher whose mask this step's row gets (None: the row is not masked: no
+        grammar, or the thought runs)."""
+        return self.matcher if self.guided_now else None
 
     # admission ----------------------------------------------------------------------------
 
@@ -276,14 +309,13 @@ class GuidedRequest:
         complete already (stop), or the budget cannot hold the grammar's shortest output
         (BUDGET_TOO_SMALL)."""
         seq, path = self.seq, self.path
-        exc = seq.grammar_future.exception()
+        exc = self.grammar_future.exception()
         if exc is not None:  # a bad grammar, or the compile service failed
             kind = getattr(exc, "kind", None) or ErrorKind.GRAMMAR_UNAVAILABLE
             return Outcome("error", error=str(exc) or repr(exc), error_kind=kind)
-        compiled = seq.grammar_future.result()
-        self.matcher = matcher = path.manager.add_matcher(seq.matcher_key, compiled)
-        seq.compiled = compiled
-        seq.ending = OutputState()
+        self.compiled = compiled = self.grammar_future.result()
+        self.matcher = matcher = path.manager.add_matcher(compiled)
+        self.ending = OutputState()
         if seq.num_output:
             refused = self._advance_resumed()
             if refused is not None:
@@ -291,9 +323,9 @@ class GuidedRequest:
         too_small = path.policy.admit(seq, matcher)
         if too_small is not None:
             return Outcome("error", error=too_small, error_kind=ErrorKind.BUDGET_TOO_SMALL)
-        if seq.thinking_now:
+        if self.thinking_now:
             self._leave_answer_room()
-        elif seq.stop:  # a stop string only where the grammar may end
+        elif seq.params.stop:  # a stop string only where the grammar may end
             seq.detokenizer.stop_check = GrammarStopCheck(path.manager.new_matcher(compiled))
         return None
 
@@ -302,9 +334,9 @@ class GuidedRequest:
         never a thought's). An Outcome when the grammar refuses that output, or it already
         completes the grammar."""
         seq = self.seq
-        if seq.thinking_now:
+        if self.thinking_now:
             return None
-        for token in seq.output_ids[seq.thinking.tokens if seq.thinking else 0:]:
+        for token in seq.output_ids[self.thinking.tokens if self.thinking else 0:]:
             if not self.matcher.accept_token(token):
                 return Outcome("error", error=(
                     "cannot resume: the grammar does not accept the output streamed before "
@@ -320,7 +352,7 @@ class GuidedRequest:
         seq, path = self.seq, self.path
         need = path.answer_room(seq, self.matcher)
         room = path.remaining(seq) - need - path.config.closing_margin - _ANSWER_SLACK
-        th = seq.thinking
+        th = self.thinking
         th.limit = max(th.tokens, min(th.limit, seq.num_output + max(room, 0)))
 
     # a sampled token ----------------------------------------------------------------------
@@ -332,7 +364,7 @@ class GuidedRequest:
         token goes to its thought (``_after_thought``). A row with a thought done and no
         grammar is a plain one: ``Outcome(plain=True)``."""
         seq, path = self.seq, self.path
-        if seq.thinking_now:
+        if self.thinking_now:
             return self._after_thought(token, logprob)
         if seq.grammar is None:
             return Outcome(plain=True)
@@ -350,7 +382,7 @@ class GuidedRequest:
         if seq.detokenizer.stopped is not None:
             out.finish = "stop"
             return out
-        if seq.ending is not None:
+        if self.ending is not None:
             closed = path.policy.after_token(seq, 1 + jumped)
             if closed is not None:
                 out.finish = closed[1]
@@ -362,7 +394,7 @@ class GuidedRequest:
         """Appends the text the row's grammar forces after its sampled token (see
         jump_forward.py); returns how many output tokens that added."""
         seq, jumper = self.seq, self.path.jumper
-        if seq.ending is None or seq.ending.forced_path or jumper is None:
+        if self.ending is None or self.ending.forced_path or jumper is None:
             return 0
         if self.matcher is None:
             return 0
@@ -380,7 +412,7 @@ class GuidedRequest:
         A stop token id ends an unguided request (its output is the thought) and is
         replaced by the end marker in a guided one (the answer is owed)."""
         seq, path = self.seq, self.path
-        th, p = seq.thinking, seq.params
+        th, p = self.thinking, seq.params
         stops = (token in path.eos_ids and not p.ignore_eos) or token in p.stop_token_ids
         if th.opening:  # no marker in the prompt (unguided): does this output open one?
             # judged on the whole output so far (a marker spans tokens: '<', 'think', '>');
@@ -417,11 +449,11 @@ class GuidedRequest:
             path.thinking_tokens += th.tokens
             reasoning += th.feed(seq.detokenizer.flush(), final=True)
             seq.detokenizer = IncrementalDetokenizer(path.tokenizer, list(seq.token_ids),
-                                                     stop=seq.stop)
+                                                     stop=seq.params.stop)
             if seq.grammar is not None:
-                if seq.stop:
+                if seq.params.stop:
                     seq.detokenizer.stop_check = GrammarStopCheck(
-                        path.manager.new_matcher(seq.compiled))
+                        path.manager.new_matcher(self.compiled))
                 matcher = self.matcher
                 path.policy.begin_answer(seq, matcher)
                 n = self._answer_tail(matcher, tail)
@@ -443,10 +475,10 @@ class GuidedRequest:
         plain one: the text held back while that was undecided (whitespace, '<') is the
         answer's first, streamed with this token's."""
         seq = self.seq
-        seq.thinking = None
+        self.thinking = None
         seq.guide = None
         seq.detokenizer = IncrementalDetokenizer(self.path.tokenizer, seq.prompt_ids,
-                                                 stop=seq.stop)
+                                                 stop=seq.params.stop)
         held = seq.detokenizer.add_tokens(seq.output_ids)
         return Outcome(text=held, plain=True)
 
@@ -458,7 +490,7 @@ class GuidedRequest:
         answer's first: ``_answer_tail``); "" when the token cannot be split (a character
         split across tokens: that text is dropped, as the grammar could not see it)."""
         seq, path = self.seq, self.path
-        th = seq.thinking
+        th = self.thinking
         split = split_marker_token(path._raw, seq.output_ids, path.reasoning.end)
         if split is None:
             return ""
@@ -478,7 +510,7 @@ class GuidedRequest:
         emitted). Not while the budget is down to a planned shortest answer. Returns how
         many tokens were appended (the matcher has accepted them)."""
         seq, path = self.seq, self.path
-        if not tail or matcher is None or seq.ending.forced_path:
+        if not tail or matcher is None or self.ending.forced_path:
             return 0
         ids = path.tokenizer(tail, add_special_tokens=False)["input_ids"]
         if len(ids) > path.remaining(seq):
@@ -501,7 +533,7 @@ class GuidedRequest:
         """How many held output tokens the stream may have now: a guided answer's newest
         are held back for the loop guard (OutputPolicy.release); a thought's, all."""
         seq = self.seq
-        if seq.ending is not None and not seq.thinking_now:
+        if self.ending is not None and not self.thinking_now:
             return self.path.policy.release(seq, final)
         return len(seq.held_logprobs)
 
@@ -515,19 +547,20 @@ class GuidedRequest:
         loop cuts, validation), the grammar's engine and what it approximates go on the
         chunk."""
         seq, path = self.seq, self.path
-        if seq.thinking_now:  # it ended in its thought: what it had is reasoning
-            out.reasoning += seq.thinking.feed(out.text, final=True)
+        if self.thinking_now:  # it ended in its thought: what it had is reasoning
+            out.reasoning += self.thinking.feed(out.text, final=True)
             out.text = ""
-            path.thinking_tokens += seq.thinking.tokens
+            path.thinking_tokens += self.thinking.tokens
         if waiting:
-            path.manager.give_up(seq.grammar, seq.grammar_future)
-        if seq.grammar is not None and path.manager is not None:
-            path.manager.remove_matcher(seq.matcher_key)  # nothing needs it any more
-        if seq.thinking is not None:
-            out.reasoning_tokens = seq.thinking.tokens
-        if seq.ending is not None and reason in ("stop", "length"):
+            path.manager.give_up(seq.grammar, self.grammar_future)
+        if self.matcher is not None:
+            path.manager.remove_matcher(self.matcher)  # nothing needs it any more
+            self.matcher = None
+        if self.thinking is not None:
+            out.reasoning_tokens = self.thinking.tokens
+        if self.ending is not None and reason in ("stop", "length"):
             path.policy.report(seq, reason, out)
-        compiled = seq.compiled
+        compiled = self.compiled
         if compiled is not None:
             out.grammar_engine = compiled.engine
             if compiled.exact and out.approximated:
