@@ -114,3 +114,33 @@ def test_a_budget_of_the_checked_shortest_output_closes_valid(make_tiny_engine, 
     text, final = run_one(engine, OPTIONAL_FIRST, shortest, engine_name)
     jsonschema.validate(json.loads(text), OPTIONAL_FIRST)
     assert final.finish_reason == "length" and final.closed_early
+
+
+FEW_REQUIRED = {"type": "object", "properties": {
+    **{f"optional_property_{i}": {"type": "string"} for i in range(4)},
+    **{f"required_{i}": {"type": "string"} for i in range(3)}},
+    "required": [f"required_{i}" for i in range(3)], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
+def test_a_checked_budget_within_the_window_is_answered_with_the_checked_output(
+        make_tiny_engine, engine_name):
+    """Within the closing window, the check may report more than the output it found (it
+    raises the figure until admission's own dive finds one); a request at the reported
+    figure on a busy engine is answered with that output, not sampled freely (o7578, a
+    date-time's fraction, was cut unclosed at its checked budget of 46)."""
+    from worker.guided.grammar_check import GrammarChecker
+
+    engine = make_tiny_engine(closing_probe_ms=0.0)
+    spec = GrammarSpec.json_schema(FEW_REQUIRED, engine=engine_name)
+    engine.guided.closer.time_limit_s = 30.0
+    GrammarChecker(engine.guided).check(spec)
+    compiled = engine.guided.get_grammar(spec).result(timeout=60)
+    found = len(compiled.facts["start_path"])
+    compiled.facts["checked_budget"] = budget = found + 12  # what such a check reports
+    assert budget <= engine.config.closing_window
+    engine.guided.closer.time_limit_s = 0.0  # a busy engine: every search is cut short
+    rambling_after_script(engine, "")
+    text, final = run_one(engine, FEW_REQUIRED, budget, engine_name)
+    jsonschema.validate(json.loads(text), FEW_REQUIRED)
+    assert final.closed_early and final.completion_tokens == found

@@ -347,8 +347,11 @@ class OutputPolicy:
         if known is not None and len(known) <= budget:
             # an output that fits was found from the start before (a request's search, the
             # grammar check's): admitted with it, so the verdict on a budget never depends
-            # on how much time this search would get
+            # on how much time this search would get; at the budget the grammar check
+            # reported, the output is that one (a request at it was cut unclosed)
             self.stats.budget_checks_memo += 1
+            seq.guide.ending.start_forced = budget <= self.config.closing_margin + max(
+                len(known), facts.get("checked_budget", 0))
             return self._budget_verdict(seq, budget, _Verdict(path=list(known)))
         key = None
         if fresh:
