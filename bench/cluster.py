@@ -44,14 +44,13 @@ import jsonschema  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from bench.report import finish, parser, table  # noqa: E402
+from bench.report import finish, parser, table, tiny_model  # noqa: E402
 from bench.report import percentile as pct  # noqa: E402
 from cluster import launch  # noqa: E402
 from cluster.client import RuntimeClient  # noqa: E402
 from core.params import SamplingParams  # noqa: E402
 from core.request import GenerationRequest  # noqa: E402
 from cluster.config import ClusterConfig  # noqa: E402
-from worker.models.tiny_model import build_tiny_model  # noqa: E402
 
 CLIENTS = 16
 ANSWER_SCHEMA = {"type": "object", "properties": {
@@ -422,7 +421,7 @@ def main() -> None:
     ray.init(address="local", namespace="rayguide", num_cpus=8, include_dashboard=False,
              log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_model(Path(tmp) / "tiny-llama"))
+        model = tiny_model(Path(tmp) / "tiny-llama")
         rows, figs = overhead(args.quick, model, args.smoke)
         fault_body, fault_figs = fault(args.quick, model, args.smoke)
         figs.update(fault_figs)

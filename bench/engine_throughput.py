@@ -29,7 +29,6 @@ from __future__ import annotations
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,13 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import finish, parser, table  # noqa: E402
+from bench.report import finish, parser, table, tiny_model  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
 from core.request import GenerationRequest  # noqa: E402
 from worker.models.loader import resolve_model_dir  # noqa: E402
-from worker.models.tiny_model import build_tiny_model  # noqa: E402
 
 TEXT = (
     "The river wound through the valley, past orchards and stone bridges, carrying the "
@@ -221,7 +219,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    model_dir = (build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")) if smoke
+    model_dir = (tiny_model() if smoke
                  else resolve_model_dir(None, progress=False))
     # smoke: a small KV cache too (the default one takes seconds to allocate)
     model = {"model": str(model_dir), "num_kv_blocks": 256} if smoke else {}

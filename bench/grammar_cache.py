@@ -55,8 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.report import finish, parser, percentile, table  # noqa: E402
-from worker.models.tiny_model import build_tiny_model  # noqa: E402
+from bench.report import finish, parser, percentile, table, tiny_model  # noqa: E402
 
 STR = {"type": "string", "maxLength": 64}
 
@@ -491,7 +490,7 @@ def cluster_run(size: ClusterSize, leases: bool = False) -> tuple[str, dict]:
     schedule = zipf_schedule(mix, n)
     tmp = Path(tempfile.mkdtemp(prefix="rayguide-bench-"))
     try:
-        model = str(build_tiny_model(tmp / "tiny-llama"))
+        model = tiny_model(tmp / "tiny-llama")
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
                  namespace="rayguide")
         local = run_side(model, mix, list(schedule), False, str(tmp / "disk-local"), size)

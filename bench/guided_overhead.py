@@ -16,7 +16,7 @@ same schema, what a user would otherwise run.
 
 ``--quick``: 2 rounds instead of 8, same budget (24 tokens: the schema's shortest output
 is about 20, a smaller budget is refused). ``--smoke``: the tiny random-weight model,
-batches 1 and 2, one round.
+batches 1 and 2, one round; jump-forward's batches 8 and 32 on the key-heavy workload only.
 
 ``--dtype int8`` runs the engine with int8 weights: shorter steps, so the mask's share of a
 step is larger there; its table is recorded as its own section (guided_overhead_int8).
@@ -377,7 +377,9 @@ def _jump_bench(engine: LLMEngine, args, batches, b1_requests) -> tuple[dict, st
                "valid_nojump": 0, "json": 0, "loop_jump": 0, "loop_nojump": 0}
     for name, pool in jump_workloads(args.smoke).items():
         forced_all = out_all = 0
-        for batch in batches:
+        # --smoke: batches 8 and 32 on the key-heavy workload alone (the same code path;
+        # the tool and conformance workloads at batch 1: their figures the smoke checks)
+        for batch in batches if name == "keys" or not args.smoke else batches[:1]:
             groups = b1_requests if batch == 1 else 1
             tot = {s: [0.0, 0, 0, 0] for s in ("jump", "nojump", "unguided")}  # s, out, sampled, forced
             for g in range(groups):

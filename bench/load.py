@@ -22,10 +22,10 @@ def smoke(argv: list[str]) -> int:
 
     from cluster.config import ClusterConfig
     from deploy import service
-    from worker.models.tiny_model import build_tiny_model
+    from bench.report import tiny_model
 
     with tempfile.TemporaryDirectory(prefix="rayguide-smoke-") as tmp:
-        model = str(build_tiny_model(Path(tmp) / "tiny-llama"))
+        model = tiny_model(Path(tmp) / "tiny-llama")
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -107,12 +107,28 @@ def finish(name: str, body: str, figures: dict, args) -> None:
 
 
 
-def smoke_model() -> str:
-    """The tiny random-weight model (the real tokenizer) of a --smoke run, in a new folder."""
+# A folder holding the tiny model already (it is deterministic: seed 0): the benches use it
+# instead of writing their own. tests/serve/test_bench_smoke.py passes the test session's,
+# so each smoke skips the build (3-9 s each, most of it importing transformers).
+TINY_MODEL_ENV = "RAYGUIDE_TINY_MODEL"
+
+
+def tiny_model(path=None) -> str:
+    """The tiny random-weight model (the real tokenizer): the folder $RAYGUIDE_TINY_MODEL
+    names, else one written to ``path`` (default: a new temporary folder)."""
+    import os
     import tempfile
 
+    given = os.environ.get(TINY_MODEL_ENV)
+    if given:
+        return given
     from worker.models.tiny_model import build_tiny_model
-    return str(build_tiny_model(tempfile.mkdtemp(prefix="rayguide-smoke-")))
+    return str(build_tiny_model(path or tempfile.mkdtemp(prefix="rayguide-smoke-")))
+
+
+def smoke_model() -> str:
+    """The tiny random-weight model of a --smoke run (``tiny_model``)."""
+    return tiny_model()
 
 
 # A --smoke run's answers: the tiny random model writes to the budget, and the server's

@@ -132,8 +132,7 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="rayguide-startup-")
     model = None
     if args.smoke:
-        from worker.models.tiny_model import build_tiny_model
-        model = str(build_tiny_model(Path(folder) / "tiny-llama"))
+        model = report.tiny_model(Path(folder) / "tiny-llama")
     env = dict(os.environ, RAYGUIDE_GRAMMAR_CACHE_DIR=folder, RAYGUIDE_GRAMMAR_DISK="1",
                PYTHONUNBUFFERED="1")
     runs = []

@@ -63,6 +63,12 @@ BENCHES = {
 HELPERS = {"__init__.py", "report.py", "llamacpp_side.py"}
 
 
+def smoke_env(tiny_model_dir) -> dict:
+    from bench.report import TINY_MODEL_ENV
+
+    return dict(os.environ, PYTHONUNBUFFERED="1", **{TINY_MODEL_ENV: str(tiny_model_dir)})
+
+
 @pytest.mark.unit
 def test_every_bench_has_a_smoke_run():
     benches = {p.name for p in BENCH.glob("*.py")} - HELPERS
@@ -73,10 +79,12 @@ def test_every_bench_has_a_smoke_run():
 
 @pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(BENCHES))
-def test_bench_smoke(name, default_model_dir):
+def test_bench_smoke(name, default_model_dir, tiny_model_dir):
     # default_model_dir: the default model converted once, before any bench wants its
-    # tokenizer (a conversion inside a bench would count against its timeout)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # tokenizer (a conversion inside a bench would count against its timeout);
+    # tiny_model_dir: the session's tiny model, which every bench uses instead of writing
+    # its own (bench/report.py tiny_model)
+    env = smoke_env(tiny_model_dir)
     proc = subprocess.run([sys.executable, str(BENCH / name), "--smoke", "--json"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-3000:])
@@ -90,10 +98,11 @@ def test_bench_smoke(name, default_model_dir):
 
 
 @pytest.mark.integration
-def test_clients_sweep_smoke(default_model_dir):
+def test_clients_sweep_smoke(default_model_dir, tiny_model_dir):
     """bench/clients.py --sweep (how the loop guard's defaults were chosen) runs too."""
     proc = subprocess.run([sys.executable, "-m", "bench.clients", "--sweep", "--smoke",
-                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--json"], cwd=ROOT, env=smoke_env(tiny_model_dir),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["sweep"]
     assert [r["setting"] for r in rows] == ["off", "defaults"]
