@@ -192,7 +192,7 @@ def test_callers_do_not_wait_for_a_restarting_scheduler(runtime):
         new = await one(None)
         served = time.monotonic() - t
         while client.scheduler_down_since is None:  # the client's long poll fails
-            assert time.monotonic() - t < 10, "the client did not notice the scheduler died"
+            assert time.monotonic() - t < 20, "the client did not notice the scheduler died"
             await asyncio.sleep(0.01)
         noticed = time.monotonic() - t
         while client.scheduler_down_since is not None:  # and it sees the new one come up
