@@ -60,8 +60,16 @@ SHAPES = {
                max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                tie_word_embeddings=True),
 }
-GUIDED = {"type": "object", "properties": {
-    "notes": {"type": "array", "items": {"type": "string"}}}, "required": ["notes"]}
+
+
+def guided_schema(new: int) -> dict:
+    """The guided runs' schema: a list of notes with at least ``new`` + 8 items, so no row
+    can end inside the ``new`` timed steps. Without the floor a random model may close
+    ``{"notes": []}`` at once and the timing gets no step of the whole batch."""
+    return {"type": "object", "properties": {"notes": {
+        "type": "array", "items": {"type": "string"}, "minItems": new + 8}},
+        "required": ["notes"]}
+
 ENGINES = ("auto", "xgrammar", "llguidance")
 
 
@@ -119,7 +127,8 @@ def decode_tok_s(engine, batch: int, new: int, plen: int, params: dict | None = 
     in which every row decodes (no prefill in a timed step; timing stops when a row
     finishes). The budget leaves room past them, so no row is near its end (budget-aware
     closing is the conformance benches' subject); the rest is aborted."""
-    kw = dict(max_new_tokens=new + 64, temperature=0.0, ignore_eos=True)
+    # room for the guided schema's shortest output (two tokens an item at most) and more
+    kw = dict(max_new_tokens=3 * new + 96, temperature=0.0, ignore_eos=True)
     kw.update(params or {})
     reqs = [GenerationRequest(p, SamplingParams(seed=i, **kw), grammar=grammar)
             for i, p in enumerate(prompts(engine.tokenizer, batch, plen, seed=batch))]
@@ -138,6 +147,9 @@ def decode_tok_s(engine, batch: int, new: int, plen: int, params: dict | None = 
         times.append(time.perf_counter() - t)
     for r in reqs:
         engine.abort(r.request_id)
+    if not times:
+        raise RuntimeError(f"no step ran the whole batch of {batch}: a row finished before "
+                           "the timed steps")
     steady = times[1:] or times  # the first may still compile a kernel
     return batch / statistics.median(steady), len(steady)
 
@@ -336,7 +348,7 @@ def main() -> None:
 
     for name in ENGINES:
         geng = engine(grammar_engine=name)
-        spec = GrammarSpec.json_schema(GUIDED)
+        spec = GrammarSpec.json_schema(guided_schema(new))
         for b in batches:
             guided, _ = decode_tok_s(geng, b, new, plen, grammar=spec)
             ratio = guided / fig[f"tok_s_b{b}"]
@@ -355,7 +367,7 @@ def main() -> None:
             fig[f"tok_s_b{b}_graphs"] = round(tok_s, 1)
             rows.append([f"decode b{b}, CUDA graphs", round(tok_s, 1),
                          round(b / tok_s * 1e3, 2), ""])
-        spec = GrammarSpec.json_schema(GUIDED)
+        spec = GrammarSpec.json_schema(guided_schema(new))
         for b in batches:
             guided, _ = decode_tok_s(geng, b, new, plen, grammar=spec)
             ratio = guided / fig[f"tok_s_b{b}_graphs"]
@@ -369,7 +381,7 @@ def main() -> None:
         fig["cuda_kernels_per_step_b1"] = profiled_kernels_per_step(eng)
     fig["host_us_per_row_b64"] = round(host_us_per_row(engine(max_num_seqs=64), 64, new), 1)
     fig["host_us_per_row_b64_guided"] = round(host_us_per_row(
-        engine(max_num_seqs=64), 64, new, GrammarSpec.json_schema(GUIDED)), 1)
+        engine(max_num_seqs=64), 64, new, GrammarSpec.json_schema(guided_schema(new))), 1)
     rows.append(["host per row per step, b64 (unguided / guided)", "",
                  f"{fig['host_us_per_row_b64']} / {fig['host_us_per_row_b64_guided']} us", ""])
 
