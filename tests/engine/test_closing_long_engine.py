@@ -144,3 +144,47 @@ def test_a_checked_budget_within_the_window_is_answered_with_the_checked_output(
     text, final = run_one(engine, FEW_REQUIRED, budget, engine_name)
     jsonschema.validate(json.loads(text), FEW_REQUIRED)
     assert final.closed_early and final.completion_tokens == found
+
+
+LATE_OBJECT = {"type": "object", "properties": {
+    **{f"required_property_number_{i}": {"type": "string"} for i in range(8)},
+    "titles": {"type": "array", "items": {"type": "string"}},
+    "details": {"type": "object", "properties": {
+        f"nested_required_property_{i}": {"type": "string"} for i in range(6)},
+        "required": [f"nested_required_property_{i}" for i in range(6)],
+        "additionalProperties": False}},
+    "required": [f"required_property_number_{i}" for i in range(8)],
+    "additionalProperties": False}
+
+
+def late_object_script(engine, budget: int, left_at_open: int) -> str:
+    """The required properties, then distinct titles until ``left_at_open`` tokens are left,
+    then the optional object opened: its required keys make the completion long again."""
+    tok = engine.tokenizer
+    words = [t[1:] for t in sorted(tok.get_vocab())
+             if t.startswith("\u0120") and t[1:].isalpha() and t[1:].islower() and len(t) >= 8]
+    head = "{" + ", ".join(f'"required_property_number_{i}": "{words[-1 - 13 * i]}"'
+                           for i in range(8))  # distinct values: nothing for the loop guard
+    head += ', "titles": ['
+    opening = '], "details": {"nested_required_property_0": "'
+    n = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])
+    items = []
+    while n(head + ", ".join(items) + opening) < budget - left_at_open:
+        items.append(f'"{words[len(items) * 7 % len(words)]}"')
+    return head + ", ".join(items) + opening
+
+
+@pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
+def test_an_object_opened_late_in_the_window_still_closes(make_tiny_engine, engine_name):
+    """The searches near the budget's end find a short completion (close the list), which
+    shrank the closing window back to its default; the model then opened an optional object
+    of many required keys outside it, and the next search came too late
+    (WashingtonPost/wp_100, cut inside a string at 512). The grammar's length from its
+    start stays the window's floor, and a step off the last path searches at once."""
+    engine = make_tiny_engine()
+    budget, left_at_open = 260, 60
+    rambling_after_script(engine, late_object_script(engine, budget, left_at_open))
+    text, final = run_one(engine, LATE_OBJECT, budget, engine_name)
+    assert '"details": {' in text, "the object was not opened: the test checks nothing"
+    jsonschema.validate(json.loads(text), LATE_OBJECT)
+    assert final.finish_reason == "length" and final.closed_early

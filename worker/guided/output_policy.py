@@ -483,10 +483,14 @@ class OutputPolicy:
         window = cfg.closing_window
         if st.closing_estimate is None and not st.closing_probed and left <= 2 * window:
             self._probe_closing(seq)
-        if st.closing_estimate is not None:
+        for estimate in (st.closing_estimate and st.closing_estimate[1], st.prior_estimate):
             # a completion longer than the window (many required properties still to
-            # come): closing starts early enough for it
-            window = max(window, st.closing_estimate[1] + _GUARD_ZONE + cfg.closing_margin)
+            # come): closing starts early enough for it. The grammar's length from its
+            # start stays a floor: a short completion found near the end (close a list)
+            # does not shrink the window back while an optional object with required keys
+            # may still open in it (WashingtonPost/wp_100 was cut inside a string at 512)
+            if estimate:
+                window = max(window, estimate + _GUARD_ZONE + cfg.closing_margin)
         if left > window:
             return None
         if seq.num_output < seq.guide.ending.closing_retry_at:
