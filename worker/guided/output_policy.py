@@ -480,18 +480,10 @@ class OutputPolicy:
         st = seq.guide.ending
         if not cfg.closing_window or st.closing_failed:
             return None
-        window = cfg.closing_window
-        if st.closing_estimate is None and not st.closing_probed and left <= 2 * window:
+        if (st.closing_estimate is None and not st.closing_probed
+                and left <= 2 * cfg.closing_window):
             self._probe_closing(seq)
-        for estimate in (st.closing_estimate and st.closing_estimate[1], st.prior_estimate):
-            # a completion longer than the window (many required properties still to
-            # come): closing starts early enough for it. The grammar's length from its
-            # start stays a floor: a short completion found near the end (close a list)
-            # does not shrink the window back while an optional object with required keys
-            # may still open in it (WashingtonPost/wp_100 was cut inside a string at 512)
-            if estimate:
-                window = max(window, estimate + _GUARD_ZONE + cfg.closing_margin)
-        if left > window:
+        if left > self._window(st):
             return None
         if seq.num_output < seq.guide.ending.closing_retry_at:
             return None
@@ -555,6 +547,19 @@ class OutputPolicy:
         if not found.tokens and self.guided.only_stop_allowed(matcher):
             return [], "stop"  # complete, and the grammar allows nothing more
         return self._force(seq, found.tokens)
+
+    def _window(self, st: OutputState) -> int:
+        """The closing window: tokens left at which closing begins. A completion longer
+        than the default (many required properties still to come) widens it, so closing
+        starts early enough for it. The grammar's length from its start stays a floor: a
+        short completion found near the end (close a list) does not shrink the window back
+        while an optional object with required keys may still open in it
+        (WashingtonPost/wp_100 was cut inside a string at 512)."""
+        window = self.config.closing_window
+        for estimate in (st.closing_estimate and st.closing_estimate[1], st.prior_estimate):
+            if estimate:
+                window = max(window, estimate + _GUARD_ZONE + self.config.closing_margin)
+        return window
 
     def _probe_closing(self, seq: Sequence) -> None:
         """Once per request, at twice the closing window from its budget's end: the dive's
@@ -635,22 +640,35 @@ class OutputPolicy:
         return None, _UNKNOWN
 
     def _keep_closable(self, seq: Sequence, token: int) -> int | None:
-        """Within ``_GUARD_ZONE`` tokens of the closing path found for this very state: the
-        sampled token if the output can still close after it within the budget, else the
-        path's first token (which can). None: not checked."""
-        at_path = seq.guide.ending.closing_path
-        if at_path is None or at_path[0] != seq.num_output or not at_path[1]:
+        """Within the closing window (or ``_GUARD_ZONE`` tokens of the closing path found
+        for this very state, where that is further): the sampled token if the output can
+        still close after it within the budget, else the path's first token (which can).
+        None: not checked. The whole window, not only the path's last tokens: one token
+        there (', ' before an optional object's key, a free key that names an object
+        schema) can commit the output to a value of many required keys, longer than what
+        is left (WashingtonPost/wp_100)."""
+        st = seq.guide.ending
+        at_path = st.closing_path
+        matcher = seq.guide.matcher
+        if at_path is None or not at_path[1] or matcher is None:
             return None
-        path = at_path[1]
         left = self.remaining(seq) - 1  # after this token
+        if at_path[0] != seq.num_output:
+            # a path found some steps back (the search was skipped since): brought to this
+            # state where it still closes from here (microseconds), within the window
+            if left > self._window(st):
+                return None
+            carried, slack = self._carried_path(seq, matcher)
+            if not carried:
+                return None
+            at_path = st.closing_path = (seq.num_output, carried, slack)
+        path = at_path[1]
         # a path no search stands behind (a dive's, where every search gives up) is held
         # at any distance from the budget's end: it is the only way out known, and the
         # next search would give up again
         unsure = at_path[2] >= _UNKNOWN
-        if token == path[0] or (left > len(path) + _GUARD_ZONE and not unsure):
-            return None
-        matcher = seq.guide.matcher
-        if matcher is None:
+        if token == path[0] or (left > max(len(path) + _GUARD_ZONE, self._window(st))
+                                and not unsure):
             return None
         probe = matcher.fork()
         if not probe.accept_token(token):
