@@ -315,11 +315,18 @@ def run(base_url: str, items, *, concurrency: int = 8) -> dict:
                   for path, errs in results.items()},
         failure_examples=[e for errs in results.values() for e in errs if e][:6],
         loop_examples=[report.repeated_span(t) for t in loops][:6],
-        length_examples=[t[-100:] for (c, _), t in zip(answers, texts)
+        # each with the server's verdict on it (validation, closed early, loop cuts)
+        length_examples=[f"{_verdict(g)}: {t[-100:]}" for (c, _), t, g
+                         in zip(answers, texts, guided)
                          if c.get("finish_reason") == "length"][:6],
     )
     figures.update(_by_engine(jobs, errors, recorder.by_job))
     return figures
+
+
+def _verdict(guided: dict) -> str:
+    return (f"validation={guided.get('validation')}, closed_early={guided.get('closed_early')}"
+            f", loop_cuts={guided.get('loop_cuts')}")
 
 
 def _served_by(body: dict | None) -> str:
