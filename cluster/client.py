@@ -244,6 +244,18 @@ class RuntimeClient:
                 died_on.add(worker_id)
                 await self._report_failed(worker_id)
                 if emitted:
+                    if len(emitted) >= request.params.max_new_tokens:
+                        # every token was streamed, the final chunk (finish reason,
+                        # validation) was not: there is nothing to continue, and a
+                        # continuation would be refused as a bad request (a batch job
+                        # counted such a row "refused" where a resend helps)
+                        yield RequestOutput(
+                            request.request_id, finished=True, finish_reason="error",
+                            error_kind=ErrorKind.WORKER_DIED,
+                            error=f"worker {worker_id} died after streaming this request's "
+                                  f"last token ({type(exc).__name__}), before its final "
+                                  "report; resend it")
+                        return
                     if failovers >= self.max_failovers:
                         yield RequestOutput(
                             request.request_id, finished=True, finish_reason="error",
