@@ -10,7 +10,8 @@ dead is dropped at once; one that is only slow to answer (a long step, a busy ma
 marked suspect and routed around until it answers again, never dropped: on a busy cluster
 every worker can be slow to answer at once, and dropping them would leave "no worker is
 alive" while all of them are. After a restart the scheduler finds the workers by name and
-rebuilds its tables from their reports.
+rebuilds its tables from their reports; a worker too busy to answer then is asked again at
+every poll until it does (it registered with the scheduler that died, and will not again).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class SchedulerActor:
         self._undelivered: dict[str, list[str]] = {}  # worker -> ends it has not confirmed
         self._tasks: list[asyncio.Task] = []
         self._first_polls: set[asyncio.Task] = set()
+        self._unfound: set[str] = set()  # named workers that did not answer the rebuild yet
         self._started: asyncio.Task | None = None
         self._broadcast_lock = asyncio.Lock()
         self.rebuild_s: float | None = None
@@ -112,17 +114,31 @@ class SchedulerActor:
                 logger.info("routing table rebuilt in %.3f s (%d workers)", self.rebuild_s,
                             len(self.table.workers))
 
-    async def _find_workers(self) -> None:
-        names = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-                 if e["namespace"] == NAMESPACE and e["name"].startswith(WORKER_PREFIX)]
+    async def _find_workers(self, names: list[str] | None = None) -> None:
+        """Adds the named workers (all of them, or ``names``) that answer a load report. One
+        that does not answer in time (a long step, a busy machine) is kept in ``_unfound``
+        and asked again at every poll until it answers or is gone: it registered with the
+        scheduler that died and will not register again."""
+        if names is None:
+            names = _named_workers()
 
         async def one(name: str) -> None:
             try:
-                handle = ray.get_actor(name, namespace=NAMESPACE)
-                load = await asyncio.wait_for(handle.load.remote(), self.config.rpc_timeout_s)
-            except Exception:
+                handle = _worker_handle(name)
+            except ValueError:  # no longer exists
+                self._unfound.discard(name)
                 return
-            self.table.add_worker(load["worker_id"], handle, load.get("node_id", ""))
+            try:
+                load = await asyncio.wait_for(handle.load.remote(), self.config.rpc_timeout_s)
+            except ActorDiedError:  # gone for good (a restarted one registers itself)
+                self._unfound.discard(name)
+                return
+            except Exception:  # slow or restarting: asked again at the next poll
+                self._unfound.add(name)
+                return
+            self._unfound.discard(name)
+            if load["worker_id"] not in self.table.workers:  # else it registered meanwhile
+                self.table.add_worker(load["worker_id"], handle, load.get("node_id", ""))
             self.table.update_load(load["worker_id"], load)
             self.table.restore_sessions(load["worker_id"], load.get("session_ids", []))
 
@@ -275,11 +291,26 @@ class SchedulerActor:
     async def _poll_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.load_poll_interval_s)
-            # concurrently: one slow worker must not delay the others' reports
-            await asyncio.gather(*(self._poll_one(e) for e in list(self.table.workers.values())))
-            idle = self.table.idle_sessions()
-            if idle:
-                await self.end_sessions(idle)
+            await self._poll_once()
+
+    async def _poll_once(self) -> None:
+        # concurrently: one slow worker must not delay the others' reports
+        await asyncio.gather(*(self._poll_one(e) for e in list(self.table.workers.values())),
+                             self._find_workers(sorted(self._unfound)))
+        idle = self.table.idle_sessions()
+        if idle:
+            await self.end_sessions(idle)
+
+
+def _named_workers() -> list[str]:
+    """The names of the running workers (Ray's registry of named actors)."""
+    return [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["namespace"] == NAMESPACE and e["name"].startswith(WORKER_PREFIX)]
+
+
+def _worker_handle(name: str):
+    """The worker's handle; ValueError when no actor has the name."""
+    return ray.get_actor(name, namespace=NAMESPACE)
 
 
 def _shown(entry) -> dict:

@@ -1,0 +1,75 @@
+"""A restarted scheduler finds its workers by name. One too busy to answer the rebuild must
+still be found once it answers: it registered with the scheduler that died and will not
+register again (CI: a worker missing for good after the scheduler was killed under load)."""
+
+import asyncio
+
+import pytest
+
+from scheduler import actor as scheduler_actor
+from scheduler.actor import SchedulerActor, SchedulerConfig
+
+pytestmark = pytest.mark.unit
+
+
+class SlowWorker:
+    """A worker handle whose first ``slow`` load reports take longer than the timeout."""
+
+    def __init__(self, worker_id: str, slow: int, sessions=()):
+        self.worker_id, self.slow, self.sessions, self.asked = worker_id, slow, sessions, 0
+        self.load = self
+
+    def remote(self):
+        self.asked += 1
+        late = self.asked <= self.slow
+
+        async def report():
+            if late:
+                await asyncio.sleep(1.0)
+            return {"worker_id": self.worker_id, "node_id": "n", "running_tokens": 0,
+                    "waiting_tokens": 0, "session_ids": list(self.sessions)}
+        return report()
+
+
+def scheduler(monkeypatch, workers: dict):
+    monkeypatch.setattr(scheduler_actor, "_named_workers", lambda: sorted(workers))
+
+    def handle(name):
+        if name not in workers:
+            raise ValueError(name)
+        return workers[name]
+    monkeypatch.setattr(scheduler_actor, "_worker_handle", handle)
+    return SchedulerActor.__ray_actor_class__(SchedulerConfig(rpc_timeout_s=0.05))
+
+
+def test_a_worker_too_busy_for_the_rebuild_is_found_at_a_later_poll(monkeypatch):
+    workers = {"rayguide_worker_0": SlowWorker("w0", slow=0),
+               "rayguide_worker_1": SlowWorker("w1", slow=2, sessions=["s1"])}
+    s = scheduler(monkeypatch, workers)
+
+    async def run():
+        await s._find_workers()
+        assert set(s.table.workers) == {"w0"}  # w1 did not answer in time
+        await s._poll_once()  # still busy
+        assert set(s.table.workers) == {"w0"}
+        await s._poll_once()  # answers now
+        assert set(s.table.workers) == {"w0", "w1"}
+        assert s.table.sessions["s1"][0] == "w1"  # its sessions are restored with it
+        assert not s._unfound
+        asked = workers["rayguide_worker_1"].asked
+        await s._poll_once()  # polled as a registered worker from now on, once per poll
+        assert workers["rayguide_worker_1"].asked == asked + 1
+    asyncio.run(run())
+
+
+def test_a_busy_worker_that_disappears_is_forgotten(monkeypatch):
+    workers = {"rayguide_worker_0": SlowWorker("w0", slow=5)}
+    s = scheduler(monkeypatch, workers)
+
+    async def run():
+        await s._find_workers()
+        assert s._unfound == {"rayguide_worker_0"}
+        workers.clear()  # the actor is gone (no name any more)
+        await s._poll_once()
+        assert not s._unfound and not s.table.workers
+    asyncio.run(run())
