@@ -16,6 +16,7 @@ from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
 from tests.unit.test_budget_bound_unit import LONG, SHORTEST_AND_NAMES
 from worker.engine.sampling import SamplingParams
+from worker.guided import output_policy
 from core.request import GenerationRequest
 from worker.guided.shortest_bound import TokenCapacity, schema_counts
 
@@ -118,13 +119,17 @@ def scripted(engine, text):
 
 
 @pytest.mark.parametrize("rows", [1, 4])
-def test_an_undecided_budget_does_not_search_on_every_step(make_tiny_engine, rows):
+def test_an_undecided_budget_does_not_search_on_every_step(make_tiny_engine, rows,
+                                                           monkeypatch):
     # every search is cut short at once (no time): the budget is never decided. Admission
     # gives up once (its verdict is remembered for the other rows), then each row tries
     # again 4 and 20 tokens in, and stops: 2 searches in 40 steps, where it was 4 (after
     # 1, 2, 4 and 8 tokens) and the admission's give-up was forgotten
     # (no closing probe either: with its own time, its dive's path would close the output
     # where the searches give up, tests/engine/test_closing_fallback_engine.py)
+    # (and no witness: the schema's own short instance would decide the budget at once,
+    # test_a_witness_decides_a_budget_the_searches_cannot below)
+    monkeypatch.setattr(output_policy, "start_witness", lambda *a: None)
     engine = make_tiny_engine(loop_guard=False, closing_probe_ms=0.0)  # it repeats itself
     engine.guided.closer.time_limit_s = 0.0
     scripted(engine, '{"store": "' + "the market by the river, " * 30)
@@ -162,6 +167,64 @@ def test_a_budget_the_check_predicted_is_admitted_on_a_busy_engine(make_engine):
     assert engine.guided.closer.stats["searches"] == searches  # no search at admission
     json.loads(out.text)
     assert out.validation == "valid", out.text
+
+
+# Github_hard/o60179's shape: four required keys after many optional ones, two of them
+# objects and lists of objects. The searches' dive takes every optional key (129 tokens
+# on the real schema), the exact search runs out of nodes; a valid output of about 30
+# tokens holds the required keys only
+_ORG = {"type": "object", "properties": {"email": {"type": "string"},
+                                         "name": {"type": "string"},
+                                         "sameAs": {"type": "array",
+                                                    "items": {"type": "string"}}},
+        "required": ["name"]}
+OPTIONAL_FIRST = {
+    "type": "object", "definitions": {"org": _ORG},
+    "properties": {
+        "contributors": {"type": "array", "items": {"$ref": "#/definitions/org"}},
+        **{f"note{i}": {"type": "string"} for i in range(8)},
+        "publisher": {"anyOf": [{"$ref": "#/definitions/org"}, {"type": "null"}]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "title": {"type": "string"},
+        "uris": {"type": "object", "properties": {
+            "canonicalUri": {"type": "string", "format": "uri"},
+            "other": {"type": "array", "items": {"type": "string"}}},
+            "required": ["canonicalUri"]},
+        "updated": {"type": "string", "format": "date-time"}},
+    "required": ["title", "contributors", "uris", "updated"]}
+
+
+@pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
+def test_a_witness_decides_a_budget_the_searches_cannot(make_tiny_engine, engine_name):
+    """Every search is cut short at once (a busy engine). The grammar check still reports
+    a shortest output: the schema's witness (schema_witness.py), replayed on the grammar.
+    A fresh request at that budget, on this or a new engine, is admitted with it and
+    answers valid; without the witness the check made no prediction and such a request
+    was cut unclosed at the bench's guess (Github_hard/o60179)."""
+    from worker.guided.grammar_check import GrammarChecker
+
+    engine = make_tiny_engine(closing_probe_ms=0.0)
+    engine.guided.closer.time_limit_s = 0.0
+    spec = GrammarSpec.json_schema(json.dumps(OPTIONAL_FIRST), engine=engine_name)
+    report = GrammarChecker(engine.guided).check(spec)
+    assert report.engine == engine_name
+    shortest = report.shortest_output["tokens"]
+    assert shortest is not None and shortest <= 64, report.shortest_output
+    searches = engine.guided.closer.stats["searches"]
+    outs = run(engine, [GenerationRequest(
+        [{"role": "user", "content": "go"}],
+        SamplingParams(max_new_tokens=shortest, temperature=1.0, seed=s), grammar=spec)
+        for s in range(3)])
+    assert engine.guided.closer.stats["searches"] == searches  # no search at admission
+    for out in outs:
+        assert out.error is None and out.validation == "valid", (out.error, out.text)
+        assert out.completion_tokens <= shortest
+    fresh = make_tiny_engine(closing_probe_ms=0.0)  # no check ran here: admission builds it
+    fresh.guided.closer.time_limit_s = 0.0
+    [out] = run(fresh, [GenerationRequest(
+        [{"role": "user", "content": "go"}],
+        SamplingParams(max_new_tokens=shortest, temperature=0.0), grammar=spec)])
+    assert out.error is None and out.validation == "valid", (out.error, out.text)
 
 
 @pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])

@@ -51,7 +51,7 @@ from core.grammar_spec import GrammarSpec
 from core.json_schema import pointer, walk
 from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
                                    EngineRefused)
-from worker.guided.output_policy import remember_start_path
+from worker.guided.output_policy import remember_start_path, start_witness
 from worker.guided.shortest_bound import TokenCapacity
 from worker.guided.validation import approximated_keywords, node_approximated, not_checked
 
@@ -206,6 +206,16 @@ class GrammarChecker:
         exact = closer.shortest(matcher, SEARCH_LIMIT, exact=True)
         best = min((c.tokens for c in (found, exact) if c.tokens is not None),
                    key=len, default=None)
+        # the schema's own short instance (schema_witness.py), which admission builds too:
+        # where it is the shortest, a request at its length is admitted with it on any
+        # worker, whatever time the searches get there
+        if "witness_path" not in compiled.facts:
+            compiled.facts["witness_path"] = start_witness(spec, matcher, closer)
+        witness = compiled.facts["witness_path"]
+        if witness is not None and (best is None or len(witness) < len(best)):
+            compiled.facts["checked_budget"] = max(len(witness), at_least)
+            return {"tokens": max(len(witness), at_least), "at_least": at_least,
+                    "exhausted": exact.exhausted}
         if best is None:
             return {"tokens": None, "at_least": at_least, "exhausted": exact.exhausted}
         remember_start_path(compiled, best)  # a request at this budget is admitted with it

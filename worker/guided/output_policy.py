@@ -39,6 +39,7 @@ from core.params import LoopGuardParams
 from worker.guided.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
 from core.request import RequestOutput
 from worker.engine.sequence import Sequence
+from worker.guided.schema_witness import witness_tokens
 from worker.guided.shortest_bound import TokenCapacity
 from worker.guided.validation import approximated_keywords, validate_json
 
@@ -330,7 +331,7 @@ class OutputPolicy:
             if fresh and seq.guide.compiled is not None:
                 self._estimate_at_start(seq, matcher, budget)
                 facts = seq.guide.compiled.facts
-                known = facts.get("start_path")
+                known = self._known_start(seq, matcher)
                 if known is not None and len(known) <= budget <= cfg.closing_margin + max(
                         len(known), facts.get("checked_budget", 0)):
                     # a budget down to the output found from the start, or to the shortest
@@ -343,7 +344,7 @@ class OutputPolicy:
             return None
         self.stats.budget_checks += 1
         facts = seq.guide.compiled.facts if fresh and seq.guide.compiled is not None else None
-        known = facts.get("start_path") if facts is not None else None
+        known = self._known_start(seq, matcher) if facts is not None else None
         if known is not None and len(known) <= budget:
             # an output that fits was found from the start before (a request's search, the
             # grammar check's): admitted with it, so the verdict on a budget never depends
@@ -405,6 +406,19 @@ class OutputPolicy:
         if known is not None and len(known) + _GUARD_ZONE > self.config.closing_window:
             seq.guide.ending.closing_estimate = (seq.num_output, len(known))
             seq.guide.ending.prior_estimate = len(known)
+
+    def _known_start(self, seq: Sequence, matcher) -> tuple | None:
+        """The shortest output of a fresh request's grammar known from its start: the
+        searches' (``start_path``) or the schema's witness (schema_witness.py, built and
+        replayed on a fork of ``matcher`` once per grammar: a large schema's search found
+        only outputs with every optional key, Github_hard/o60179), whichever is shorter.
+        The witness is not the closing estimate's floor (``_estimate_at_start``): it
+        says what fits a budget, not how long an output sampled freely takes to close."""
+        facts = seq.guide.compiled.facts
+        if "witness_path" not in facts:
+            facts["witness_path"] = start_witness(seq.grammar, matcher, self.guided.closer)
+        found = [p for p in (facts.get("start_path"), facts["witness_path"]) if p is not None]
+        return min(found, key=len) if found else None
 
     def shortest_bound(self, seq: Sequence) -> int:
         """A lower bound on the tokens of the grammar's shortest output (0: none known),
@@ -735,6 +749,15 @@ def _closes(matcher, tokens: list[int]) -> bool:
     microseconds)."""
     probe = matcher.fork()
     return all(probe.accept_token(t) for t in tokens) and probe.is_completed()
+
+def start_witness(grammar, matcher, closer) -> tuple | None:
+    """A JSON-schema grammar's witness as tokens from ``matcher`` (at the grammar's start;
+    schema_witness.py), or None (another kind, or no witness the grammar accepts)."""
+    if grammar.kind != "json_schema" or closer.encode is None:
+        return None
+    path = witness_tokens(grammar.parsed, matcher, closer.encode)
+    return None if path is None else tuple(path)
+
 
 def remember_start_path(compiled, path: list[int]) -> None:
     """Keeps ``path`` (an output of ``compiled`` found from its start) as the grammar's
