@@ -86,6 +86,8 @@ class SchedulerActor:
         self._tasks: list[asyncio.Task] = []
         self._first_polls: set[asyncio.Task] = set()
         self._unfound: set[str] = set()  # named workers that did not answer the rebuild yet
+        # how workers are found by name (Ray's registry; replaced in unit tests)
+        self._names, self._lookup = _named_workers, _worker_handle
         self._started: asyncio.Task | None = None
         self._broadcast_lock = asyncio.Lock()
         self.rebuild_s: float | None = None
@@ -120,11 +122,11 @@ class SchedulerActor:
         and asked again at every poll until it answers or is gone: it registered with the
         scheduler that died and will not register again."""
         if names is None:
-            names = _named_workers()
+            names = self._names()
 
         async def one(name: str) -> None:
             try:
-                handle = _worker_handle(name)
+                handle = self._lookup(name)
             except ValueError:  # no longer exists
                 self._unfound.discard(name)
                 return

@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from scheduler import actor as scheduler_actor
 from scheduler.actor import SchedulerActor, SchedulerConfig
 
 pytestmark = pytest.mark.unit
@@ -31,21 +30,23 @@ class SlowWorker:
         return report()
 
 
-def scheduler(monkeypatch, workers: dict):
-    monkeypatch.setattr(scheduler_actor, "_named_workers", lambda: sorted(workers))
+def scheduler(workers: dict):
+    s = SchedulerActor.__ray_actor_class__(SchedulerConfig(rpc_timeout_s=0.05))
 
     def handle(name):
         if name not in workers:
             raise ValueError(name)
         return workers[name]
-    monkeypatch.setattr(scheduler_actor, "_worker_handle", handle)
-    return SchedulerActor.__ray_actor_class__(SchedulerConfig(rpc_timeout_s=0.05))
+    # the instance's own finders (the class's module globals are not the test module's
+    # once Ray has loaded the actor class in this process)
+    s._names, s._lookup = lambda: sorted(workers), handle
+    return s
 
 
-def test_a_worker_too_busy_for_the_rebuild_is_found_at_a_later_poll(monkeypatch):
+def test_a_worker_too_busy_for_the_rebuild_is_found_at_a_later_poll():
     workers = {"rayguide_worker_0": SlowWorker("w0", slow=0),
                "rayguide_worker_1": SlowWorker("w1", slow=2, sessions=["s1"])}
-    s = scheduler(monkeypatch, workers)
+    s = scheduler(workers)
 
     async def run():
         await s._find_workers()
@@ -62,9 +63,9 @@ def test_a_worker_too_busy_for_the_rebuild_is_found_at_a_later_poll(monkeypatch)
     asyncio.run(run())
 
 
-def test_a_busy_worker_that_disappears_is_forgotten(monkeypatch):
+def test_a_busy_worker_that_disappears_is_forgotten():
     workers = {"rayguide_worker_0": SlowWorker("w0", slow=5)}
-    s = scheduler(monkeypatch, workers)
+    s = scheduler(workers)
 
     async def run():
         await s._find_workers()
