@@ -20,8 +20,10 @@ met), exact_invalid (answers invalid under a schema called exact), budget_refuse
 request at the predicted shortest output refused as too small), below_bound (answers
 shorter than ``at_least``), unpredicted_budget_refused (schemas whose shortest output the
 check did not find in time, refused at twice the bound: no prediction was made),
-exact_cut_unpredicted (answers of such schemas cut unclosed at that budget),
-mismatch_examples.
+exact_cut_unpredicted (answers of such schemas cut unclosed at that budget), unpredicted
+(schemas checked, not refused, with no shortest output found), shorter_than_predicted
+(valid answers shorter than the predicted shortest output: an estimate above what a
+request needed), mismatch_examples.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
     mismatches: list[str] = []
     counts = {"requests": 0, "refused_mismatch": 0, "exact_invalid": 0, "budget_refused": 0,
               "below_bound": 0, "unpredicted_budget_refused": 0,
-              "exact_cut_unpredicted": 0}
+              "exact_cut_unpredicted": 0, "shorter_than_predicted": 0}
 
     def ask(rep, max_tokens):
         try:
@@ -143,8 +145,15 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
             counts["below_bound"] += 1
             mismatches.append(f"{name}: {r.usage.completion_tokens} tokens, under the "
                               f"bound {short['at_least']}")
-        if rep["status"] == "exact" and validate_json(rep["schema"],
-                                                      choice.message.content or "") is not None:
+        answer_ok = validate_json(rep["schema"], choice.message.content or "") is None
+        if (answer_ok and short["tokens"] is not None
+                and r.usage.completion_tokens < short["tokens"]):
+            # a valid answer shorter than the predicted shortest output: the estimate was
+            # above what a request needed
+            counts["shorter_than_predicted"] += 1
+            mismatches.append(f"{name}: valid in {r.usage.completion_tokens} tokens, under "
+                              f"the predicted shortest {short['tokens']}")
+        if rep["status"] == "exact" and not answer_ok:
             if short["tokens"] is None and choice.finish_reason == "length":
                 # cut at a budget the check made no claim for (it found no shortest output)
                 counts["exact_cut_unpredicted"] += 1
@@ -168,6 +177,8 @@ def figures_of(reports: list[dict], wall: float, ready_wall: float) -> dict:
         check_ms_p50=round(statistics.median(check_ms), 1) if check_ms else 0.0,
         check_ms_max=round(check_ms[-1], 1) if check_ms else 0.0,
         exact=by("status", "exact"), approximated=by("status", "approximated"),
+        unpredicted=sum(1 for r in checked if r["status"] != "refused"
+                        and not (r.get("shortest_output") or {}).get("tokens")),
         refused=by("status", "refused"), rejected=len(reports) - len(checked),
         llguidance=by("engine", "llguidance"), xgrammar=by("engine", "xgrammar"),
         compile_ms_p50=round(report.percentile(compile_ms, 50), 2) if compile_ms else 0.0,

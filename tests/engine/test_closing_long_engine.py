@@ -136,7 +136,8 @@ def test_a_checked_budget_within_the_window_is_answered_with_the_checked_output(
     engine.guided.closer.time_limit_s = 30.0
     GrammarChecker(engine.guided).check(spec)
     compiled = engine.guided.get_grammar(spec).result(timeout=60)
-    found = len(compiled.facts["start_path"])
+    found = min(len(p) for p in (compiled.facts.get("start_path"),
+                                 compiled.facts.get("witness_path")) if p is not None)
     compiled.facts["checked_budget"] = budget = found + 12  # what such a check reports
     assert budget <= engine.config.closing_window
     engine.guided.closer.time_limit_s = 0.0  # a busy engine: every search is cut short
@@ -197,3 +198,27 @@ def test_an_object_opened_late_in_the_window_still_closes(make_tiny_engine, engi
     else:  # the list closed where the model wrote ', ' (the object ends the output itself)
         assert engine.stats().closing_steered >= 1
         assert final.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
+def test_a_short_known_output_does_not_narrow_the_window(make_engine, engine_name):
+    """A short output from the grammar's start is known (the schema's witness, as a grammar
+    check or a small budget's search leaves it), far shorter than the way an output
+    sampled freely takes (optional keys, lists of objects). The closing window's floor is
+    the dive's output from the start, not that short one: with the short one, the default
+    model's answer at 256 tokens was cut inside a string on both backends (Github_hard/
+    o60179 after a grammar check, and this schema of its shape)."""
+    from tests.engine.test_budget_bound_engine import OPTIONAL_FIRST as O60179_SHAPE
+    from worker.guided.output_policy import remember_start_path, start_witness
+
+    engine = make_engine()
+    spec = GrammarSpec.json_schema(O60179_SHAPE, engine=engine_name)
+    compiled = engine.guided.get_grammar(spec).result(timeout=60)
+    short = start_witness(spec, engine.guided.new_matcher(compiled), engine.guided.closer)
+    assert short is not None and len(short) <= 64
+    remember_start_path(compiled, short)
+    req = GenerationRequest([{"role": "user", "content": "Answer with JSON."}],
+                            SamplingParams(max_new_tokens=256, temperature=0.0), grammar=spec)
+    out = engine.generate([req])[req.request_id]
+    jsonschema.validate(json.loads(out.text), O60179_SHAPE)
+    assert len(compiled.facts["start_dive"]) > len(short)  # the floor came from the dive

@@ -49,7 +49,7 @@ BENCHES = {
     "grammar_check.py": {"schemas", "check_wall_s", "ready_wall_s", "compiling", "exact",
                          "approximated", "refused",
                          "requests", "refused_mismatch", "exact_invalid", "budget_refused",
-                         "below_bound"},
+                         "below_bound", "unpredicted", "shorter_than_predicted"},
     "gpu.py": {"tok_s_b1", "bw_share_b1", "ratio_vs_hf_static_b1", "ratio_guided_unguided_b1",
                "ratio_guided_unguided_b1_xgrammar", "ratio_guided_unguided_b1_llguidance",
                "prefill_ttft_ms_2048", "sampled_vs_greedy_b1", "ops_per_layer_decode",

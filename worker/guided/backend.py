@@ -92,7 +92,9 @@ class CompiledGrammar:
     # "start_path", the shortest output found from its start so far (OutputPolicy's
     # admission: a budget that holds it is admitted with it, whatever a later search on a
     # busy engine finds in its time); "checked_budget", the shortest output the grammar
-    # check reported (a request with that max_tokens is admitted with "start_path")
+    # check reported (a request with that max_tokens is admitted with "start_path");
+    # "witness_path", the schema's witness (schema_witness.py); "start_dive", the dive's
+    # output from the start (the closing window's floor, OutputPolicy._estimate_at_start)
     facts: dict = field(default_factory=dict, compare=False, repr=False)
 
 

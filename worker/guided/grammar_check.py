@@ -212,7 +212,10 @@ class GrammarChecker:
         if "witness_path" not in compiled.facts:
             compiled.facts["witness_path"] = start_witness(spec, matcher, closer)
         witness = compiled.facts["witness_path"]
-        if witness is not None and (best is None or len(witness) < len(best)):
+        if witness is not None and (best is None or len(witness) <= len(best)):
+            # (kept apart from "start_path", which sets how early closing begins for an
+            # output sampled freely: the witness says nothing of that; o60179 at 256
+            # tokens was cut unclosed when it did)
             compiled.facts["checked_budget"] = max(len(witness), at_least)
             return {"tokens": max(len(witness), at_least), "at_least": at_least,
                     "exhausted": exact.exhausted}
@@ -233,6 +236,8 @@ class GrammarChecker:
             if longer is None or len(longer) <= budget:
                 break
             budget = len(longer)
+        if witness is not None:  # admitted with the witness on any worker
+            budget = min(budget, len(witness))
         # a request whose max_tokens is the reported figure is admitted with ``best``
         compiled.facts["checked_budget"] = max(budget, at_least)
         return {"tokens": max(budget, at_least), "at_least": at_least,

@@ -382,16 +382,21 @@ class OutputPolicy:
         return refusal if fresh else None
 
     def _estimate_at_start(self, seq: Sequence, matcher, budget: int) -> None:
-        """A budget over the closing window: the grammar's output from its start (the one
-        known, else the dive's: milliseconds, at most twice per grammar, each given the
-        closing probe's time), kept as the closing
-        estimate where it is longer than the window, so that closing begins in time for
-        it. The probe at twice the window comes too late for such a grammar: 20 required
-        properties left took more tokens to close than were left (real-world schemas cut
-        unclosed at their budget)."""
+        """A budget over the closing window: the dive's output from the grammar's start
+        (milliseconds, at most twice per grammar, each given the closing probe's time;
+        ``facts["start_dive"]``), kept as the closing estimate where it is longer than the
+        window, so that closing begins in time for it. The probe at twice the window comes
+        too late for such a grammar: 20 required properties left took more tokens to close
+        than were left (real-world schemas cut unclosed at their budget).
+
+        The dive's output, not the shortest one known (``start_path``, the witness): the
+        dive takes the optional keys as they come, as an output sampled freely does, and
+        its length is what closing such an output takes. A shortest output of 27 tokens
+        (Github_hard/o60179 after a grammar check) left the window at its default, and an
+        answer at 256 tokens was cut inside a string; the dive's 129 closes it."""
         facts = seq.guide.compiled.facts
-        known = facts.get("start_path")
-        if known is None and facts.get("start_dives", 0) < _START_DIVES:
+        dive = facts.get("start_dive")
+        if dive is None and facts.get("start_dives", 0) < _START_DIVES:
             # the probe's time (a busy machine cut 4x the search's short), 4x the nodes
             facts["start_dives"] = facts.get("start_dives", 0) + 1
             closer = self.guided.closer
@@ -402,10 +407,11 @@ class OutputPolicy:
                 max_expansions=_START_SCALE * closer.max_expansions)
             if path is not None:
                 remember_start_path(seq.guide.compiled, path)
-                known = path
-        if known is not None and len(known) + _GUARD_ZONE > self.config.closing_window:
-            seq.guide.ending.closing_estimate = (seq.num_output, len(known))
-            seq.guide.ending.prior_estimate = len(known)
+                facts["start_dive"] = dive = tuple(path)
+        floor = dive if dive is not None else facts.get("start_path")
+        if floor is not None and len(floor) + _GUARD_ZONE > self.config.closing_window:
+            seq.guide.ending.closing_estimate = (seq.num_output, len(floor))
+            seq.guide.ending.prior_estimate = len(floor)
 
     def _known_start(self, seq: Sequence, matcher) -> tuple | None:
         """The shortest output of a fresh request's grammar known from its start: the
