@@ -16,8 +16,9 @@ merged into one node; ``$ref`` resolved (core/json_schema.py's resolver; a cycle
 up); an object with its required keys in ``properties`` order (then those named by
 ``required`` alone), and optional ones only up to ``minProperties``; an array of
 ``minItems`` copies of the shortest item (``prefixItems`` first); a string of
-``minLength`` letters or a fixed example of its ``format`` (a ``pattern`` only where that
-text matches it); the number nearest 0 within its bounds and ``multipleOf``; ``true``;
+``minLength`` letters or a fixed example of its ``format`` (with a ``pattern``, where that
+text does not match it, the pattern's own shortest text: each repeat at its minimum, the
+shortest branch, a class's first safe character); the number nearest 0 within its bounds and ``multipleOf``; ``true``;
 ``null``. Whatever it cannot satisfy by these rules (``uniqueItems`` over copies, a
 pattern the example misses) is caught after: the value is kept only when the schema
 validates it (validation.py, the same check answers get).
@@ -40,6 +41,12 @@ import json
 import math
 import re
 import warnings
+
+try:  # the regex parser of the standard library (re._parser from 3.11)
+    from re import _constants as sre_constants, _parser as sre_parse
+except ImportError:  # pragma: no cover
+    import sre_constants
+    import sre_parse
 from typing import Callable
 
 from core.json_schema import Resolver
@@ -267,15 +274,109 @@ def _string(node: dict) -> str:
     text = _FORMATS.get(fmt, "a" * n) if isinstance(fmt, str) else "a" * n
     pattern = node.get("pattern")
     if isinstance(pattern, str):
-        try:
-            with warnings.catch_warnings():  # (a FutureWarning on some character classes)
-                warnings.simplefilter("ignore")
-                ok = re.search(pattern, text) is not None
-        except (re.error, RecursionError):
-            ok = False
-        if not ok:
-            raise _NoWitness
+        if not _matches(pattern, text):
+            text = _shortest_match(pattern)  # the pattern's own shortest text
+            if text is None or len(text) < n or not _matches(pattern, text):
+                raise _NoWitness
     return text
+
+
+def _matches(pattern: str, text: str) -> bool:
+    try:
+        with warnings.catch_warnings():  # (a FutureWarning on some character classes)
+            warnings.simplefilter("ignore")
+            return re.search(pattern, text) is not None
+    except (re.error, RecursionError):
+        return False
+
+
+_SAFE = "a0A-_.~ "  # characters tried where a class allows many (never a quote or escape)
+
+
+def _shortest_match(pattern: str) -> str | None:
+    """A shortest text Python's regex engine matches in full for ``pattern`` (None where it
+    holds what this does not write: back-references, lookarounds): each repeat at its
+    minimum, the shortest branch, a class's first safe character. The caller checks it
+    with ``re.search`` (and the grammar replays it)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            parsed = sre_parse.parse(pattern)
+        return _seq(list(parsed), 0)
+    except (re.error, RecursionError, _NoWitness, ValueError, TypeError, OverflowError):
+        return None
+
+
+def _seq(items, depth: int) -> str:
+    if depth > _MAX_DEPTH:
+        raise _NoWitness
+    return "".join(_item(op, av, depth) for op, av in items)
+
+
+def _item(op, av, depth: int) -> str:
+    c = sre_constants
+    if op == c.LITERAL:
+        return chr(av)
+    if op == c.AT:
+        return ""
+    if op in (c.MAX_REPEAT, c.MIN_REPEAT) or op == getattr(c, "POSSESSIVE_REPEAT", None):
+        least, _, body = av
+        if least > 64:
+            raise _NoWitness
+        return _seq(list(body), depth + 1) * least
+    if op == c.SUBPATTERN:
+        return _seq(list(av[-1]), depth + 1)
+    if op == getattr(c, "ATOMIC_GROUP", None):
+        return _seq(list(av), depth + 1)
+    if op == c.BRANCH:
+        return min((_seq(list(b), depth + 1) for b in av[1]), key=len)
+    if op in (c.IN, c.ANY, c.NOT_LITERAL, c.CATEGORY):
+        for ch in _SAFE + "".join(_members(op, av)):
+            if _in_class(op, av, ch):
+                return ch
+        raise _NoWitness
+    raise _NoWitness  # back-references, lookarounds, conditionals
+
+
+def _members(op, av) -> list[str]:
+    """The characters a class names first (a literal, a range's first): where no safe
+    character is in it (``[1-5]``), printable and neither a quote nor a backslash."""
+    c = sre_constants
+    if op == c.LITERAL or op != c.IN:
+        return []
+    out = []
+    for kind, value in av:
+        ch = chr(value) if kind == c.LITERAL else chr(value[0]) if kind == c.RANGE else ""
+        if ch.isprintable() and ch not in "\"\\":
+            out.append(ch)
+    return out
+
+
+def _in_class(op, av, ch: str) -> bool:
+    c = sre_constants
+    if op == c.ANY:
+        return ch != "\n"
+    if op == c.NOT_LITERAL:
+        return ord(ch) != av
+    if op == c.CATEGORY:
+        return _category(av, ch)
+    negate = bool(av) and av[0][0] == c.NEGATE
+    hit = False
+    for kind, value in (av[1:] if negate else av):
+        if kind == c.LITERAL and ord(ch) == value or kind == c.RANGE and (
+                value[0] <= ord(ch) <= value[1]) or kind == c.CATEGORY and _category(value, ch):
+            hit = True
+            break
+    return hit != negate
+
+
+def _category(cat, ch: str) -> bool:
+    c = sre_constants
+    return {c.CATEGORY_DIGIT: ch.isdigit(), c.CATEGORY_NOT_DIGIT: not ch.isdigit(),
+            c.CATEGORY_WORD: ch.isalnum() or ch == "_",
+            c.CATEGORY_NOT_WORD: not (ch.isalnum() or ch == "_"),
+            c.CATEGORY_SPACE: ch.isspace(), c.CATEGORY_NOT_SPACE: not ch.isspace()}.get(
+        cat, False)
 
 
 def _number(node: dict, integer: bool):
