@@ -693,6 +693,8 @@ class OutputPolicy:
         probe = matcher.fork()
         if not probe.accept_token(token):
             return None  # not the grammar's: the guard in the sampler handles it
+        if probe.is_terminated():
+            return None  # a stop token where the grammar may end: the output ends here
         closer = self.guided.closer
         # no search where the path still closes after this token: as it was (another word
         # in a string), or what is left of its text once the token's own is taken off
