@@ -36,9 +36,9 @@ run: install
 generate: install
 	$(VENV)/bin/rayguide generate --prompt "$(PROMPT)"
 
-# What CI runs: unit + integration tests (not the slow ones).
+# What CI runs: unit + integration tests (not the slow ones), with the 30 slowest listed.
 test: install
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q --durations=30
 
 # The fast tier (a minute or two): the `unit` tests of every folder (no Ray, no server, no model).
 test-fast: install
