@@ -68,6 +68,25 @@ def test_near_copies_of_an_item_are_ended_after_their_copies(default_tokenizer, 
     assert detect(default_tokenizer, vocab, schema, text) == kept
 
 
+DATES = {"type": "object", "properties": {"days": {"type": "array", "items": {"type": "string"}}},
+         "required": ["days"], "additionalProperties": False}
+
+
+def days(first, last, month=1):
+    return '{"days": [' + ", ".join(f'"2022-{month:02d}-{d:02d}"' for d in range(first, last + 1))
+
+
+@pytest.mark.parametrize("text, kept", [
+    # counting past the month's end (the clients bench's instructor answer): ended before
+    # the first day that is not one
+    (days(20, 45), days(20, 31) + "]"),
+    (days(1, 40, month=2), days(1, 28, month=2) + "]"),
+])
+def test_dates_counting_past_the_calendar_are_ended_before_it(default_tokenizer, vocab, text,
+                                                               kept):
+    assert detect(default_tokenizer, vocab, DATES, text) == kept
+
+
 def test_minitems_near_copies_are_ended_only_after_the_minimum(default_tokenizer, vocab):
     got = detect(default_tokenizer, vocab, ORDER_12, order(range(1, 16)))
     assert got == order(range(1, 13)) + "]", got
@@ -84,6 +103,9 @@ FRUITS = ("apple banana cherry grape lemon mango melon orange peach pear plum ki
     (POINTS, '{"points": [' + ", ".join(
         f'{{"lat": {48 + (i * 37 % 11) / 10}, "lon": {2 + (i * 53 % 7) / 10}, "label": "stop"}}'
         for i in range(14))),
+    # dates are data: every day of a month, and a date that is wrong once, not counting
+    (DATES, days(1, 31) + ", " + days(1, 28, month=2)[len('{"days": ['):]),
+    (DATES, '{"days": ["2022-01-04", "2022-02-31", "2022-03-04", "2022-05-01"'),
     # an enumeration of 7 items (up to near_repeats - 1 are kept whole)
     (ORDER, order(range(1, 8))),
     # three short equal answers: under min_chars together, as the exact detector counts
@@ -137,6 +159,16 @@ def test_engine_ends_counting_items_on_each_engine(make_tiny_engine, name):
     answer = json.loads(text)
     jsonschema.validate(answer, ORDER)
     assert [i["quantity"] for i in answer["items"]] == list(range(5, 13))
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_engine_ends_dates_past_the_calendar_on_each_engine(make_tiny_engine, name):
+    engine = make_tiny_engine()
+    scripted(engine, days(25, 60))
+    text, final = generate(engine, DATES, name, 1000)
+    assert final.grammar_engine == name
+    assert final.finish_reason == "stop" and final.loop_cuts == 1, text
+    assert json.loads(text)["days"] == [f"2022-01-{d}" for d in range(25, 32)]
 
 
 @pytest.mark.parametrize("name", ENGINES)

@@ -44,7 +44,9 @@ too) made ``#``: the same text, with every number stepping as it stepped last ti
 (``{"name": "Tacos", "quantity": 1}, {"name": "Tacos", "quantity": 2}, ...``), is a near
 copy. ``near_repeats`` (8) items in a row end the array after the newest one, the copies
 kept (``min_repeats`` where nothing steps: exact copies); items need a letter (a list of
-numbers is data). Items that cycle are compared the same way with the item 2 or 3 before
+numbers is data), but for dates counting past the calendar (``"2022-01-30", "2022-01-31",
+"2022-01-32", ...``: every day of a month is data, its 32nd is not), which end before
+the first day that is not one. Items that cycle are compared the same way with the item 2 or 3 before
 (A1, B1, A2, B2, ...: ``near_repeats`` rounds, or ``min_repeats`` rounds of exact copies).
 In a string, a sentence or clause (ended by ``. ! ? , ;``) of 3 words or more that changes
 at most one word of the one before (or of the one 2 before: a pair of sentences that
@@ -75,6 +77,7 @@ where a loop may end read one per-request state token by token; the scanner is i
 
 from __future__ import annotations
 
+import datetime
 import re
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -197,7 +200,12 @@ class LoopGuard:
             return self._number(may_close)
         prm, run, n = self.params, self._run, len(self.tokens)
         for p in range(1, len(run)):
-            copies = prm.min_repeats if p < prm.long_span else 2
+            if run[p] < p:
+                continue
+            # two copies of a long span, or three of a short one; a long span without a
+            # letter is data (digits are one token each: two dates of a list may share
+            # 12 tokens) and needs three copies too
+            copies = (2 if p >= prm.long_span and self._lettered(n - p) else prm.min_repeats)
             if run[p] < (copies - 1) * p:
                 continue
             start = n - run[p] - p  # first token of the first copy
@@ -239,11 +247,16 @@ class LoopGuard:
             run = self._items[array[3]] = _ItemRun()
         shape, counters = _shape(bytes(self._bytes[start:end]))
         lettered = _LETTER.search(shape) is not None
+        # a list of dates is data, until it counts past the calendar ("2022-01-32"): that
+        # item is where the loop began, and the array ends before it
+        dated = not lettered and shape == _DATE_SHAPE
+        past = dated and not _real_date(counters)
+        here = bisect_left(self._chars, run.end) if past else None  # the boundary before it
         steps_at: list = [None] * (_MAX_CYCLE + 1)
         prm = self.params
         for c in range(1, min(_MAX_CYCLE, len(run.items)) + 1):
             before_shape, before_counters, before_steps = run.items[-c]
-            if shape != before_shape or not lettered:
+            if shape != before_shape or not (lettered or dated):
                 run.counts[c] = 0
                 continue
             steps = steps_at[c] = _steps(before_counters, counters)
@@ -255,8 +268,23 @@ class LoopGuard:
             # not a loop)
             exact = not any(steps) and (end - start) * c * prm.min_repeats >= prm.min_chars
             cycles = (run.counts[c] + c) // c
-            if self._near is None and cycles >= (prm.min_repeats if exact else prm.near_repeats):
-                self._near = (array, cycles, "near", len(self.tokens))
+            if self._near is not None or cycles < (
+                    prm.min_repeats if exact else prm.near_repeats):
+                continue
+            if lettered:
+                n = len(self.tokens)  # tokens jumped forward may follow the copy
+                self._near = (array, cycles, "near", (n, n - 1))
+            elif past:
+                # before the first item of this run past the calendar: the first token
+                # boundary at or past the end of the item before it (or one or two before,
+                # inside that item's closing token)
+                keep = here if run.past is None else run.past
+                self._near = (array, cycles, "near", (keep, keep - 1, keep - 2))
+        if not run.counts[1]:
+            run.past = None
+        elif past and run.past is None:
+            run.past = here
+        run.end = end
         run.items.append((shape, counters, steps_at))
         if len(run.items) > _MAX_CYCLE:
             del run.items[0]
@@ -282,7 +310,8 @@ class LoopGuard:
             counts[c] = counts[c] + 1 if near else 0
             cycles = (counts[c] + c) // c
             if near and self._near is None and cycles >= self.params.sentence_repeats:
-                self._near = (string, cycles, "sentences", len(self.tokens))
+                n = len(self.tokens)
+                self._near = (string, cycles, "sentences", (n, n - 1))
         recent = (recent + [words])[-_SENTENCE_CYCLE:]
         self._sentence = (string, end, recent, counts)
 
@@ -292,9 +321,9 @@ class LoopGuard:
         (minItems, streamed), the next copy tries again."""
         if self._near is None:
             return None
-        outer, copies, kind, n = self._near  # tokens jumped forward may follow the copy
+        outer, copies, kind, n = self._near  # n: the places to try, the newest first
         self._near = None
-        for keep in (n, n - 1):
+        for keep in n:
             forced = self._closing(keep, outer) if keep > 0 else None
             if forced is not None and may_close(keep, forced):
                 return LoopCut(keep, forced, 0, copies, kind=kind)
@@ -319,17 +348,13 @@ class LoopGuard:
 
     def _progression(self, may_close) -> LoopCut | None:
         prm, srun, n = self.params, self._shape_run, len(self.tokens)
-        shapes = self.shapes
         for p in range(1, len(srun)):
             if srun[p] < (prm.progression_repeats - 1) * p:
                 continue
             start = n - srun[p] - p
-            span = self.tokens[n - p:]
             # a letter in it, or inside a string: runs of numbers and dates are data,
             # not a loop (a string counting "49, 50, 51, ..." is one)
-            if not (self._in_string(start) or any(
-                    shapes[t] == LETTER or any(chr(b).isalpha() for b in self.vocab[t])
-                    for t in span)):
+            if not (self._in_string(start) or self._lettered(n - p)):
                 continue
             if self._chars[n] - self._chars[start] < prm.min_chars:
                 continue
@@ -341,6 +366,12 @@ class LoopGuard:
                 return None
             return LoopCut(cut[0], cut[1], p, (srun[p] + p) // p, kind="progression")
         return None
+
+    def _lettered(self, first: int) -> bool:
+        """Whether the tokens from ``first`` to the newest hold a letter."""
+        shapes, vocab = self.shapes, self.vocab
+        return any((shapes is not None and shapes[t] == LETTER)
+                   or any(chr(b).isalpha() for b in vocab[t]) for t in self.tokens[first:])
 
     def _counts(self, n: int, p: int) -> bool:
         """Whether the numbers of the newest ``progression_repeats`` copies of ``p`` tokens
@@ -610,6 +641,16 @@ _SENTENCE_BYTES = 1024
 _COUNTER = re.compile(rb"[0-9]+(?:\.[0-9]+)?")
 _SPACE = re.compile(rb"\s+")
 _LETTER = re.compile(rb"[A-Za-z]")
+_DATE_SHAPE = b'"#-#-#"'  # an ISO date as a string item ("2022-01-31")
+
+
+def _real_date(counters: list[float]) -> bool:
+    """Whether a date item's numbers (year, month, day) name a day of the calendar."""
+    try:
+        datetime.date(*(int(x) for x in counters))
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return all(x == int(x) for x in counters)
 
 
 def _shape(item: bytes) -> tuple[bytes, list[float]]:
@@ -642,8 +683,10 @@ class _ItemRun:
     numbers, and per cycle length how it stepped from the item that many before), and per
     cycle length how many items in a row are near copies of the item that many before."""
 
-    __slots__ = ("items", "counts")
+    __slots__ = ("items", "counts", "end", "past")
 
     def __init__(self):
+        self.end = 0  # where the newest item ended (byte offset, exclusive)
+        self.past = None  # counting dates: the boundary before the first past the calendar
         self.items: list[tuple[bytes, list[float], list]] = []
         self.counts = [0] * (_MAX_CYCLE + 1)
