@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,16 +78,51 @@ def test_every_bench_has_a_smoke_run():
         f"{sorted(benches ^ set(BENCHES))}")
 
 
+# Smokes run SMOKE_JOBS at a time (most of a smoke is starting Ray, Serve and worker
+# processes, which wait as much as they compute; every bench binds free ports and starts a
+# Ray of its own): the module's first test starts them all, longest first, and each test
+# reads its own. Their figures mean nothing at this size, so running side by side changes
+# no verdict.
+SMOKE_JOBS = int(os.environ.get("RAYGUIDE_SMOKE_JOBS", "2"))
+LONGEST_FIRST = ("cluster.py", "grammar_cache.py", "clients.py", "load.py", "startup.py",
+                 "grammar_check.py", "realworld.py", "gpu.py")
+SWEEP = ("-m", "bench.clients", "--sweep")
+
+
+def _command(key) -> list[str]:
+    if key == SWEEP:
+        return [sys.executable, *SWEEP, "--smoke", "--json"]
+    return [sys.executable, str(BENCH / key), "--smoke", "--json"]
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request, default_model_dir, tiny_model_dir):
+    """``key -> future of its CompletedProcess`` for the smokes this session selected.
+    default_model_dir: the default model converted once, before any bench wants its
+    tokenizer (a conversion inside a bench would count against its timeout);
+    tiny_model_dir: the session's tiny model, which every bench uses instead of writing
+    its own (bench/report.py tiny_model)."""
+    keys = []
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        if item.originalname == "test_bench_smoke":
+            keys.append(item.callspec.params["name"])
+        elif item.originalname == "test_clients_sweep_smoke":
+            keys.append(SWEEP)
+    keys.sort(key=lambda k: LONGEST_FIRST.index(k) if k in LONGEST_FIRST else len(LONGEST_FIRST))
+    env = smoke_env(tiny_model_dir)
+    pool = ThreadPoolExecutor(max(1, SMOKE_JOBS))
+    runs = {key: pool.submit(subprocess.run, _command(key), cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=600) for key in keys}
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(BENCHES))
-def test_bench_smoke(name, default_model_dir, tiny_model_dir):
-    # default_model_dir: the default model converted once, before any bench wants its
-    # tokenizer (a conversion inside a bench would count against its timeout);
-    # tiny_model_dir: the session's tiny model, which every bench uses instead of writing
-    # its own (bench/report.py tiny_model)
-    env = smoke_env(tiny_model_dir)
-    proc = subprocess.run([sys.executable, str(BENCH / name), "--smoke", "--json"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def test_bench_smoke(name, smoke_runs):
+    proc = smoke_runs[name].result()
     tail = (proc.stdout[-3000:] + "\n--- stderr ---\n" + proc.stderr[-3000:])
     assert proc.returncode == 0, tail
     lines = proc.stdout.strip().splitlines()
@@ -98,11 +134,9 @@ def test_bench_smoke(name, default_model_dir, tiny_model_dir):
 
 
 @pytest.mark.integration
-def test_clients_sweep_smoke(default_model_dir, tiny_model_dir):
+def test_clients_sweep_smoke(smoke_runs):
     """bench/clients.py --sweep (how the loop guard's defaults were chosen) runs too."""
-    proc = subprocess.run([sys.executable, "-m", "bench.clients", "--sweep", "--smoke",
-                           "--json"], cwd=ROOT, env=smoke_env(tiny_model_dir),
-                          capture_output=True, text=True, timeout=600)
+    proc = smoke_runs[SWEEP].result()
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["sweep"]
     assert [r["setting"] for r in rows] == ["off", "defaults"]
