@@ -150,7 +150,11 @@ async def _bug(request: Request, exc: Exception):
                                           "in rayguide", type_="server_error", code="internal"))
 
 
-@serve.deployment(max_ongoing_requests=256, health_check_period_s=10)
+# graceful_shutdown_wait_loop_s: a replica being stopped looks for requests still running
+# this often (Ray's default, 2 s, is the least an idle replica took to stop; it still waits
+# for every running request, up to graceful_shutdown_timeout_s)
+@serve.deployment(max_ongoing_requests=256, health_check_period_s=10,
+                  graceful_shutdown_wait_loop_s=0.2)
 @serve.ingress(fastapi_app)
 class OpenAIServer:
     def __init__(self, settings: dict):
