@@ -321,6 +321,9 @@ def run(base_url: str, items, *, concurrency: int = 8) -> dict:
                          if c.get("finish_reason") == "length"][:6],
     )
     figures.update(_by_engine(jobs, errors, recorder.by_job))
+    for (c, _), t, g in zip(answers, texts, guided):  # whole, to read why (stderr)
+        if c.get("finish_reason") == "length":
+            print(f"clients: an answer at its budget ({_verdict(g)}):\n{t}", file=sys.stderr)
     return figures
 
 
