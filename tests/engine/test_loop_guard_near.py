@@ -87,6 +87,15 @@ def test_dates_counting_past_the_calendar_are_ended_before_it(default_tokenizer,
     assert detect(default_tokenizer, vocab, DATES, text) == kept
 
 
+def test_a_long_run_of_digits_repeats_at_two_copies_inside_a_string_only(default_tokenizer,
+                                                                          vocab):
+    # one token per digit: 12 tokens, a long span. Inside one string two copies are a loop
+    # (Github_medium/o43994's "1234567890, 1234567890, ..."); across a list's items it
+    # takes three (two dates of a list crossing a month share 12 tokens: see above)
+    got = detect(default_tokenizer, vocab, TAGS, '{"tags": ["1234567890, 1234567890, 1234')
+    assert got == '{"tags": ["1234567890, "', got
+
+
 def test_minitems_near_copies_are_ended_only_after_the_minimum(default_tokenizer, vocab):
     got = detect(default_tokenizer, vocab, ORDER_12, order(range(1, 16)))
     assert got == order(range(1, 13)) + "]", got

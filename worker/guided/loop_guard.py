@@ -10,7 +10,9 @@ Detection works on token ids, per request, in O(max_period) per token:
 
     run[p]  = how many tokens in a row equal the token p places before them
     a loop  = the smallest period p with run[p] >= (copies(p) - 1) * p, where
-              copies(p) = min_repeats (3) for short spans, 2 from long_span (8) tokens up,
+              copies(p) = min_repeats (3) for short spans, 2 from long_span (8) tokens up
+              (inside a string, or holding a letter: outside strings, digits and
+              punctuation repeat by chance in data, one token per digit),
               and the repeated text is at least min_chars (16) characters long
 
 A **progression** is the same loop with counters in it (``"v2.0", "v3.0", "v4.0", ...``,
@@ -202,13 +204,15 @@ class LoopGuard:
         for p in range(1, len(run)):
             if run[p] < p:
                 continue
-            # two copies of a long span, or three of a short one; a long span without a
-            # letter is data (digits are one token each: two dates of a list may share
-            # 12 tokens) and needs three copies too
-            copies = (2 if p >= prm.long_span and self._lettered(n - p) else prm.min_repeats)
+            start = n - run[p] - p  # first token of the first copy
+            # two copies of a long span, or three of a short one; outside a string, a long
+            # span without a letter is data (digits are one token each: two dates of a
+            # list may share 12 tokens) and needs three copies too
+            copies = (2 if p >= prm.long_span and (self._in_string(start)
+                                                    or self._lettered(n - p))
+                      else prm.min_repeats)
             if run[p] < (copies - 1) * p:
                 continue
-            start = n - run[p] - p  # first token of the first copy
             if self._chars[n] - self._chars[start] < prm.min_chars:
                 continue
             cut = self._cut(start, start + p, may_close)
