@@ -193,6 +193,11 @@ def test_engine_ends_restarting_sentences_on_each_engine(make_tiny_engine, name)
 
 # --- items and sentences that cycle (A, B, A, B ...) ------------------------------------------
 
+SHOP = '{"items": [{"name": "Pizza", "note": "", "quantity": 10, "price": 1.5}, '
+BASKET = [f'{{"name": "{n}", "note": "", "quantity": 1, "price": 1.5}}'
+          for n in ("Lemonade", "Coffee", "Burgers", "Soda")]
+
+
 def cycle(qs, names=("Tacos", "Burrito")):
     """Items that cycle through ``names``, each round counting ``q`` (A1, B1, A2, B2 ...)."""
     return '{"items": [' + ", ".join(line(q, name=n) for q in qs for n in names)
@@ -206,6 +211,9 @@ def cycle(qs, names=("Tacos", "Burrito")):
     # three items a round
     (cycle(range(1, 12), ("Tacos", "Burrito", "Nachos")),
      cycle(range(1, 9), ("Tacos", "Burrito", "Nachos")) + "]"),
+    # the clients bench's shopping list (auto, langchain, at its budget): rounds of four
+    # short items, 80 tokens a round, past the exact detector's 48; 3 rounds kept
+    (SHOP + ", ".join(BASKET * 6), SHOP + ", ".join(BASKET * 3) + "]"),
 ])
 def test_items_that_cycle_are_ended_after_their_rounds(default_tokenizer, vocab, text, kept):
     assert detect(default_tokenizer, vocab, ORDER, text) == kept

@@ -48,7 +48,7 @@ copy. ``near_repeats`` (8) items in a row end the array after the newest one, th
 kept (``min_repeats`` where nothing steps: exact copies); items need a letter (a list of
 numbers is data), but for dates counting past the calendar (``"2022-01-30", "2022-01-31",
 "2022-01-32", ...``: every day of a month is data, its 32nd is not), which end before
-the first day that is not one. Items that cycle are compared the same way with the item 2 or 3 before
+the first day that is not one. Items that cycle are compared the same way with the item 2 to 6 before
 (A1, B1, A2, B2, ...: ``near_repeats`` rounds, or ``min_repeats`` rounds of exact copies).
 In a string, a sentence or clause (ended by ``. ! ? , ;``) of 3 words or more that changes
 at most one word of the one before (or of the one 2 before: a pair of sentences that
@@ -639,7 +639,9 @@ def _scan(state: _State, data: bytes, path: list, digits: _DigitRuns, base: int,
 
 _SENTENCE_END = frozenset(b".!?,;")
 _ITEM_BYTES = 4096  # longer array items are not compared (bounds the work per item)
-_MAX_CYCLE = 3  # array items that cycle: A, B, C, A, B, C ... (each compared with 3 before)
+# array items that cycle: A, B, C, A, B, C ... (each compared with up to 6 before: a
+# round of 4 short items, 80 tokens, is past the exact detector's 48)
+_MAX_CYCLE = 6
 _SENTENCE_CYCLE = 2  # sentences: each compared with the 2 before
 _SENTENCE_BYTES = 1024
 _COUNTER = re.compile(rb"[0-9]+(?:\.[0-9]+)?")
