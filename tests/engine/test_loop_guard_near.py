@@ -203,14 +203,27 @@ def cycle(qs, names=("Tacos", "Burrito")):
     return '{"items": [' + ", ".join(line(q, name=n) for q in qs for n in names)
 
 
+LINES = '{"items": ['
+MENU = ("Tacos", "Burritos", "Nachos")
+
+
+def priced(i):
+    """Line ``i`` of an order cycling through MENU, its price counting up a line at a time."""
+    return f'{{"name": "{MENU[i % 3]}", "note": "", "quantity": 30, "price": {i + 1.5}}}'
+
+
 @pytest.mark.parametrize("text, kept", [
-    # A1, B1, A2, B2 ...: each item a near copy of the one two before; 8 rounds kept
-    (cycle(range(1, 14)), cycle(range(1, 9)) + "]"),
+    # A1, B1, A2, B2 ...: each item a near copy of the one two before; 5 rounds kept
+    (cycle(range(1, 14)), cycle(range(1, 6)) + "]"),
     # exact A, B rounds of long items (past the exact detector's 48 tokens): 3 rounds
     (cycle([3] * 10), cycle([3] * 3) + "]"),
-    # three items a round
+    # three items a round: 4 rounds kept
     (cycle(range(1, 12), ("Tacos", "Burrito", "Nachos")),
-     cycle(range(1, 9), ("Tacos", "Burrito", "Nachos")) + "]"),
+     cycle(range(1, 5), ("Tacos", "Burrito", "Nachos")) + "]"),
+    # the clients bench's order (xgrammar, openai, at its budget of 512 after 19 lines):
+    # three lines a round, the price counting by one from line to line; 4 rounds kept
+    (LINES + ", ".join(priced(i) for i in range(19)),
+     LINES + ", ".join(priced(i) for i in range(12)) + "]"),
     # the clients bench's shopping list (auto, langchain, at its budget): rounds of four
     # short items, 80 tokens a round, past the exact detector's 48; 3 rounds kept
     (SHOP + ", ".join(BASKET * 6), SHOP + ", ".join(BASKET * 3) + "]"),
@@ -247,6 +260,8 @@ SHIFTS = {"type": "object", "properties": {"shifts": {"type": "array", "items": 
         f'"{d}: {m} with friends and family at the old house by the lake"'
         for d in ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday")
         for m in ("breakfast", "dinner"))),
+    # four rounds of two counting items: one short of five
+    (ORDER, cycle(range(1, 5)) + ", "),
     # the schema demands 21 shifts (an enum): the rounds stay until minItems allow an end
     (SHIFTS, '{"shifts": [' + ", ".join(['"early shift", "late shift", "night shift"'] * 6)),
 ])
@@ -263,7 +278,7 @@ def test_engine_ends_items_that_cycle_on_each_engine(make_tiny_engine, name):
     assert final.finish_reason == "stop" and final.loop_cuts == 1, text
     answer = json.loads(text)
     jsonschema.validate(answer, ORDER)
-    assert [i["quantity"] for i in answer["items"]] == [q for q in range(1, 9) for _ in "AB"]
+    assert [i["quantity"] for i in answer["items"]] == [q for q in range(1, 6) for _ in "AB"]
 
 
 def test_copies_whose_closing_token_carries_their_last_characters_are_ended(default_tokenizer,
