@@ -91,3 +91,30 @@ def test_xgrammar_enforces_exactly_the_formats_listed_as_enforced(fmt):
                                                                   "format": fmt})))
     accepts_bad = _is_grammar_accept_string(grammar, json.dumps(SAMPLES[fmt][0]))
     assert accepts_bad == (fmt not in validation._XGRAMMAR_FORMATS), fmt
+
+
+# a string no format accepts (an unclosed group: not a regex either): where xgrammar
+# reads the pattern, only it is accepted
+ODD, ODD_PATTERN = "<a b>(", r"^<a b>\($"
+
+
+@pytest.mark.parametrize("fmt", sorted(SAMPLES))
+def test_xgrammar_reads_the_pattern_beside_a_format_exactly_where_listed(fmt):
+    # beside its own formats' grammars xgrammar leaves a pattern out (JSONSchemaStore's
+    # schema-catalog: "format": "uri", "pattern": "^https://" answered a uri without the
+    # https, labelled valid by the check that listed nothing); beside any other it reads
+    # the pattern and leaves the format out
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from grammar_cache.compile import json_schema_ebnf
+
+    node = {"type": "string", "format": fmt, "pattern": ODD_PATTERN}
+    grammar = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(node)))
+    reads_pattern = _is_grammar_accept_string(grammar, json.dumps(ODD))
+    assert reads_pattern == (fmt not in validation._XGRAMMAR_NATIVE_FORMATS), fmt
+    listed = approximated_keywords({"type": "object", "properties": {"v": node}})
+    assert listed == ([validation.PATTERN_BESIDE_FORMAT] if not reads_pattern
+                      else [f"format: {fmt}"]), (fmt, listed)
+    # the answer is checked against both all the same
+    assert validate_json(node, json.dumps(ODD)) is not None
