@@ -291,3 +291,57 @@ def test_copies_whose_closing_token_carries_their_last_characters_are_ended(defa
     assert got is not None, "not cut"
     tags = json.loads(got + "}")["tags"]  # (the array is closed; the document goes on)
     assert set(tags) == {"TinyTech Inc."} and 1 <= len(tags) <= 3, got
+
+
+COURSES = {"type": "object", "properties": {"courses": {"type": "array", "items": {
+    "type": "object", "properties": {"title": {"type": "string"}, "subjects": {
+        "type": "array", "items": {"type": "string"}}, "place": {"type": "string"}},
+    "required": ["title", "subjects", "place"], "additionalProperties": False}}},
+    "required": ["courses"], "additionalProperties": False}
+
+
+def test_items_that_repeat_whole_are_ended_after_cuts_inside_each(default_tokenizer, vocab):
+    # JSONSchemaStore's cv schema on xgrammar: every course held a list of subjects that
+    # repeated (cut each time), and the courses themselves repeated whole to the budget:
+    # each cut forgot the courses seen before it
+    import xgrammar as xgr
+
+    from core.params import LoopGuardParams as Params
+    from worker.guided.loop_guard import LoopGuard, closer_ids, token_shapes
+
+    tok, (vocab_list, info) = default_tokenizer, vocab
+    m = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(json.dumps(COURSES)))
+    guard = LoopGuard(Params(), vocab_list, closer_ids(vocab_list), token_shapes(vocab_list))
+    out: list[int] = []
+
+    def may(keep, closers):  # as OutputPolicy._may_cut
+        probe = m.fork()
+        probe.rollback(len(out) - keep)
+        return all(probe.accept_token(c) for c in closers)
+
+    course = ['{"title": "Courses in the old town", "subjects": [',
+              ", ".join(['"Courses of the school"'] * 6) + "]",
+              ', "place": "Prague"}', ", "]
+    cuts = 0
+    for piece in ['{"courses": ['] + course * 8:
+        if not m.is_terminated():
+            for t in tok(piece, add_special_tokens=False)["input_ids"]:
+                if not m.accept_token(t):
+                    break  # the array this piece goes on was ended: the model follows
+                out.append(t)
+                guard.push(t)
+                cut = guard.find(may)
+                if cut is not None:
+                    cuts += 1
+                    m.rollback(len(out) - cut.keep)
+                    guard.cut(cut.keep, cut.closers)
+                    del out[cut.keep:]
+                    for c in cut.closers:
+                        assert m.accept_token(c)
+                        out.append(c)
+                    break  # the rest of this piece is what the cut removed
+    text = tok.decode(out)
+    closed = text if text.endswith("]") else text.rstrip(", ") + "]"  # (never cut: all 8)
+    courses = json.loads(closed + "}")["courses"]
+    assert 1 <= len(courses) <= 3, text  # ended after its exact copies (was: all 8)
+    assert cuts == len(courses) + 1, text  # a cut in each course's subjects, one of courses

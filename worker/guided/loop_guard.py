@@ -474,7 +474,7 @@ class LoopGuard:
         del self.states[keep:]
         del self._chars[keep + 1:]
         del self._bytes[self._chars[keep]:]
-        self._items, self._sentence, self._near = {}, None, None
+        self._sentence, self._near = None, None
         # the levels open after token keep - 1: the path's head is shared, the rest is
         # walked back from that state's innermost level
         level = self.states[-1][0] if self.states else None
@@ -485,6 +485,13 @@ class LoopGuard:
             level = level[1]
         del self._path[level[2] if level is not None else 0:]
         self._path.extend(reversed(tail))
+        # the item runs of the arrays still open, whose items all ended before the cut, go
+        # on: a cut inside each item (its list of tags) no longer hides items that repeat
+        # whole (JSONSchemaStore's cv: six equal courses to the budget, five cuts inside)
+        kept_at, open_arrays = self._chars[keep], {lvl[3] for lvl in self._path
+                                                   if lvl[0] == "a"}
+        self._items = {at: run for at, run in self._items.items()
+                       if at in open_arrays and run.end <= kept_at}
         # no repetition is counted from before the cut: one state's minimum is enough
         self._min_at = [keep - 1] if keep else []
         self._min_depth = [_depth(self.states[-1])] if keep else []
