@@ -345,3 +345,48 @@ def test_items_that_repeat_whole_are_ended_after_cuts_inside_each(default_tokeni
     courses = json.loads(closed + "}")["courses"]
     assert 1 <= len(courses) <= 3, text  # ended after its exact copies (was: all 8)
     assert cuts == len(courses) + 1, text  # a cut in each course's subjects, one of courses
+
+
+RECEIPT = {"type": "object", "properties": {"store": {"type": "string"}, "items": {
+    "type": "array", "items": {
+        "type": "object", "properties": {"name": {"type": "string"},
+                                         "quantity": {"type": "integer"},
+                                         "price": {"type": "number"}},
+        "required": ["name", "quantity", "price"], "additionalProperties": False}}},
+    "required": ["store", "items"], "additionalProperties": False}
+LAMB = "Lemon-Crusted Lamb Chops with Roasted Garlic and Smoked Paprika Crouton"
+CREAMY = "Lemon-Lemon-Cinnamon-Creamy-{}Beverage-Lemon-Lemon-Cinnamon-"
+
+
+def receipt(names, quantity=lambda i: 2, price=lambda i: f"{i + 1}.99"):
+    return '{"store": "Bakery", "items": [' + ", ".join(
+        f'{{"name": "{n}", "quantity": {quantity(i)}, "price": {price(i)}}}'
+        for i, n in enumerate(names))
+
+
+@pytest.mark.parametrize("names, quantity, kept", [
+    # the clients bench (auto, openai, at its budget of 512): a counting run whose copied
+    # name slips a word twice ("Croutons," -> "Crouton Croutons," -> "Crouton"); each slip
+    # restarted the count, and 8 more lines ran past the budget. Ended after 8 lines
+    ([LAMB + "s,"] * 3 + [LAMB + " Croutons,"] + [LAMB] * 8, lambda i: 2, 8),
+    # the same (xgrammar, instructor): "Creamy-Creamy-" -> "Creamy-" after two lines
+    ([CREAMY.format("Creamy-")] * 2 + [CREAMY.format("")] * 10, lambda i: i + 1, 8),
+])
+def test_counting_items_whose_copied_text_slips_a_word_are_ended(default_tokenizer, vocab,
+                                                                 names, quantity, kept):
+    got = detect(default_tokenizer, vocab, RECEIPT, receipt(names, quantity))
+    assert got == receipt(names[:kept], quantity) + "]", got
+
+
+@pytest.mark.parametrize("names", [
+    # distinct names that share nothing, with counting ids and prices
+    ["Alice Smith", "Bob Smith", "Carol Smith", "Dave Smith", "Erin Smith", "Frank Smith",
+     "Grace Smith", "Heidi Smith", "Ivan Smith", "Judy Smith"],
+    # a menu of one dish with different sides: the edit is a whole word each time, and
+    # more than a third of the name
+    [f"Chicken with {s}" for s in ("fries", "salad", "soup", "rice", "beans", "corn",
+                                   "slaw", "chips", "bread", "pasta")],
+])
+def test_distinct_items_with_counting_fields_are_kept(default_tokenizer, vocab, names):
+    assert detect(default_tokenizer, vocab, RECEIPT,
+                  receipt(names, lambda i: i + 1)) is None

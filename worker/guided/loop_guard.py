@@ -44,7 +44,9 @@ shapes, but they are data).
 or string) is compared with the one before it as its text with each number (in a string
 too) made ``#``: the same text, with every number stepping as it stepped last time
 (``{"name": "Tacos", "quantity": 1}, {"name": "Tacos", "quantity": 2}, ...``), is a near
-copy. ``near_repeats`` (8) items in a row end the array after the newest one, the copies
+copy; in a counting run, so is an item whose copied text slips a word (``_variant``: one
+small edit inside a string mostly kept) and whose numbers step as before.
+``near_repeats`` (8) items in a row end the array after the newest one, the copies
 kept (``min_repeats`` where nothing steps: exact copies); items need a letter (a list of
 numbers is data), but for dates counting past the calendar (``"2022-01-30", "2022-01-31",
 "2022-01-32", ...``: every day of a month is data, its 32nd is not), which end before
@@ -261,12 +263,23 @@ class LoopGuard:
         prm = self.params
         for c in range(1, min(_MAX_CYCLE, len(run.items)) + 1):
             before_shape, before_counters, before_steps = run.items[-c]
-            if shape != before_shape or not (lettered or dated):
-                run.counts[c] = 0
-                continue
-            steps = steps_at[c] = _steps(before_counters, counters)
             last = before_steps[c]  # (how the item c before stepped from its own c before)
-            run.counts[c] = run.counts[c] + 1 if last is None or _same_steps(last, steps) else 1
+            if shape != before_shape or not (lettered or dated):
+                # a variant (one small edit inside a string mostly kept) goes on a counting
+                # run whose numbers step as before; anything else ends the run
+                steps = (_steps(before_counters, counters) if c == 1 and lettered
+                         and last is not None and len(counters) == len(before_counters)
+                         else None)
+                if (steps is None or not any(steps) or not _same_steps(last, steps)
+                        or not _variant(before_shape, shape)):
+                    run.counts[c] = 0
+                    continue
+                steps_at[c] = steps
+                run.counts[c] += 1
+            else:
+                steps = steps_at[c] = _steps(before_counters, counters)
+                run.counts[c] = (run.counts[c] + 1 if last is None or _same_steps(last, steps)
+                                 else 1)
             # exact copies (nothing steps) as the exact detector counts them; counting
             # copies as progressions do (an enumeration of up to near_repeats - 1 items
             # is kept) (over min_chars together, as there: three short enum answers are
@@ -650,6 +663,8 @@ _ITEM_BYTES = 4096  # longer array items are not compared (bounds the work per i
 # array items that cycle: A, B, C, A, B, C ... (each compared with up to 6 before: a
 # round of 4 short items, 80 tokens, is past the exact detector's 48)
 _MAX_CYCLE = 6
+_VARIANT_BYTES = 12  # a variant item's edit, at most (see _variant)
+_VARIANT_KEPT = 16  # and the text of its string kept around it, at least
 _SENTENCE_CYCLE = 2  # sentences: each compared with the 2 before
 _SENTENCE_BYTES = 1024
 _COUNTER = re.compile(rb"[0-9]+(?:\.[0-9]+)?")
@@ -683,6 +698,34 @@ def _shape(item: bytes) -> tuple[bytes, list[float]]:
     string) one ``#`` and no whitespace, and those numbers in order."""
     counters = [float(m) for m in _COUNTER.findall(item)]
     return _SPACE.sub(b"", _COUNTER.sub(b"#", item)), counters
+
+
+def _variant(a: bytes, b: bytes) -> bool:
+    """Whether item shape ``b`` is ``a`` with one small edit (up to _VARIANT_BYTES, a third
+    of what is kept) inside one string whose kept text is _VARIANT_KEPT bytes or more
+    (``"... Smoked Paprika Croutons,"`` -> ``"... Smoked Paprika Crouton Croutons,"``): a
+    model copying its item and slipping a word. Distinct names (``"Alice"``, ``"Bob"``)
+    keep nothing of their string; an edit across a quote changes the item's structure."""
+    n = min(len(a), len(b))
+    p = 0
+    while p < n and a[p] == b[p]:
+        p += 1
+    s = 0
+    while s < n - p and a[-1 - s] == b[-1 - s]:
+        s += 1
+    edit_a, edit_b = a[p:len(a) - s], b[p:len(b) - s]
+    edit = max(len(edit_a), len(edit_b))
+    if not edit or b'"' in edit_a or b'"' in edit_b:
+        return False
+    head = a[:p]
+    if (head.count(b'"') - head.count(b'\\"')) % 2 == 0:  # the edit is not in a string
+        return False
+    opened = head.rfind(b'"')
+    closed = a.find(b'"', len(a) - s)
+    if closed < 0:
+        return False
+    kept = (p - opened - 1) + (closed - (len(a) - s))
+    return edit <= _VARIANT_BYTES and kept >= _VARIANT_KEPT and 3 * edit <= kept
 
 
 def _steps(a: list[float], b: list[float]) -> list[float]:
