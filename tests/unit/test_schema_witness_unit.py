@@ -89,3 +89,32 @@ def test_hostile_schemas_cost_milliseconds():
         witness(schema)
         assert time.perf_counter() - start < 0.5
     assert witness(nested) is None  # deeper than the builder looks
+
+
+class AcceptAll:
+    """A matcher that accepts every token and may end anywhere."""
+
+    def fork(self):
+        return self
+
+    def accept_token(self, token):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def wide_enum(keys: int) -> dict:
+    value = "Independent validation of assertion by a third party"  # ~60 bytes a key
+    return {"type": "object", "required": [f"key_{i}" for i in range(keys)],
+            "properties": {f"key_{i}": {"enum": [value]} for i in range(keys)}}
+
+
+def test_a_witness_of_several_kilobytes_is_replayed_and_a_larger_one_is_not():
+    # Github_ultra/o21136 (JSONSchemaBench): its required keys alone make a 5.4 KB
+    # witness, over the 4 KiB bound it had; the check made no prediction for it
+    encode = lambda text: list(range(len(text) // 4))  # noqa: E731
+    mid = witness_tokens(wide_enum(90), AcceptAll(), encode)
+    assert mid is not None and len(mid) > 4096 // 4
+    assert witness(wide_enum(400)) is not None
+    assert witness_tokens(wide_enum(400), AcceptAll(), encode) is None  # over 16 KiB
