@@ -17,7 +17,9 @@ exact,
 approximated, refused, llguidance, xgrammar (schemas each engine serves), compile_ms_p50,
 compile_ms_p99, requests, refused_mismatch (refusals not predicted, or predicted and not
 met), exact_invalid (answers invalid under a schema called exact), budget_refused (a
-request at the predicted shortest output refused as too small), below_bound (answers
+request at the predicted shortest output, or over it, refused as too small),
+budget_refused_as_predicted (a ``--budget`` under the predicted shortest output refused as
+too small: what the check predicts), below_bound (answers
 shorter than ``at_least``), unpredicted_budget_refused (schemas whose shortest output the
 check did not find in time, refused at twice the bound: no prediction was made),
 exact_cut_unpredicted (answers of such schemas cut unclosed at that budget), unpredicted
@@ -89,6 +91,7 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
     mismatches: list[str] = []
     counts = {"requests": 0, "refused_mismatch": 0, "exact_invalid": 0, "budget_refused": 0,
               "below_bound": 0, "unpredicted_budget_refused": 0,
+              "budget_refused_as_predicted": 0,
               "exact_cut_unpredicted": 0, "shorter_than_predicted": 0}
 
     def ask(rep, max_tokens):
@@ -131,6 +134,11 @@ def verify(url: str, model: str, reports: list[dict], *, budget: int | None,
         if err is not None:
             if err[1] == "budget_too_small" and short["tokens"] is None:
                 counts["unpredicted_budget_refused"] += 1  # no shortest output was claimed
+                continue
+            if err[1] == "budget_too_small" and max_tokens < short["tokens"]:
+                # (--budget under the predicted shortest output: the refusal the check
+                # predicts)
+                counts["budget_refused_as_predicted"] += 1
                 continue
             if err[1] == "budget_too_small":
                 counts["budget_refused"] += 1
