@@ -56,8 +56,9 @@ def order(qs, **kw):
 @pytest.mark.parametrize("text, kept", [
     # counting items longer than the exact detector's 48 tokens, through 9 -> 10
     (order(range(5, 20)), order(range(5, 13)) + "]"),
-    # exact copies of a long item: as exact repeats, 3 copies
-    (order([4] * 10), order([4] * 3) + "]"),
+    # exact copies of a long item: found after 3 copies, ended after the first (the
+    # copies say nothing more, and break uniqueItems)
+    (order([4] * 10), order([4]) + "]"),
     # in a string item too
     ('{"tags": [' + ", ".join(f'"Chapter {i}: {NOTE}"' for i in range(1, 14)),
      '{"tags": [' + ", ".join(f'"Chapter {i}: {NOTE}"' for i in range(1, 9)) + "]"),
@@ -343,8 +344,9 @@ def test_items_that_repeat_whole_are_ended_after_cuts_inside_each(default_tokeni
     text = tok.decode(out)
     closed = text if text.endswith("]") else text.rstrip(", ") + "]"  # (never cut: all 8)
     courses = json.loads(closed + "}")["courses"]
-    assert 1 <= len(courses) <= 3, text  # ended after its exact copies (was: all 8)
-    assert cuts == len(courses) + 1, text  # a cut in each course's subjects, one of courses
+    assert len(courses) == 1, text  # ended after its first exact copy (was: all 8)
+    assert courses[0]["subjects"] == ["Courses of the school"], text
+    assert 2 <= cuts <= 4, text  # a cut in each course's subjects seen, one of courses
 
 
 RECEIPT = {"type": "object", "properties": {"store": {"type": "string"}, "items": {
@@ -390,3 +392,30 @@ def test_counting_items_whose_copied_text_slips_a_word_are_ended(default_tokeniz
 def test_distinct_items_with_counting_fields_are_kept(default_tokenizer, vocab, names):
     assert detect(default_tokenizer, vocab, RECEIPT,
                   receipt(names, lambda i: i + 1)) is None
+
+
+UNIQUE = {"type": "object", "properties": {"subjects": {
+    "type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    "required": ["subjects"], "additionalProperties": False}
+UNIQUE_3 = {"type": "object", "properties": {"subjects": {
+    "type": "array", "items": {"type": "string"}, "minItems": 3}},
+    "required": ["subjects"], "additionalProperties": False}
+SUBJECT = "Courses of the school in the old town"
+
+
+@pytest.mark.parametrize("schema, kept", [
+    # JSONSchemaStore's cv on xgrammar (uniqueItems approximated): three equal subjects
+    # were kept, and the answer was invalid
+    (UNIQUE, 1),
+    # where the schema wants more, as many as it wants
+    (UNIQUE_3, 3),
+])
+def test_exact_copies_of_an_item_keep_one_where_the_schema_allows(default_tokenizer, vocab,
+                                                                  schema, kept):
+    got = detect(default_tokenizer, vocab, schema,
+                 '{"subjects": [' + ", ".join([f'"{SUBJECT}"'] * 8))
+    assert got is not None
+    subjects = json.loads(got + "}")["subjects"]
+    assert subjects == [SUBJECT] * kept, got
+    if schema is UNIQUE:
+        jsonschema.validate({"subjects": subjects}, schema)

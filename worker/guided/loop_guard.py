@@ -28,7 +28,8 @@ A JSON scanner follows the output byte by byte (strings, escapes, numbers, nesti
 each token boundary knows its nesting. The loop's value is the innermost string, array or
 object that stays open over the whole repetition; a repetition of tokens inside a number
 or literal is never cut (``1000000`` is not a loop). The cut is the earliest token
-boundary after one whole copy (and after what was already streamed) that lies directly
+boundary after one whole copy (an array's: after its first item, whose opening token may
+differ from the copies'; and after what was already streamed) that lies directly
 in that value and where the grammar accepts the value's closer (``"``, ``]`` or ``}``): a
 string is closed, an array ends once its ``minItems`` allow, an object once its required
 keys are in. A repetition
@@ -47,7 +48,8 @@ too) made ``#``: the same text, with every number stepping as it stepped last ti
 copy; in a counting run, so is an item whose copied text slips a word (``_variant``: one
 small edit inside a string mostly kept) and whose numbers step as before.
 ``near_repeats`` (8) items in a row end the array after the newest one, the copies
-kept (``min_repeats`` where nothing steps: exact copies); items need a letter (a list of
+kept (``min_repeats`` where nothing steps: exact copies, ended after the first where the
+grammar allows: duplicates say nothing more, and break ``uniqueItems``); items need a letter (a list of
 numbers is data), but for dates counting past the calendar (``"2022-01-30", "2022-01-31",
 "2022-01-32", ...``: every day of a month is data, its 32nd is not), which end before
 the first day that is not one. Items that cycle are compared the same way with the item 2 to 6 before
@@ -218,7 +220,7 @@ class LoopGuard:
                 continue
             if self._chars[n] - self._chars[start] < prm.min_chars:
                 continue
-            cut = self._cut(start, start + p, may_close)
+            cut = self._cut(start, start + p, may_close, exact=True)
             if cut is None:
                 # no place yet (or the places were streamed already): look at the next
                 # token's boundary only (a whole copy later would stay in phase with the
@@ -291,7 +293,15 @@ class LoopGuard:
                 continue
             if lettered:
                 n = len(self.tokens)  # tokens jumped forward may follow the copy
-                self._near = (array, cycles, "near", (n, n - 1))
+                places = (n, n - 1)
+                if exact and c == 1:
+                    # exact copies say nothing the first did not (and break uniqueItems):
+                    # ended after the first where the grammar allows, as the exact
+                    # detector ends them (or one or two tokens before: inside the
+                    # item's closing token)
+                    k = bisect_left(self._chars, run.ends[-min(run.counts[1], len(run.ends))])
+                    places = (k, k - 1, k - 2) + places
+                self._near = (array, cycles, "near", places)
             elif past:
                 # before the first item of this run past the calendar: the first token
                 # boundary at or past the end of the item before it (or one or two before,
@@ -304,8 +314,9 @@ class LoopGuard:
             run.past = here
         run.end = end
         run.items.append((shape, counters, steps_at))
+        run.ends.append(end)
         if len(run.items) > _MAX_CYCLE:
-            del run.items[0]
+            del run.items[0], run.ends[0]
 
     def _sentence_end(self, string: _Level, end: int) -> None:
         """A sentence (or clause) of ``string`` ended at byte ``end``: does it restart the
@@ -422,7 +433,8 @@ class LoopGuard:
         depth = self._region_depth(start)
         return depth > 0 and self._path[depth - 1][0] == "s"
 
-    def _cut(self, start: int, first: int, may_close) -> tuple[int, tuple[int, ...]] | None:
+    def _cut(self, start: int, first: int, may_close,
+             exact: bool = False) -> tuple[int, tuple[int, ...]] | None:
         """The earliest place from ``first`` on to end the value open over the whole
         repetition (which began at ``start``)."""
         depth = self._region_depth(start)
@@ -433,7 +445,16 @@ class LoopGuard:
         outer = self._path[depth - 1]
         if outer[0] not in self.closers:
             return None
+        items = exact and outer[0] == "a"
+        if items:
+            # an array's exact copies are whole items: ended after the first (the copies
+            # say nothing more, and break uniqueItems), never before it (the token period
+            # may begin inside the first item, its opening token being another)
+            first = start
         for keep in range(max(first, self._scan_from), len(self.tokens) + 1):
+            if items and not bytes(
+                    self._bytes[outer[3] + 1:self._chars[keep]]).strip():
+                continue  # nothing of the array kept
             forced = self._closing(keep, outer)
             if forced is not None and may_close(keep, forced):
                 return keep, forced
@@ -751,10 +772,11 @@ class _ItemRun:
     numbers, and per cycle length how it stepped from the item that many before), and per
     cycle length how many items in a row are near copies of the item that many before."""
 
-    __slots__ = ("items", "counts", "end", "past")
+    __slots__ = ("items", "ends", "counts", "end", "past")
 
     def __init__(self):
         self.end = 0  # where the newest item ended (byte offset, exclusive)
         self.past = None  # counting dates: the boundary before the first past the calendar
         self.items: list[tuple[bytes, list[float], list]] = []
+        self.ends: list[int] = []  # where each of those items ended (byte offset)
         self.counts = [0] * (_MAX_CYCLE + 1)
