@@ -32,7 +32,12 @@ class GrammarCacheConfig(ConfigModel):
     section = "grammar_cache"
 
     max_bytes: int = Field(512 * 2**20, ge=0, description="LRU budget for compiled grammars")
-    error_ttl_s: float = Field(60.0, ge=0, description="grammar errors are remembered this long")
+    # an hour: a grammar's own errors (invalid, too large, over the compile limits, which
+    # count CPU time) are the grammar's; at 60 s a schema checked (POST /v1/grammars) and
+    # requested a minute later was compiled again, and on a busy machine that compile
+    # outlasted the request's grammar wait: 503 where the check had said 422
+    error_ttl_s: float = Field(3600.0, ge=0,
+                               description="grammar errors are remembered this long")
     max_errors: int = Field(4096, ge=0, description="at most this many remembered errors")
     compile_timeout_s: float = Field(10.0, gt=0,
                                      description="CPU time of one compile (wall up to 3x it)")

@@ -426,3 +426,32 @@ def test_the_fetch_is_for_the_client_whose_request_started_the_compile():
     m.get_grammar(GrammarSpec.regex("x+")).result(timeout=30)  # no client: the shared line
     assert asked == [("a+", "alice"), ("b+", "bob"), ("x+", None)]
 
+
+
+def test_a_grammar_s_own_error_is_remembered_past_a_minute():
+    """A grammar refused for its own sake (here over the compile memory) stays refused
+    from the cache for error_ttl_s (an hour by default): at 60 s, a schema checked by
+    POST /v1/grammars and requested a minute later was compiled again, and on a busy
+    machine that compile outlasted the request's grammar wait (503 where the check said
+    422: the grammar_check bench, WashingtonPost/wp_1). Past the TTL it compiles again."""
+    info = xgr.TokenizerInfo(VOCAB, vocab_size=40, stop_token_ids=[EOS])
+    calls = []
+
+    def fetch(spec, client):
+        calls.append(spec)
+        raise GrammarError("over the compile memory", ErrorKind.COMPILE_MEMORY)
+
+    m = GuidedDecodingManager(info, max_batch_size=2, fetch=fetch)
+    spec = GrammarSpec.regex("x+")
+    key = spec.key(m.fingerprint)
+    for age_s in (0, 120, 3000):  # seconds more since the refusal (3,120 in all)
+        if calls:
+            m._error_time[key] -= age_s
+        with pytest.raises(GrammarError) as caught:
+            m.get_grammar(spec).result(timeout=30)
+        assert caught.value.kind == ErrorKind.COMPILE_MEMORY
+        assert len(calls) == 1, age_s
+    m._error_time[key] -= 3600
+    with pytest.raises(GrammarError):
+        m.get_grammar(spec).result(timeout=30)
+    assert len(calls) == 2

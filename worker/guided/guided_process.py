@@ -111,7 +111,8 @@ class _Inflight:
 class GuidedDecodingManager:
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo", *, max_batch_size: int = 64,
                  compile_threads: int = 1, fill_threads: int = 1, cache_bytes: int = 1 << 30,
-                 error_ttl_s: float = 60.0, fetch: GrammarFetch | None = None,
+                 error_ttl_s: float = GrammarCacheConfig.model_fields["error_ttl_s"].default,
+                 fetch: GrammarFetch | None = None,
                  encode: Callable[[str], list[int]] | None = None,
                  llguidance: Callable[[], LLGuidanceBackend] | None = None,
                  default_engine: str = AUTO, max_repetition: int | None = None,
