@@ -76,7 +76,8 @@ gpu-wheels: install
 		--platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 -d .gpu-wheels xgrammar==0.2.8 apache-tvm-ffi \
 		llguidance==1.9.1 jsonschema-rs pydantic pydantic-core annotated-types \
-		typing-inspection typing-extensions msgpack
+		typing-inspection typing-extensions msgpack jsonschema \
+		jsonschema-specifications referencing rpds-py
 	$(PY) -c "import shutil; from worker.models.loader import resolve_model_dir; \
 		d = resolve_model_dir(None, progress=False); \
 		shutil.copytree(d, '.gpu-wheels/tokenizer', dirs_exist_ok=True, \

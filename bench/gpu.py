@@ -24,15 +24,22 @@ ratio_guided_unguided_b{1,8,32,64}, prefill_ttft_ms_2048, sampled_vs_greedy_b1,
 ops_per_layer_decode, host_us_per_row_b64 (and more; see the JSON line). The figures above
 run every step eagerly (``cuda_graphs: false``); on CUDA the same decode and guided runs
 again with CUDA graphs: tok_s_b{1,8,32,64}_graphs, ratio_guided_unguided_b{...}_graphs
-(guided with graphs / unguided with graphs), ratio_vs_hf_static_b1_graphs.
+(guided with graphs / unguided with graphs), ratio_vs_hf_static_b1_graphs; and the sides
+``_no_jf`` (jump-forward off) and ``_no_overlap`` (the engine's overlap off: the host's
+work after a draw in series with the forward). Tokens a second count what the rows gained
+(a guided row's forced text too). On CUDA the overlap is on in every run but the
+``_no_overlap`` side.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -125,8 +132,10 @@ def decode_tok_s(engine, batch: int, new: int, plen: int, params: dict | None = 
                  grammar=None) -> tuple[float, int]:
     """(tokens per second of the batch's decode steps, steps timed): at most ``new`` steps
     in which every row decodes (no prefill in a timed step; timing stops when a row
-    finishes). The budget leaves room past them, so no row is near its end (budget-aware
-    closing is the conformance benches' subject); the rest is aborted."""
+    finishes). Tokens are those the rows gained (a guided row's forced text counts, as
+    it is output), per step on average, over the median step's time. The budget leaves
+    room past the steps, so no row is near its end (budget-aware closing is the
+    conformance benches' subject); the rest is aborted."""
     # room for the guided schema's shortest output (two tokens an item at most) and more
     kw = dict(max_new_tokens=3 * new + 96, temperature=0.0, ignore_eos=True)
     kw.update(params or {})
@@ -135,23 +144,30 @@ def decode_tok_s(engine, batch: int, new: int, plen: int, params: dict | None = 
     for r in reqs:
         engine.add_request(r)
     while engine.waiting_for_grammar or engine.scheduler.waiting or any(
-            s.num_pending > 1 for s in engine.scheduler.running):
+            s.num_pending > 1 or s.num_computed < s.num_prompt
+            for s in engine.scheduler.running):
         engine.step()
     dev = engine.runner.device
     times = []
+    seqs = list(engine.scheduler.running)
+    first = 0
     while len(engine.scheduler.running) == batch and len(times) < new:
         sync(dev)
         t = time.perf_counter()
         engine.step()
         sync(dev)
         times.append(time.perf_counter() - t)
+        if len(times) == 1:  # the first may still compile a kernel: not counted
+            first = sum(len(s.token_ids) for s in seqs)
+    tokens = sum(len(s.token_ids) for s in seqs) - first
     for r in reqs:
         engine.abort(r.request_id)
     if not times:
         raise RuntimeError(f"no step ran the whole batch of {batch}: a row finished before "
                            "the timed steps")
-    steady = times[1:] or times  # the first may still compile a kernel
-    return batch / statistics.median(steady), len(steady)
+    steady = times[1:] or times
+    per_step = tokens / len(steady) if len(times) > 1 else batch
+    return per_step / statistics.median(steady), len(steady)
 
 
 def ttft_ms(engine, lengths: list[int]) -> float:
@@ -226,24 +242,38 @@ def ops_per_layer(shape: dict, batch: int = 1, context: int = 128) -> int:
     return count(2) - count(1)
 
 
-def profiled_kernels_per_step(engine, batch: int = 1) -> float:
-    """CUDA kernels per decode step by torch.profiler (a few steady steps)."""
+def profiled_kernels_per_step(engine, batch: int = 1) -> dict:
+    """A few steady decode steps under torch.profiler: CUDA kernels a step, the GPU's busy
+    time a step against the step's wall time, and the kernels that take the most time."""
     from torch.profiler import ProfilerActivity, profile
 
-    for p in prompts(engine.tokenizer, batch, 128, seed=5):
-        engine.add_request(GenerationRequest(p, SamplingParams(
-            max_new_tokens=16, temperature=0.0, ignore_eos=True)))
+    reqs = [GenerationRequest(p, SamplingParams(max_new_tokens=24, temperature=0.0,
+                                                ignore_eos=True))
+            for p in prompts(engine.tokenizer, batch, 128, seed=5)]
+    for r in reqs:
+        engine.add_request(r)
     for _ in range(4):
         engine.step()
-    steps = 4
+    steps = 8
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t) * 1e3 / steps
+    for r in reqs:
+        engine.abort(r.request_id)
     while engine.has_work():
         engine.step()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(kernels) / steps
+    busy: dict[str, float] = {}
+    for e in kernels:
+        busy[e.name] = busy.get(e.name, 0.0) + e.device_time / 1e3 / steps
+    top = sorted(busy.items(), key=lambda kv: -kv[1])[:10]
+    return {"kernels": round(len(kernels) / steps, 1), "wall_ms": round(wall_ms, 3),
+            "gpu_busy_ms": round(sum(busy.values()), 3),
+            "top_ms": {name[:80]: round(ms, 3) for name, ms in top}}
 
 
 class _NoModel(nn.Module):
@@ -274,6 +304,27 @@ def host_us_per_row(engine, batch: int, new: int, grammar=None) -> float:
     finally:
         engine.runner.model, engine.runner.tiled = real, tiled
     return 1e6 / tok_s
+
+
+class _Sections:
+    """Each part of the run in its own ``with``: a part that fails is named in the figures
+    (``errors``) with its traceback on stderr, and the rest still runs. The figures so far
+    go to stderr after each part (a run stopped at a time limit keeps what it measured)."""
+
+    def __init__(self, fig: dict):
+        self.fig = fig
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - reported, the next part runs
+            traceback.print_exc()
+            self.fig.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:400]
+        finally:
+            self.fig.setdefault("section_s", {})[name] = round(time.perf_counter() - t, 1)
+            print("# partial " + json.dumps(self.fig), file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -328,80 +379,108 @@ def main() -> None:
     eng = engine()
     fig["tiled"] = eng.runner.tiled
     rows = []
-    for b in batches:
-        tok_s, steps = decode_tok_s(eng, b, new, plen)
-        fig[f"tok_s_b{b}"] = round(tok_s, 1)
-        rows.append([f"decode b{b}", round(tok_s, 1), round(b / tok_s * 1e3, 2), steps])
-    fig["bw_share_b1"] = round(limit_ms / (1e3 / fig["tok_s_b1"]), 3)
+    step = _Sections(fig)
+    with step("decode"):
+        for b in batches:
+            tok_s, steps = decode_tok_s(eng, b, new, plen)
+            fig[f"tok_s_b{b}"] = round(tok_s, 1)
+            rows.append([f"decode b{b}", round(tok_s, 1), round(b / tok_s * 1e3, 2), steps])
+        fig["bw_share_b1"] = round(limit_ms / (1e3 / fig["tok_s_b1"]), 3)
 
-    sampled, _ = decode_tok_s(eng, 1, new, plen, dict(temperature=0.8, top_p=0.9, top_k=50))
-    fig["sampled_vs_greedy_b1"] = round(sampled / fig["tok_s_b1"], 3)
-    rows.append(["sampled b1 (t=0.8, top-p 0.9, top-k 50)", round(sampled, 1),
-                 round(1e3 / sampled, 2), ""])
+    with step("sampled"):
+        sampled, _ = decode_tok_s(eng, 1, new, plen, dict(temperature=0.8, top_p=0.9, top_k=50))
+        fig["sampled_vs_greedy_b1"] = round(sampled / fig["tok_s_b1"], 3)
+        rows.append(["sampled b1 (t=0.8, top-p 0.9, top-k 50)", round(sampled, 1),
+                     round(1e3 / sampled, 2), ""])
 
-    long = min(2048, shape["max_position_embeddings"] - 8) if not smoke else 256
-    fig["prefill_ttft_ms_2048"] = round(ttft_ms(eng, [long]), 1)
-    fig["ttft_ms_64x128"] = round(ttft_ms(eng, [plen] * max(batches)), 1)
-    rows.append([f"first token, one {long}-token prompt", "", fig["prefill_ttft_ms_2048"], ""])
-    rows.append([f"first token, {max(batches)} x {plen}-token prompts", "",
-                 fig["ttft_ms_64x128"], ""])
+    with step("prefill"):
+        long = min(2048, shape["max_position_embeddings"] - 8) if not smoke else 256
+        fig["prefill_ttft_ms_2048"] = round(ttft_ms(eng, [long]), 1)
+        fig["ttft_ms_64x128"] = round(ttft_ms(eng, [plen] * max(batches)), 1)
+        rows.append([f"first token, one {long}-token prompt", "", fig["prefill_ttft_ms_2048"],
+                     ""])
+        rows.append([f"first token, {max(batches)} x {plen}-token prompts", "",
+                     fig["ttft_ms_64x128"], ""])
 
     for name in ENGINES:
-        geng = engine(grammar_engine=name)
-        spec = GrammarSpec.json_schema(guided_schema(new))
-        for b in batches:
-            guided, _ = decode_tok_s(geng, b, new, plen, grammar=spec)
-            ratio = guided / fig[f"tok_s_b{b}"]
-            key = f"ratio_guided_unguided_b{b}" + ("" if name == "auto" else f"_{name}")
-            fig[key] = round(ratio, 3)
-            rows.append([f"guided ({name}) b{b}", round(guided, 1), round(b / guided * 1e3, 2),
-                         f"ratio {ratio:.2f}"])
-        del geng
+        with step(f"guided_{name}"):
+            geng = engine(grammar_engine=name)
+            spec = GrammarSpec.json_schema(guided_schema(new))
+            for b in batches:
+                guided, _ = decode_tok_s(geng, b, new, plen, grammar=spec)
+                ratio = guided / fig[f"tok_s_b{b}"]
+                key = f"ratio_guided_unguided_b{b}" + ("" if name == "auto" else f"_{name}")
+                fig[key] = round(ratio, 3)
+                rows.append([f"guided ({name}) b{b}", round(guided, 1),
+                             round(b / guided * 1e3, 2), f"ratio {ratio:.2f}"])
+            del geng
 
     if device.type == "cuda":  # the same runs with CUDA graphs recorded for decode steps
-        geng = engine(cuda_graphs=True)
-        fig["graph_memory_mb"] = round(geng.runner.graphs.memory_bytes / 2**20, 1) \
-            if geng.runner.graphs is not None else None
-        for b in batches:
-            tok_s, _ = decode_tok_s(geng, b, new, plen)
-            fig[f"tok_s_b{b}_graphs"] = round(tok_s, 1)
-            rows.append([f"decode b{b}, CUDA graphs", round(tok_s, 1),
-                         round(b / tok_s * 1e3, 2), ""])
         spec = GrammarSpec.json_schema(guided_schema(new))
-        for b in batches:
-            guided, _ = decode_tok_s(geng, b, new, plen, grammar=spec)
-            ratio = guided / fig[f"tok_s_b{b}_graphs"]
-            fig[f"ratio_guided_unguided_b{b}_graphs"] = round(ratio, 3)
-            rows.append([f"guided (auto) b{b}, CUDA graphs", round(guided, 1),
-                         round(b / guided * 1e3, 2), f"ratio {ratio:.2f}"])
-        del geng
+        # (suffix, engine options): overlap on (the default on CUDA) with and without
+        # jump-forward, and overlap off
+        sides = [("", {}), ("_no_jf", {"jump_forward": False}),
+                 ("_no_overlap", {"overlap": False})]
+        for suffix, opts in sides:
+            with step(f"graphs{suffix}"):
+                geng = engine(cuda_graphs=True, **opts)
+                if not suffix:
+                    fig["graph_memory_mb"] = round(geng.runner.graphs.memory_bytes / 2**20, 1) \
+                        if geng.runner.graphs is not None else None
+                for b in batches:
+                    key = f"tok_s_b{b}_graphs{suffix}"
+                    if suffix != "_no_jf":  # jump-forward changes nothing unguided
+                        tok_s, _ = decode_tok_s(geng, b, new, plen)
+                        fig[key] = round(tok_s, 1)
+                        rows.append([f"decode b{b}, CUDA graphs{suffix}", round(tok_s, 1),
+                                     round(b / tok_s * 1e3, 2), ""])
+                    base = fig.get(key) or fig[f"tok_s_b{b}_graphs"]
+                    guided, _ = decode_tok_s(geng, b, new, plen, grammar=spec)
+                    ratio = guided / base
+                    fig[f"ratio_guided_unguided_b{b}_graphs{suffix}"] = round(ratio, 3)
+                    rows.append([f"guided (auto) b{b}, CUDA graphs{suffix}", round(guided, 1),
+                                 round(b / guided * 1e3, 2), f"ratio {ratio:.2f}"])
+                if not suffix:
+                    if fig.get("tok_s_b1_graphs"):
+                        fig["bw_share_b1_graphs"] = round(
+                            limit_ms / (1e3 / fig["tok_s_b1_graphs"]), 3)
+                    fig["profile_b1_graphs"] = profiled_kernels_per_step(geng)
+                del geng
 
     fig["ops_per_layer_decode"] = ops_per_layer(shape)
     if device.type == "cuda":
-        fig["cuda_kernels_per_step_b1"] = profiled_kernels_per_step(eng)
-    fig["host_us_per_row_b64"] = round(host_us_per_row(engine(max_num_seqs=64), 64, new), 1)
-    fig["host_us_per_row_b64_guided"] = round(host_us_per_row(
-        engine(max_num_seqs=64), 64, new, GrammarSpec.json_schema(guided_schema(new))), 1)
-    rows.append(["host per row per step, b64 (unguided / guided)", "",
-                 f"{fig['host_us_per_row_b64']} / {fig['host_us_per_row_b64_guided']} us", ""])
+        with step("profile"):
+            fig["profile_b1"] = profiled_kernels_per_step(eng)
+            fig["cuda_kernels_per_step_b1"] = fig["profile_b1"]["kernels"]
+            fig["profile_b64"] = profiled_kernels_per_step(eng, 64)
+    with step("host"):
+        fig["host_us_per_row_b64"] = round(host_us_per_row(engine(max_num_seqs=64), 64, new), 1)
+        fig["host_us_per_row_b64_guided"] = round(host_us_per_row(
+            engine(max_num_seqs=64), 64, new, GrammarSpec.json_schema(guided_schema(new))), 1)
+        rows.append(["host per row per step, b64 (unguided / guided)", "",
+                     f"{fig['host_us_per_row_b64']} / {fig['host_us_per_row_b64_guided']} us",
+                     ""])
 
     if not args.no_hf:
         del eng
         for static in (False, True):
             name = "static" if static else "dynamic"
-            hf = hf_tok_s(shape, device, dtype, plen, new, static)
-            fig[f"hf_{name}_tok_s_b1"] = round(hf, 1)
-            rows.append([f"HF generate b1, {name} cache", round(hf, 1), round(1e3 / hf, 2), ""])
-        fig["ratio_vs_hf_static_b1"] = round(fig["tok_s_b1"] / fig["hf_static_tok_s_b1"], 3)
-        if "tok_s_b1_graphs" in fig:
-            fig["ratio_vs_hf_static_b1_graphs"] = round(
-                fig["tok_s_b1_graphs"] / fig["hf_static_tok_s_b1"], 3)
+            with step(f"hf_{name}"):
+                hf = hf_tok_s(shape, device, dtype, plen, new, static)
+                fig[f"hf_{name}_tok_s_b1"] = round(hf, 1)
+                rows.append([f"HF generate b1, {name} cache", round(hf, 1), round(1e3 / hf, 2),
+                             ""])
+        if fig.get("hf_static_tok_s_b1") and fig.get("tok_s_b1"):
+            fig["ratio_vs_hf_static_b1"] = round(fig["tok_s_b1"] / fig["hf_static_tok_s_b1"], 3)
+            if "tok_s_b1_graphs" in fig:
+                fig["ratio_vs_hf_static_b1_graphs"] = round(
+                    fig["tok_s_b1_graphs"] / fig["hf_static_tok_s_b1"], 3)
 
     body = table(["what", "tok/s", "ms (per step, or to first token)", "notes"], rows)
     body += (f"\n\nShape {fig['shape']} ({fig['weight_gb']} GB of weights, {fig['dtype']}) on "
              f"{fig['device']}; copy bandwidth {fig['copy_bw_gbs']} GB/s, so a batch-1 step "
-             f"cannot beat {fig['limit_ms_b1']} ms; batch 1 reaches {fig['bw_share_b1']:.0%} "
-             f"of that. A decoder layer launches {fig['ops_per_layer_decode']} kernels in a "
+             f"cannot beat {fig['limit_ms_b1']} ms; batch 1 reaches "
+             f"{fig.get('bw_share_b1', float('nan')):.0%} of that. A decoder layer launches {fig['ops_per_layer_decode']} kernels in a "
              f"decode step (device path; counted on meta).")
     finish("gpu", body, fig, args)
 

@@ -8,6 +8,7 @@ and n > 1, a continuation and streaming work with graphs on.
 """
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import bucket_sizes
 from worker.engine.engine import LLMEngine
+from core.grammar_spec import GrammarSpec
 from core.params import SamplingParams
 from core.request import GenerationRequest
 from worker.models import triton_kernels
@@ -60,11 +62,11 @@ def test_buckets():
     assert bucket_sizes(160) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160]
 
 
-def _cpu_engine(model_dir, graphs: bool):
+def _cpu_engine(model_dir, graphs: bool, **kw):
     if not triton_kernels.available():
         pytest.skip("needs triton")
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", progress=False,
-                                    num_kv_blocks=64, max_num_seqs=8, max_model_len=256))
+                                    num_kv_blocks=64, max_num_seqs=8, max_model_len=256, **kw))
     engine.runner.tiled = True
     if graphs:
         engine.runner.enable_graphs(8, engine.max_model_len, capture=False)
@@ -88,8 +90,8 @@ def test_the_graph_runner_gives_the_eager_logits(model_dir):
             bs = runner.block_size
             changed = set((runner.kv_caches[0][0] != before).flatten(1).any(1)
                           .nonzero().flatten().tolist())
-            own = {s.seq.block_table[s.seq.num_computed // bs] * bs + s.seq.num_computed % bs
-                   for s in scheduled}
+            own = {s.seq.block_table[p // bs] * bs + p % bs for s in scheduled
+                   for p in range(s.seq.num_computed, s.seq.num_computed + s.num_tokens)}
             assert changed - own <= set(range(runner.scratch_slot, runner.scratch_slot + bs))
             logits = logits.clone()
             runner.graphs = None
@@ -107,6 +109,44 @@ def test_the_graph_runner_gives_the_eager_logits(model_dir):
     for out in run(engine, reqs):
         assert out.error is None and out.token_ids
     assert len(PROMPTS) in compared and min(compared) < len(PROMPTS)
+    # guided rows: jump-forward's forced text rides on the sampled token (rows of several
+    # tokens in one graph step, each token its own one-token tile)
+    compared.clear()
+    reqs = [GenerationRequest(chat(p), greedy(24), grammar=GrammarSpec.json_schema(PERSON))
+            for p in PROMPTS]
+    for out in run(engine, reqs):
+        assert out.error is None and json.loads(out.text).keys() == PERSON["properties"].keys()
+    assert compared
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "city": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "city", "age"], "additionalProperties": False}
+
+
+def test_jump_forward_steps_take_the_graph_runner_and_give_the_eager_output(model_dir):
+    """Guided rows whose forced text (``", "city": "``) goes with their sampled token: the
+    step's rows bring several tokens each and still fit a graph; output equals the eager
+    runner's token for token."""
+    reqs = lambda: [GenerationRequest(chat(p), greedy(32),  # noqa: E731
+                                      grammar=GrammarSpec.json_schema(PERSON))
+                    for p in PROMPTS]
+    eager = [o.token_ids for o in run(_cpu_engine(model_dir, False), reqs())]
+    engine = _cpu_engine(model_dir, True)
+    tokens = []
+    real = engine.runner.graphs.run
+    engine.runner.graphs.run = lambda s: tokens.append([x.num_tokens for x in s]) or real(s)
+    outs = run(engine, reqs())
+    assert [o.token_ids for o in outs] == eager
+    for o in outs:
+        assert set(json.loads(o.text)) == {"name", "city", "age"}
+    assert any(max(t) > 1 for t in tokens)  # forced text went through a graph step
+    assert engine.stats().live_processors == 0
+    # and with overlap, as on CUDA: the forced text goes in the step after the draw's
+    over = _cpu_engine(model_dir, True, overlap=True)
+    assert [o.token_ids for o in run(over, reqs())] == eager
+    assert over.stats().live_processors == 0
 
 
 def test_greedy_output_is_the_same_with_graphs(model_dir):
@@ -176,3 +216,24 @@ def test_cuda_graphs_serve_n_samples_a_continuation_and_streams(model_dir):
             assert chunks and chunks[-1].finish_reason in ("stop", "length")
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.cuda
+def test_cuda_guided_rows_with_jump_forward_and_overlap(model_dir):
+    """Guided rows whose forced text rides on a graph step, with overlap on (the default
+    on CUDA) and off, graphs on and off: every answer valid; overlap and graphs change no
+    token against the eager step without overlap."""
+    def answers(**kw):
+        engine = _cuda_engine(model_dir, **kw)
+        reqs = [GenerationRequest(chat(p), greedy(40), grammar=GrammarSpec.json_schema(PERSON))
+                for p in PROMPTS * 3]
+        outs = run(engine, reqs)
+        for o in outs:
+            assert o.error is None and set(json.loads(o.text)) == {"name", "city", "age"}
+        assert engine.stats().live_processors == 0
+        return [o.token_ids for o in outs]
+
+    ref = answers(graphs=False, overlap=False)
+    assert answers(graphs=True, overlap=True) == ref
+    assert answers(graphs=True, overlap=False) == ref
+    assert answers(graphs=False, overlap=True) == ref

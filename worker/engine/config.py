@@ -92,6 +92,10 @@ class EngineConfig(ConfigModel):
     # CUDA graphs for decode steps on a GPU (worker/engine/cuda_graphs.py): None or true: on
     # where the model takes the device kernels on CUDA; false: every step eager
     cuda_graphs: bool | None = None
+    # overlap the host's work with the device's (engine.py, "Overlap"): a step launches
+    # its forward first, then handles the tokens the step before sampled while the device
+    # computes. None: on where the device is CUDA; true also runs it on the CPU (tests)
+    overlap: bool | None = None
     jump_forward: bool = Field(
         default_factory=lambda: os.environ.get("RAYGUIDE_JUMP_FORWARD", "1") == "1")
 

@@ -69,6 +69,16 @@ class EngineStats(GuidedCounters):
     sampled_tokens: int = 0  # tokens sampled (one per sampling row and step)
 
 
+@dataclass
+class _Sampled:
+    """A step's draw (overlap): handled by the next step, under its forward."""
+
+    proc: FusedLogitsProcessor
+    seqs: list[Sequence]
+    tokens: list[int]
+    logprobs: list
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model=None, tokenizer=None,
                  model_dir=None, grammar_fetch: GrammarFetchFactory | None = None,
@@ -121,6 +131,10 @@ class LLMEngine:
         self.num_steps = 0
         self.last_timings = StepTimings()
         self.num_sampled = 0
+        # overlap (see _step_overlapped): on by default where the device is CUDA
+        self.overlap = (config.overlap if config.overlap is not None
+                        else self.runner.device.type == "cuda")
+        self._ahead: _Sampled | None = None  # the last step's draw, not yet handled
 
     # requests ---------------------------------------------------------------------------
 
@@ -245,11 +259,14 @@ class LLMEngine:
         return outs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.waiting_for_grammar)
+        return (self.scheduler.has_work() or bool(self.waiting_for_grammar)
+                or self._ahead is not None)
 
     # the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.overlap:
+            return self._step_overlapped()
         outputs = self._admit_compiled_grammars()
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -280,6 +297,88 @@ class LLMEngine:
                         for i, (seq, tok, lp) in enumerate(
                             zip(sampling, result.token_ids, result.logprobs))]
         self.last_timings = proc.timings
+        return outputs
+
+    # Overlap. On a GPU the forward is launched and runs on its own; what the host does
+    # after a draw (the matchers' accept, jump-forward, the loop guard, closing, stop
+    # strings, the stream's text) would otherwise leave the device idle, and at batch 32
+    # it takes longer than the forward. So a step launches its forward first and then
+    # handles the tokens the step before drew: each drawn token is put at the end of its
+    # row (``Sequence.put_ahead``) so the next forward computes it, and is taken off again
+    # before its hooks run, exactly as they run without overlap. A row whose hooks changed
+    # it (forced text added, a cut, the end) does not sample from this forward: its logits
+    # follow a token that is no longer last; what it needs is computed by the next one
+    # (the KV of its drawn token counts where the token is still there). Rows that ended
+    # cost one row of one forward. Output is token for token what the step without overlap
+    # gives (tests/engine/test_overlap_engine.py); chunks come one step later.
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        outputs = self._admit_compiled_grammars()
+        drawn, self._ahead = self._ahead, None
+        scheduled = self.scheduler.schedule()
+        logits, rows = None, []
+        if scheduled:
+            self.num_steps += 1
+            try:
+                logits, rows = self.runner.run(scheduled)  # launched: the device runs it
+            except Exception as exc:  # a failed forward fails its batch, not the engine
+                logger.exception("model step failed")
+                outputs += [self._finish(s.seq, "error", error=f"model step failed: {exc}",
+                                         error_kind=ErrorKind.INTERNAL) for s in scheduled]
+                scheduled, rows = [], []
+            targets = [len(scheduled[i].seq.token_ids) for i in rows]
+            for s in scheduled:
+                s.seq.num_computed += s.num_tokens
+        if drawn is not None:
+            outputs += self._handle(drawn)  # the host's work, under the forward
+        if not scheduled:
+            if drawn is None:
+                if self.waiting_for_grammar:  # nothing to run until a grammar is ready
+                    wait([s.guide.grammar_future for s in self.waiting_for_grammar],
+                         timeout=0.05, return_when=FIRST_COMPLETED)
+                else:
+                    outputs += self._unschedulable()
+            return outputs
+        # the rows this forward's logits still stand for: running, nothing changed
+        keep = [j for j, (i, n) in enumerate(zip(rows, targets))
+                if scheduled[i].seq.status is SeqStatus.RUNNING
+                and scheduled[i].seq.num_computed == n == len(scheduled[i].seq.token_ids)]
+        if not keep:
+            return outputs
+        sampling = [scheduled[rows[j]].seq for j in keep]
+        if len(keep) < len(rows):
+            logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
+        inputs = self.strategy.make_sampling_inputs(sampling)
+        proc = FusedLogitsProcessor(inputs, self.guided)
+        proc.prepare()
+        result = self.sampler(logits, inputs.rows, proc)
+        self.guide.steer(sampling, result.token_ids, result.logprobs)
+        self.num_sampled += len(sampling)
+        for seq, token in zip(sampling, result.token_ids):
+            seq.put_ahead(token)
+        self._ahead = _Sampled(proc, sampling, result.token_ids, result.logprobs)
+        self.last_timings = proc.timings
+        return outputs
+
+    def _handle(self, drawn: "_Sampled") -> list[RequestOutput]:
+        """The hooks of the tokens a step drew (overlap): the matchers accept them, then
+        each row's ``_append_token`` as without overlap."""
+        ended = set()
+        computed = {}
+        for i, seq in enumerate(drawn.seqs):
+            if seq.ahead is None or self.seqs.get(seq.request_id) is not seq:
+                ended.add(i)  # ended since it drew (an abort): nothing to handle
+            else:
+                computed[i] = seq.take_ahead()
+        status = drawn.proc.accept_token(drawn.tokens, skip=ended)
+        outputs = []
+        for i, (seq, token, lp) in enumerate(zip(drawn.seqs, drawn.tokens, drawn.logprobs)):
+            if i in ended:
+                continue
+            position = len(seq.token_ids)
+            outputs.append(self._append_token(seq, token, lp, status.get(i)))
+            if computed[i] and seq.status is SeqStatus.RUNNING:
+                seq.keep_ahead_kv(position, token)
         return outputs
 
     def _admit_compiled_grammars(self) -> list[RequestOutput]:
@@ -357,6 +456,8 @@ class LLMEngine:
         stop string may still cut it), its blocks are released (or its KV kept for the
         session), and its guided part ends (``GuidedRequest.finish``: the matcher freed,
         the report onto the chunk)."""
+        if seq.ahead is not None:  # a drawn token not handled yet (overlap): not output
+            seq.take_ahead()
         waiting = seq.status is SeqStatus.WAITING_FOR_GRAMMAR
         if not waiting and reason != "abort":
             more, more_lps, more_text = self._release(seq, final=True)

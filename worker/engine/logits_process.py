@@ -129,13 +129,16 @@ class FusedLogitsProcessor:
                 tokens[row] = self.manager.best_allowed(row, logits[row])
         return tokens
 
-    def accept_token(self, tokens: list[int]) -> dict[int, RowStatus]:
-        """Advances the guided rows' matchers; returns the rows whose matcher terminated,
-        that ended on a stop token id, or that failed (a rejected token: impossible under
-        the mask, or a matcher over its limits)."""
+    def accept_token(self, tokens: list[int], skip=()) -> dict[int, RowStatus]:
+        """Advances the guided rows' matchers (but the rows in ``skip``: ended since they
+        sampled); returns the rows whose matcher terminated, that ended on a stop token
+        id, or that failed (a rejected token: impossible under the mask, or a matcher over
+        its limits)."""
         out: dict[int, RowStatus] = {}
         t = time.perf_counter()
         for row, matcher in zip(self._rows, self._matchers):
+            if row in skip:
+                continue
             token = tokens[row]
             if self._may_end.get(row) and token in self.inputs.rows[row].params.stop_token_ids:
                 out[row] = RowStatus(stop=True)  # a stop id where the grammar may end

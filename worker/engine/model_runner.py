@@ -69,11 +69,7 @@ class ModelRunner:
         """Returns (logits [R, V] fp32, indices into ``scheduled`` of the R sampling rows).
         A sequence samples when this step computes its last pending token."""
         if self.graphs is not None and self.graphs.fits(scheduled):
-            logits = self.graphs.run(scheduled)
-            sample_idx = [i for i, s in enumerate(scheduled) if s.samples]
-            if len(sample_idx) < len(scheduled):
-                logits = logits[torch.tensor(sample_idx, device=self.device, dtype=torch.long)]
-            return logits, sample_idx
+            return self.graphs.run(scheduled)
         if self.tiled:
             input_ids, batch, rows, sample_idx = self._tiled_batch(scheduled)
             hidden = self.model(input_ids, batch.positions, self.kv_caches, batch)

@@ -43,6 +43,10 @@ class Sequence:
         self.cached_tokens = 0
         self.arrival = time.monotonic()
         self.finish_reason: str | None = None
+        # overlap (engine.py): the token sampled last step, not yet handled: it sits at the
+        # end of token_ids so the next forward computes it, and is taken off before its
+        # hooks run (None: none)
+        self.ahead: int | None = None
         # its guided part (worker/guided/request.py: its grammar's matcher, a thought, the
         # output policy's state), None: plain. The engine and scheduler only call its hooks
         self.guide = None
@@ -75,6 +79,31 @@ class Sequence:
         del self.token_ids[len(self.token_ids) - num_tokens:]
         del self.held_logprobs[len(self.held_logprobs) - num_tokens:]
         self.truncate_kv(len(self.token_ids))
+
+    def put_ahead(self, token: int) -> None:
+        """Overlap: the sampled ``token`` goes in (its KV is computed by the next forward)
+        before its hooks run; ``take_ahead`` takes it off again for them."""
+        assert self.ahead is None
+        self.token_ids.append(token)
+        self.ahead = token
+
+    def take_ahead(self) -> bool:
+        """Takes the token ``put_ahead`` added off the end; returns whether a forward has
+        computed its KV already (the caller gives that back with ``keep_ahead_kv`` if the
+        token is still there after its hooks ran)."""
+        assert self.ahead is not None and self.token_ids[-1] == self.ahead
+        self.ahead = None
+        self.token_ids.pop()
+        computed = self.num_computed > len(self.token_ids)
+        self.num_computed = min(self.num_computed, len(self.token_ids))
+        return computed
+
+    def keep_ahead_kv(self, position: int, token: int) -> None:
+        """The token at ``position`` had its KV computed while it was ahead: if nothing
+        before it changed and it is still there, that KV counts."""
+        if (self.num_computed == position and len(self.token_ids) > position
+                and self.token_ids[position] == token):
+            self.num_computed = position + 1
 
     def replace_released(self, tokens: list[int]) -> None:
         """The newest output token, released to the chunk being built (not sent yet, its KV

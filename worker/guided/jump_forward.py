@@ -31,6 +31,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 
@@ -75,7 +76,7 @@ class JumpForward:
 
     def __post_init__(self):
         self._sorted: list[tuple[bytes, int]] | None = None  # vocab by bytes (first use)
-        self._longer: dict[int, torch.Tensor] = {}  # token -> ids that begin with it, longer
+        self._longer: dict[int, np.ndarray] = {}  # token -> ids that begin with it, longer
         self._mask: torch.Tensor | None = None  # one bitmask row, [1, ceil(V / 32)] int32
 
     def extend(self, matcher, last: int, budget: int) -> Jump | None:
@@ -150,15 +151,16 @@ class JumpForward:
         if self.hold_back == "space":
             return self.vocab[token][-1:].isspace()
         longer = self._longer_than(token)
-        if longer.numel() == 0:
+        if longer.size == 0:
             return False
         if self._mask is None:
             self._mask = torch.zeros((1, (len(self.vocab) + 31) // 32), dtype=torch.int32)
+            self._words = self._mask.numpy()[0]  # the same memory: host-side reads
         matcher.fill_next_token_bitmask(self._mask)
-        words = self._mask[0, longer >> 5]
-        return bool(((words >> (longer & 31)) & 1).any())
+        # numpy, not torch: a few small operations a forced token, on every guided row
+        return bool(((self._words[longer >> 5] >> (longer & 31)) & 1).any())
 
-    def _longer_than(self, token: int) -> torch.Tensor:
+    def _longer_than(self, token: int) -> np.ndarray:
         got = self._longer.get(token)
         if got is None:
             if self._sorted is None:
@@ -171,5 +173,5 @@ class JumpForward:
                     if len(self._sorted[k][0]) > len(head):
                         ids.append(self._sorted[k][1])
                     k += 1
-            got = self._longer[token] = torch.tensor(ids, dtype=torch.long)
+            got = self._longer[token] = np.array(ids, dtype=np.int64)
         return got
