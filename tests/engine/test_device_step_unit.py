@@ -100,8 +100,8 @@ def test_guided_masking_keeps_every_tensor_on_the_device():
 
             apply_token_bitmask_inplace(logits[:n], self.bitmask[:n])
 
-        def utf8_bans(self, output_ids):
-            return torch.tensor([7, 9])
+        def ban_utf8(self, row, output_ids):
+            self.bitmask[row, 0] &= ~((1 << 7) | (1 << 9))
 
         def allowed(self, row, token):
             return True

@@ -94,19 +94,18 @@ class FusedLogitsProcessor:
             self._fill.result()
             t1 = time.perf_counter()
             self._allow_stop_ids()
+            self._ban_invalid_utf8()
             self.manager.apply_bitmask(logits, max(self._rows) + 1)
-            self._ban_invalid_utf8(logits)
             self.timings.fill_wait_us = (t1 - t) * 1e6
             self.timings.apply_us = (time.perf_counter() - t1) * 1e6
         return logits
 
-    def _ban_invalid_utf8(self, logits: torch.Tensor) -> None:
+    def _ban_invalid_utf8(self) -> None:
         """Rows in the middle of a character: no byte UTF-8 forbids there (the grammar's
-        mask allows any continuation byte; see GuidedDecodingManager.utf8_bans)."""
+        mask allows any continuation byte; see GuidedDecodingManager.utf8_bans), cleared in
+        the host bitmask before it is applied."""
         for row in self._rows:
-            bans = self.manager.utf8_bans(self.inputs.rows[row].output_ids)
-            if bans is not None:
-                logits[row, bans.to(logits.device)] = float("-inf")
+            self.manager.ban_utf8(row, self.inputs.rows[row].output_ids)
 
     def _allow_stop_ids(self) -> None:
         """Unmasks each guided row's stop token ids where its grammar may end."""

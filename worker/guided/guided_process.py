@@ -45,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -177,6 +178,7 @@ class GuidedDecodingManager:
         self._encode = encode
         self._closer: CompletionSearch | None = None
         self._utf8_bans: dict[bytes, torch.Tensor] = {}
+        self._utf8_words: dict[int, tuple] = {}  # id(bans) -> (word index, bits to keep)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
@@ -219,6 +221,24 @@ class GuidedDecodingManager:
                  if raw and 0x80 <= raw[0] <= 0xBF and not lo <= raw[0] <= hi],
                 dtype=torch.long)
         return bans
+
+    def ban_utf8(self, row: int, output_ids: list[int]) -> None:
+        """Clears the tokens ``utf8_bans`` names in bitmask row ``row``, on the host: the
+        row's mask crosses to the device with them (no launch per row on a GPU)."""
+        bans = self.utf8_bans(output_ids)
+        if bans is None:
+            return
+        key = id(bans)
+        words = self._utf8_words.get(key)
+        if words is None:
+            bits: dict[int, int] = {}
+            for t in bans.tolist():
+                bits[t >> 5] = bits.get(t >> 5, 0) | (1 << (t & 31))
+            words = self._utf8_words[key] = (
+                np.array(list(bits), dtype=np.int64),
+                np.array([~b & 0xFFFFFFFF for b in bits.values()], dtype=np.uint32))
+        index, keep = words
+        self.bitmask[row].numpy().view(np.uint32)[index] &= keep
 
     # grammars ---------------------------------------------------------------------------
 
