@@ -17,6 +17,10 @@ worker/guided/request.py): the engine calls its hooks (``attach`` on arrival, ``
 when the grammar is ready, ``steer`` and ``after_sample`` after the draw, ``releasable``
 for the stream, ``finish`` at the end) and knows nothing of closing, the loop guard,
 thoughts or the grammar libraries.
+
+Why one module over 500 lines: the step in its two forms (``step`` and, on a GPU,
+``_step_overlapped``) share the request lifecycle around them (admit, append, release,
+finish); split apart, each would reach into the other's state.
 """
 
 from __future__ import annotations
