@@ -31,15 +31,22 @@ Optional parts are written ``{0,1}``, never ``?``: xgrammar 0.2.8 reads an optio
 that ends in a bounded class run as one whose first character may be left out
 (``^a(b[0-9]{1,3})?z$`` takes ``a5z``).
 
-A node that has a ``pattern`` of its own keeps its ``format`` as written (one engine
-would read one of the two only). The post-validation still checks the format as the
-client wrote it. Imports nothing of the other layers: the xgrammar compile
-(compile.py) and the llguidance path (worker/guided/llguidance_backend.py) both call it.
+A node that has a ``pattern`` of its own keeps its ``format`` as written for llguidance.
+For xgrammar (``for_xgrammar``) two more rewrites make it read a ``pattern`` as JSON Schema
+means it (``full_match``): xgrammar matches a pattern against the whole string (``abc``
+takes only "abc", ``^https://`` only "https://"), JSON Schema searches for it, so each
+alternative not anchored at an end gets ``.*`` there; and beside a format xgrammar writes
+with a grammar of its own (``XGRAMMAR_NATIVE_FORMATS``) xgrammar reads the format and
+leaves the pattern out, so the format is left out instead (a pattern that takes any string
+is left out, the format kept). The post-validation still checks the format as the client
+wrote it. Imports nothing of the other layers: the xgrammar compile (compile.py) and the
+llguidance path (worker/guided/llguidance_backend.py) both call it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from core.json_schema import DATA_KEYWORDS, SCHEMA_MAPS
 
@@ -110,25 +117,117 @@ _MAPS = frozenset((*SCHEMA_MAPS, "dependencies"))
 _MAX_DEPTH = 256
 
 
-def format_patterns(schema, frac_digits: int = 0):
+# formats xgrammar 0.2.8 writes with a grammar of its own: beside a ``pattern`` it reads the
+# format and leaves the pattern out; beside any other format it reads the pattern (probed:
+# tests/unit/test_validation_formats_unit.py)
+XGRAMMAR_NATIVE_FORMATS = frozenset((
+    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+    "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"))
+# what full_match writes for a pattern that takes any string ("", ".*", "^.*$" ...)
+ANY_STRING = re.compile(r"\^(\.\*)*\$")
+
+
+def full_match(pattern: str) -> str | None:
+    """The pattern that, matched against the whole string (xgrammar), takes what
+    ``pattern`` takes searched for (JSON Schema): each top-level alternative without ``^``
+    at its start gets ``.*`` there, without ``$`` at its end ``.*`` there (``^https://``
+    -> ``^https://.*$``; ``^a|b`` -> ``^((a.*)|(.*b.*))$``). ``.`` leaves out line breaks,
+    so the result may take a little less, never more. None where the pattern cannot be
+    split so (an anchor inside a group, an unbalanced group or class): left as written."""
+    alternatives, start, depth, in_class, i = [], 0, 0, False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1:i + 2] == "^":
+                i += 1
+            if pattern[i + 1:i + 2] == "]":
+                i += 1
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth < 0:
+                return None
+        elif c == "|" and depth == 0:
+            alternatives.append(pattern[start:i])
+            start = i + 1
+        elif c in "^$" and depth > 0:
+            return None
+        i += 1
+    if depth or in_class:
+        return None
+    alternatives.append(pattern[start:])
+    written = []
+    for alt in alternatives:
+        head = alt.startswith("^")
+        body = alt[1:] if head else alt
+        tail = body.endswith("$") and _unescaped_end(body)
+        body = body[:-1] if tail else body
+        if "^" in _outside_classes(body) or "$" in _outside_classes(body):
+            return None
+        written.append(("" if head else ".*") + body + ("" if tail else ".*"))
+    if len(written) == 1:
+        return f"^{written[0]}$"
+    return "^(" + "|".join(f"({w})" for w in written) + ")$"
+
+
+def _unescaped_end(text: str) -> bool:
+    """Whether ``text`` 's last character is not escaped (an even run of backslashes
+    before it)."""
+    run = len(text) - 1 - len(text[:-1].rstrip("\\"))
+    return run % 2 == 0
+
+
+def _outside_classes(text: str) -> str:
+    """``text`` without its escapes and character classes (what is left may hold
+    anchors)."""
+    out, in_class, i = [], False, 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if text[i + 1:i + 2] == "^":
+                i += 1
+            if text[i + 1:i + 2] == "]":
+                i += 1
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def format_patterns(schema, frac_digits: int = 0, for_xgrammar: bool = False):
     """``schema`` (a parsed JSON schema) with each ``format`` of ``_REWRITTEN`` written as
-    its ``pattern`` (``pattern_for``), where the node has no ``pattern`` of its own. A new
-    object where something changed; the schema itself otherwise."""
-    return _rewrite(schema, frac_digits, 0)
+    its ``pattern`` (``pattern_for``), where the node has no ``pattern`` of its own; with
+    ``for_xgrammar`` also each ``pattern`` as ``full_match`` writes it, and a format
+    xgrammar writes itself left out beside a pattern (see the module doc). A new object
+    where something changed; the schema itself otherwise."""
+    return _rewrite(schema, frac_digits, 0, for_xgrammar)
 
 
 def format_patterns_text(schema: str, frac_digits: int = 0, parsed=None) -> str:
     """``format_patterns`` over schema text: the text itself where no format changes (or
     where it is not JSON: the compile then says what is wrong with it). ``parsed``: the
     text already parsed, where the caller has it."""
-    if '"format"' not in schema:
+    if '"format"' not in schema and '"pattern"' not in schema:
         return schema
     if parsed is None:
         try:
             parsed = json.loads(schema)
         except (ValueError, RecursionError):
             return schema
-    out = format_patterns(parsed, frac_digits)
+    out = format_patterns(parsed, frac_digits, for_xgrammar=True)
     if out is parsed:
         return schema
     try:  # (a number past a double, 1e400, parsed as inf: left as written)
@@ -137,11 +236,11 @@ def format_patterns_text(schema: str, frac_digits: int = 0, parsed=None) -> str:
         return schema
 
 
-def _rewrite(node, frac_digits: int, depth: int):
+def _rewrite(node, frac_digits: int, depth: int, xgr: bool):
     if depth > _MAX_DEPTH:
         return node
     if isinstance(node, list):
-        items = [_rewrite(sub, frac_digits, depth + 1) for sub in node]
+        items = [_rewrite(sub, frac_digits, depth + 1, xgr) for sub in node]
         return node if all(a is b for a, b in zip(items, node)) else items
     if not isinstance(node, dict):
         return node
@@ -149,16 +248,30 @@ def _rewrite(node, frac_digits: int, depth: int):
     for key, value in node.items():
         new = value
         if key in _MAPS and isinstance(value, dict):
-            subs = {name: _rewrite(sub, frac_digits, depth + 1) for name, sub in value.items()}
+            subs = {name: _rewrite(sub, frac_digits, depth + 1, xgr)
+                    for name, sub in value.items()}
             if any(subs[name] is not sub for name, sub in value.items()):
                 new = subs
         elif key not in _VALUES and isinstance(value, (dict, list)):
-            new = _rewrite(value, frac_digits, depth + 1)
+            new = _rewrite(value, frac_digits, depth + 1, xgr)
         changed |= new is not value
         out[key] = new
     fmt = node.get("format")
+    pattern = node.get("pattern")
     if isinstance(fmt, str) and fmt in _REWRITTEN and "pattern" not in node:
         del out["format"]
         out["pattern"] = pattern_for(fmt, frac_digits)
         changed = True
+    elif xgr and isinstance(pattern, str):
+        full = full_match(pattern)
+        if isinstance(fmt, str) and fmt in XGRAMMAR_NATIVE_FORMATS:
+            # xgrammar reads one of the two: the pattern, unless it takes any string
+            anything = full is not None and ANY_STRING.fullmatch(full) is not None
+            del out["pattern" if anything else "format"]
+            changed = True
+            if anything:
+                return out
+        if full is not None and full != pattern:
+            out["pattern"] = full
+            changed = True
     return out if changed else node

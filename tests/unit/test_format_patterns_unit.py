@@ -215,3 +215,57 @@ def test_year_zero_is_not_written(engine, fmt, text):
     # `date` field, refuses it (bench/clients.py: an Event's date came back "0000-...")
     assert valid(fmt, text)
     assert not accepts(engine, spec(fmt), json.dumps({"v": text})), (engine, fmt, text)
+
+
+# --- patterns for xgrammar: JSON Schema searches, xgrammar matches the whole string -------
+
+@pytest.mark.parametrize("pattern, takes, refuses", [
+    ("^https://", ["https://a.com", "https://"], ["http://a.com", "xhttps://"]),
+    ("abc", ["abc", "xabcx", "abcx"], ["ab", "axbc"]),
+    ("b$", ["ab", "b"], ["ba"]),
+    ("^a|b", ["ax", "xbx", "b"], ["xa", "c"]),
+    ("^(a|b)$", ["a", "b"], ["ab"]),
+    ("[^$]x", ["ax", "zzax"], ["$x"]),
+    ("\\$$", ["a$"], ["a"]),
+])
+def test_full_match_takes_what_the_search_takes(pattern, takes, refuses):
+    import re
+
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from grammar_cache.format_patterns import full_match
+
+    full = full_match(pattern)
+    grammar = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "pattern": full}))
+    for s in takes:
+        assert re.search(pattern, s) and _is_grammar_accept_string(grammar, json.dumps(s)), s
+    for s in refuses:
+        assert not re.search(pattern, s)
+        assert not _is_grammar_accept_string(grammar, json.dumps(s)), s
+
+
+def test_full_match_leaves_what_it_cannot_split():
+    from grammar_cache.format_patterns import full_match
+
+    assert full_match("(^a)b") is None and full_match("a(b") is None
+    assert full_match("^[a-z]+$") == "^[a-z]+$"  # anchored already: as written
+
+
+def test_the_xgrammar_compile_enforces_a_prefix_pattern_beside_a_uri_format():
+    # JSONSchemaStore's schema-catalog (JSONSchemaBench): xgrammar read the uri format
+    # and left "^https://" out, and the answer's "url" failed the pattern at its budget
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from grammar_cache.compile import json_schema_ebnf
+
+    node = {"type": "string", "format": "uri", "pattern": "^https://"}
+    grammar = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(node)))
+    assert _is_grammar_accept_string(grammar, json.dumps("https://example.com/a.json"))
+    assert not _is_grammar_accept_string(grammar, json.dumps("http://example.com/a.json"))
+    # a pattern that takes anything leaves the format's grammar in place
+    loose = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(
+        {"type": "string", "format": "date", "pattern": ".*"})))
+    assert _is_grammar_accept_string(loose, json.dumps("2024-01-02"))
+    assert not _is_grammar_accept_string(loose, json.dumps("not a date"))

@@ -19,7 +19,7 @@ SCHEMA = {"type": "object", "properties": {
     "allOf": {"type": "string", "format": "custom-thing"},  # a property named allOf
     "nested": {"type": "object", "properties": {"n": {"not": {"type": "string"}}}}},
     "$defs": {"D": {"oneOf": [{"type": "integer"}, {"type": "string",
-                                                    "pattern": "a+"}]}},
+                                                    "pattern": "(^a)+"}]}},
     "enum": ["allOf"]}
 
 

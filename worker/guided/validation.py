@@ -39,6 +39,7 @@ from collections import OrderedDict
 import jsonschema_rs
 
 from core.json_schema import walk
+from grammar_cache.format_patterns import ANY_STRING, XGRAMMAR_NATIVE_FORMATS, full_match
 
 _CACHE_SIZE = 256
 
@@ -116,14 +117,9 @@ def validate_json(schema: dict | bool | str | None, text: str) -> str | None:
 
 # keywords xgrammar 0.2.8 drops or widens (probed one by one: a grammar built from a
 # schema with only that keyword accepts an instance the schema rejects)
-# of those, the ones xgrammar writes with a grammar of its own: beside a ``pattern`` it
-# reads the format and leaves the pattern out (probed: tests/unit/test_validation_formats_
-# unit.py); beside any other format (the rewrite leaves a node with a pattern alone) it
-# reads the pattern and leaves the format out
-_XGRAMMAR_NATIVE_FORMATS = frozenset((
-    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
-    "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"))
-PATTERN_BESIDE_FORMAT = "pattern beside format"
+# beside a ``pattern``, a format xgrammar writes itself is left out of its grammar (and a
+# pattern that takes any string is left out instead; grammar_cache/format_patterns.py,
+# ``XGRAMMAR_NATIVE_FORMATS``): the format is approximated, the pattern not
 _WIDENED = ("allOf", "oneOf", "not", "if", "then", "else", "dependentRequired",
             "dependentSchemas", "uniqueItems", "contains", "minContains", "maxContains",
             "unevaluatedItems")
@@ -152,20 +148,23 @@ def node_approximated(node: dict, found: set[str]) -> None:
     for key in _WIDENED:
         if key in node:
             found.add(key)
-    pattern = node.get("pattern")
+    pattern, full = node.get("pattern"), None
     if isinstance(pattern, str):
         if "minLength" in node or "maxLength" in node:
             found.add("pattern with minLength/maxLength")
         if _LOOKAROUND.search(pattern):
             found.add("pattern lookaround/backreference")
-        if not (pattern.startswith("^") and pattern.endswith("$")):
+        full = full_match(pattern)
+        if full is None:  # xgrammar matches the whole string; it could not be rewritten
             found.add("pattern without ^...$ anchors")
     fmt = node.get("format")
     if isinstance(fmt, str):
+        anything = (isinstance(pattern, str) and fmt in XGRAMMAR_NATIVE_FORMATS
+                    and full is not None and ANY_STRING.fullmatch(full) is not None)
         if fmt not in _CHECKED_FORMATS:
             found.add(f"format: {fmt}{NOT_CHECKED}")
-        elif isinstance(pattern, str) and fmt in _XGRAMMAR_NATIVE_FORMATS:
-            found.add(PATTERN_BESIDE_FORMAT)  # the format's grammar, not the pattern
+        elif anything:
+            pass  # the pattern takes any string: the format's grammar is kept
         elif fmt not in _XGRAMMAR_FORMATS or isinstance(pattern, str):
             found.add(f"format: {fmt}")
     multiple = node.get("multipleOf")
