@@ -38,8 +38,13 @@ takes only "abc", ``^https://`` only "https://"), JSON Schema searches for it, s
 alternative not anchored at an end gets ``.*`` there; and beside a format xgrammar writes
 with a grammar of its own (``XGRAMMAR_NATIVE_FORMATS``) xgrammar reads the format and
 leaves the pattern out, so the format is left out instead (a pattern that takes any string
-is left out, the format kept). The post-validation still checks the format as the client
-wrote it. Imports nothing of the other layers: the xgrammar compile (compile.py) and the
+is left out, the format kept). And ``propertyNames`` (which xgrammar leaves out: any key
+passed) whose names are an ``enum`` or ``const`` of strings becomes those names as
+``properties``, each with the schema the object gives it (its property, the
+``patternProperties`` it matches, or ``additionalProperties``), and no other key (Github_hard
+o12460: a ``"description"`` key where only pipette names may be); a node with
+``patternProperties`` and no type is typed ``object`` (xgrammar took any value there). The post-validation still
+checks the format as the client wrote it. Imports nothing of the other layers: the xgrammar compile (compile.py) and the
 llguidance path (worker/guided/llguidance_backend.py) both call it.
 """
 
@@ -48,7 +53,7 @@ from __future__ import annotations
 import json
 import re
 
-from core.json_schema import DATA_KEYWORDS, SCHEMA_MAPS
+from core.json_schema import DATA_KEYWORDS, SCHEMA_MAPS, resolve_or_none
 
 _X, _H = "[A-Za-z0-9]", "[A-Za-z0-9-]"
 
@@ -213,14 +218,54 @@ def format_patterns(schema, frac_digits: int = 0, for_xgrammar: bool = False):
     ``for_xgrammar`` also each ``pattern`` as ``full_match`` writes it, and a format
     xgrammar writes itself left out beside a pattern (see the module doc). A new object
     where something changed; the schema itself otherwise."""
-    return _rewrite(schema, frac_digits, 0, for_xgrammar)
+    return _rewrite(schema, frac_digits, 0, schema if for_xgrammar else None)
+
+
+_TYPED_ELSEWHERE = ("properties", "enum", "const", "allOf", "anyOf", "oneOf", "$ref", "not",
+                    "if")
+_NAME_KEYS = frozenset(("enum", "const", "type", "description", "title", "$comment"))
+
+
+def named_properties(node: dict, root) -> dict | None:
+    """The ``properties`` that say what ``node`` 's ``propertyNames`` says (see the module
+    doc), or None where its names are not a plain list of strings or the object cannot be
+    written so."""
+    names = node.get("propertyNames")
+    if isinstance(names, dict) and isinstance(names.get("$ref"), str) and len(names) == 1:
+        names = resolve_or_none(root, names["$ref"]) if root is not None else None
+    if not isinstance(names, dict) or not set(names) <= _NAME_KEYS:
+        return None
+    values = names.get("enum", [names["const"]] if "const" in names else None)
+    if (not isinstance(values, list) or not values
+            or not all(isinstance(v, str) for v in values)):
+        return None
+    props, patterns = node.get("properties", {}), node.get("patternProperties", {})
+    extra = node.get("additionalProperties", True)
+    required = node.get("required", [])
+    if (not isinstance(props, dict) or not isinstance(patterns, dict)
+            or not isinstance(required, list) or not set(required) <= set(values)):
+        return None
+    out = {}
+    for name in values:
+        if name in props:
+            out[name] = props[name]
+            continue
+        try:
+            matching = [sub for pat, sub in patterns.items() if re.search(pat, name)]
+        except (re.error, TypeError):
+            return None
+        if matching:
+            out[name] = matching[0] if len(matching) == 1 else {"allOf": matching}
+        elif extra is not False:
+            out[name] = extra if isinstance(extra, dict) else {}
+    return out
 
 
 def format_patterns_text(schema: str, frac_digits: int = 0, parsed=None) -> str:
     """``format_patterns`` over schema text: the text itself where no format changes (or
     where it is not JSON: the compile then says what is wrong with it). ``parsed``: the
     text already parsed, where the caller has it."""
-    if '"format"' not in schema and '"pattern"' not in schema:
+    if not any(key in schema for key in ('"format"', '"pattern', '"propertyNames"')):
         return schema
     if parsed is None:
         try:
@@ -236,7 +281,8 @@ def format_patterns_text(schema: str, frac_digits: int = 0, parsed=None) -> str:
         return schema
 
 
-def _rewrite(node, frac_digits: int, depth: int, xgr: bool):
+def _rewrite(node, frac_digits: int, depth: int, xgr):
+    """``xgr``: the schema's root where the rewrite is for xgrammar, else None."""
     if depth > _MAX_DEPTH:
         return node
     if isinstance(node, list):
@@ -262,7 +308,7 @@ def _rewrite(node, frac_digits: int, depth: int, xgr: bool):
         del out["format"]
         out["pattern"] = pattern_for(fmt, frac_digits)
         changed = True
-    elif xgr and isinstance(pattern, str):
+    elif xgr is not None and isinstance(pattern, str):
         full = full_match(pattern)
         if isinstance(fmt, str) and fmt in XGRAMMAR_NATIVE_FORMATS:
             # xgrammar reads one of the two: the pattern, unless it takes any string
@@ -273,5 +319,19 @@ def _rewrite(node, frac_digits: int, depth: int, xgr: bool):
                 return out
         if full is not None and full != pattern:
             out["pattern"] = full
+            changed = True
+    if (xgr is not None and "patternProperties" in out and "type" not in out
+            and not any(k in out for k in _TYPED_ELSEWHERE)):
+        # xgrammar reads an untyped node's ``properties`` as an object's but takes any
+        # value where it has only ``patternProperties`` (o12460's "labware": a string
+        # where each value must be an object): typed as the object it describes
+        out["type"] = "object"
+        changed = True
+    if xgr is not None and "propertyNames" in node:
+        named = named_properties(out, xgr)
+        if named is not None:
+            for key in ("propertyNames", "patternProperties"):
+                out.pop(key, None)
+            out["properties"], out["additionalProperties"] = named, False
             changed = True
     return out if changed else node

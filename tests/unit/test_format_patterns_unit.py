@@ -269,3 +269,33 @@ def test_the_xgrammar_compile_enforces_a_prefix_pattern_beside_a_uri_format():
         {"type": "string", "format": "date", "pattern": ".*"})))
     assert _is_grammar_accept_string(loose, json.dumps("2024-01-02"))
     assert not _is_grammar_accept_string(loose, json.dumps("not a date"))
+
+
+def test_property_names_of_an_enum_are_written_as_properties_for_xgrammar():
+    # Github_hard o12460 (JSONSchemaBench): xgrammar leaves propertyNames out, and a
+    # "description" key passed where only pipette names may be (invalid at its budget)
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from grammar_cache.compile import json_schema_ebnf
+
+    schema = {"definitions": {"name": {"type": "string", "enum": ["p10", "p50"]}},
+              "type": "object", "properties": {"rates": {
+                  "type": "object", "propertyNames": {"$ref": "#/definitions/name"},
+                  "patternProperties": {".*": {"type": "number"}},
+                  "additionalProperties": False}}}
+    grammar = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(schema)))
+    take = lambda v: _is_grammar_accept_string(grammar, json.dumps({"rates": v}))  # noqa: E731
+    assert take({"p10": 1.5}) and take({"p10": 1, "p50": 2}) and take({})
+    assert not take({"description": 1.0}) and not take({"p10": "x"})
+    assert approximated_keywords(schema) == []
+    # names that are not a plain list stay approximated (and listed)
+    loose = {"type": "object", "propertyNames": {"pattern": "^p"}}
+    assert approximated_keywords(loose) == ["propertyNames"]
+    # an untyped node with patternProperties only: xgrammar took a string for its values
+    labware = {"type": "object", "properties": {"labware": {
+        "patternProperties": {".+": {"type": "object", "required": ["slot"],
+                                     "properties": {"slot": {"type": "string"}}}}}}}
+    grammar = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(labware)))
+    assert not _is_grammar_accept_string(grammar, json.dumps({"labware": {"mount": "right"}}))
+    assert _is_grammar_accept_string(grammar, json.dumps({"labware": {"a": {"slot": "1"}}}))

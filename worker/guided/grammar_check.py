@@ -273,7 +273,7 @@ def approximated_paths(schema) -> list[dict]:
     out = []
     for path, node in _nodes(schema):
         found: set[str] = set()
-        node_approximated(node, found)
+        node_approximated(node, found, schema)
         out += [{"path": pointer(path), "keyword": k} for k in sorted(found)]
     return out
 

@@ -39,7 +39,8 @@ from collections import OrderedDict
 import jsonschema_rs
 
 from core.json_schema import walk
-from grammar_cache.format_patterns import ANY_STRING, XGRAMMAR_NATIVE_FORMATS, full_match
+from grammar_cache.format_patterns import (ANY_STRING, XGRAMMAR_NATIVE_FORMATS, full_match,
+                                           named_properties)
 
 _CACHE_SIZE = 256
 
@@ -138,13 +139,15 @@ def approximated_keywords(schema) -> list[str]:
     found: set[str] = set()
     for sub in walk(schema, max_depth=64, lenient=True):
         if isinstance(sub.node, dict):
-            node_approximated(sub.node, found)
+            node_approximated(sub.node, found, schema)
     return sorted(found)
 
 
-def node_approximated(node: dict, found: set[str]) -> None:
+def node_approximated(node: dict, found: set[str], root=None) -> None:
     """Adds to ``found`` what of ``approximated_keywords`` one schema node holds itself
-    (not its subschemas)."""
+    (not its subschemas); ``root``: the schema the node is in (its references)."""
+    if "propertyNames" in node and named_properties(node, root) is None:
+        found.add("propertyNames")  # xgrammar takes any key; written out where it can be
     for key in _WIDENED:
         if key in node:
             found.add(key)
