@@ -32,13 +32,14 @@ that ends in a bounded class run as one whose first character may be left out
 (``^a(b[0-9]{1,3})?z$`` takes ``a5z``).
 
 A node that has a ``pattern`` of its own keeps its ``format`` as written for llguidance.
-For xgrammar (``for_xgrammar``) two more rewrites make it read a ``pattern`` as JSON Schema
-means it (``full_match``): xgrammar matches a pattern against the whole string (``abc``
-takes only "abc", ``^https://`` only "https://"), JSON Schema searches for it, so each
-alternative not anchored at an end gets ``.*`` there; and beside a format xgrammar writes
-with a grammar of its own (``XGRAMMAR_NATIVE_FORMATS``) xgrammar reads the format and
-leaves the pattern out, so the format is left out instead (a pattern that takes any string
-is left out, the format kept). And ``propertyNames`` (which xgrammar leaves out: any key
+For xgrammar (``for_xgrammar``): beside a format xgrammar writes with a grammar of its own
+(``XGRAMMAR_NATIVE_FORMATS``) it reads the format and leaves the pattern out (JSONSchemaStore's
+schema-catalog: a ``uri`` without the ``^https://`` its pattern asks for), so the format is
+left out instead (a pattern that takes any string is left out, the format kept). xgrammar
+matches a pattern against the whole string where JSON Schema searches for it (``^https://``
+takes only "https://"): a subset, so its answers stay valid, and patterns are left so
+(written with ``.*`` at their open ends, a pattern such as cv's ``[A-Z]{2}`` became a
+free string the model looped in and could not close at its budget). And ``propertyNames`` (which xgrammar leaves out: any key
 passed) whose names are an ``enum`` or ``const`` of strings becomes those names as
 ``properties``, each with the schema the object gives it (its property, the
 ``patternProperties`` it matches, or ``additionalProperties``), and no other key (Github_hard
@@ -128,96 +129,21 @@ _MAX_DEPTH = 256
 XGRAMMAR_NATIVE_FORMATS = frozenset((
     "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
     "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer"))
-# what full_match writes for a pattern that takes any string ("", ".*", "^.*$" ...)
-ANY_STRING = re.compile(r"\^(\.\*)*\$")
-
-
-def full_match(pattern: str) -> str | None:
-    """The pattern that, matched against the whole string (xgrammar), takes what
-    ``pattern`` takes searched for (JSON Schema): each top-level alternative without ``^``
-    at its start gets ``.*`` there, without ``$`` at its end ``.*`` there (``^https://``
-    -> ``^https://.*$``; ``^a|b`` -> ``^((a.*)|(.*b.*))$``). ``.`` leaves out line breaks,
-    so the result may take a little less, never more. None where the pattern cannot be
-    split so (an anchor inside a group, an unbalanced group or class): left as written."""
-    alternatives, start, depth, in_class, i = [], 0, 0, False, 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            if pattern[i + 1:i + 2] == "^":
-                i += 1
-            if pattern[i + 1:i + 2] == "]":
-                i += 1
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth < 0:
-                return None
-        elif c == "|" and depth == 0:
-            alternatives.append(pattern[start:i])
-            start = i + 1
-        elif c in "^$" and depth > 0:
-            return None
-        i += 1
-    if depth or in_class:
-        return None
-    alternatives.append(pattern[start:])
-    written = []
-    for alt in alternatives:
-        head = alt.startswith("^")
-        body = alt[1:] if head else alt
-        tail = body.endswith("$") and _unescaped_end(body)
-        body = body[:-1] if tail else body
-        if "^" in _outside_classes(body) or "$" in _outside_classes(body):
-            return None
-        written.append(("" if head else ".*") + body + ("" if tail else ".*"))
-    if len(written) == 1:
-        return f"^{written[0]}$"
-    return "^(" + "|".join(f"({w})" for w in written) + ")$"
-
-
-def _unescaped_end(text: str) -> bool:
-    """Whether ``text`` 's last character is not escaped (an even run of backslashes
-    before it)."""
-    run = len(text) - 1 - len(text[:-1].rstrip("\\"))
-    return run % 2 == 0
-
-
-def _outside_classes(text: str) -> str:
-    """``text`` without its escapes and character classes (what is left may hold
-    anchors)."""
-    out, in_class, i = [], False, 0
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            if text[i + 1:i + 2] == "^":
-                i += 1
-            if text[i + 1:i + 2] == "]":
-                i += 1
-        else:
-            out.append(c)
-        i += 1
-    return "".join(out)
+def takes_any_string(pattern: str) -> bool:
+    """Whether ``pattern`` (searched for, as JSON Schema means it) takes every string."""
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
+    return body in ("", ".*") and not (pattern.startswith("^") and pattern.endswith("$")
+                                       and body == "")
 
 
 def format_patterns(schema, frac_digits: int = 0, for_xgrammar: bool = False):
     """``schema`` (a parsed JSON schema) with each ``format`` of ``_REWRITTEN`` written as
     its ``pattern`` (``pattern_for``), where the node has no ``pattern`` of its own; with
-    ``for_xgrammar`` also each ``pattern`` as ``full_match`` writes it, and a format
-    xgrammar writes itself left out beside a pattern (see the module doc). A new object
-    where something changed; the schema itself otherwise."""
+    ``for_xgrammar`` also a format xgrammar writes itself left out beside a pattern,
+    ``propertyNames`` of a list of names as properties, and an untyped ``patternProperties``
+    node typed object (see the module doc). A new object where something changed; the
+    schema itself otherwise."""
     return _rewrite(schema, frac_digits, 0, schema if for_xgrammar else None)
 
 
@@ -308,18 +234,11 @@ def _rewrite(node, frac_digits: int, depth: int, xgr):
         del out["format"]
         out["pattern"] = pattern_for(fmt, frac_digits)
         changed = True
-    elif xgr is not None and isinstance(pattern, str):
-        full = full_match(pattern)
-        if isinstance(fmt, str) and fmt in XGRAMMAR_NATIVE_FORMATS:
-            # xgrammar reads one of the two: the pattern, unless it takes any string
-            anything = full is not None and ANY_STRING.fullmatch(full) is not None
-            del out["pattern" if anything else "format"]
-            changed = True
-            if anything:
-                return out
-        if full is not None and full != pattern:
-            out["pattern"] = full
-            changed = True
+    elif (xgr is not None and isinstance(pattern, str) and isinstance(fmt, str)
+            and fmt in XGRAMMAR_NATIVE_FORMATS):
+        # xgrammar reads one of the two: the pattern, unless it takes any string
+        del out["pattern" if takes_any_string(pattern) else "format"]
+        changed = True
     if (xgr is not None and "patternProperties" in out and "type" not in out
             and not any(k in out for k in _TYPED_ELSEWHERE)):
         # xgrammar reads an untyped node's ``properties`` as an object's but takes any

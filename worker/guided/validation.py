@@ -39,8 +39,8 @@ from collections import OrderedDict
 import jsonschema_rs
 
 from core.json_schema import walk
-from grammar_cache.format_patterns import (ANY_STRING, XGRAMMAR_NATIVE_FORMATS, full_match,
-                                           named_properties)
+from grammar_cache.format_patterns import (XGRAMMAR_NATIVE_FORMATS, named_properties,
+                                           takes_any_string)
 
 _CACHE_SIZE = 256
 
@@ -151,19 +151,18 @@ def node_approximated(node: dict, found: set[str], root=None) -> None:
     for key in _WIDENED:
         if key in node:
             found.add(key)
-    pattern, full = node.get("pattern"), None
+    pattern = node.get("pattern")
     if isinstance(pattern, str):
         if "minLength" in node or "maxLength" in node:
             found.add("pattern with minLength/maxLength")
         if _LOOKAROUND.search(pattern):
             found.add("pattern lookaround/backreference")
-        full = full_match(pattern)
-        if full is None:  # xgrammar matches the whole string; it could not be rewritten
+        if not (pattern.startswith("^") and pattern.endswith("$")):
             found.add("pattern without ^...$ anchors")
     fmt = node.get("format")
     if isinstance(fmt, str):
         anything = (isinstance(pattern, str) and fmt in XGRAMMAR_NATIVE_FORMATS
-                    and full is not None and ANY_STRING.fullmatch(full) is not None)
+                    and takes_any_string(pattern))
         if fmt not in _CHECKED_FORMATS:
             found.add(f"format: {fmt}{NOT_CHECKED}")
         elif anything:
