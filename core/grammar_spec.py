@@ -32,9 +32,10 @@ WHITESPACE = ("bounded", "any", "compact", "indent", "spaced")
 ENGINES = ("auto", "xgrammar", "llguidance")
 MAX_SOURCE_BYTES = 256 * 1024
 MAX_CHOICES = 4096
-KEY_VERSION = 5  # 2: the engine is part of the key; 3: formats written as patterns;
+KEY_VERSION = 6  # 2: the engine is part of the key; 3: formats written as patterns;
 # 4: no year 0000 in dates; 5: an e-mail's local part at most 64 characters, its domain a
-# hostname
+# hostname; 6: for xgrammar a pattern beside a format, propertyNames, patternProperties
+# (a change to what a spec compiles to must bump it: the disk tier keeps grammars by key)
 
 
 @dataclass(frozen=True)
