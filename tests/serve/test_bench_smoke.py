@@ -61,7 +61,9 @@ BENCHES = {
                     "compile_p99_ms_xgrammar", "schemas"},
 }
 # modules of bench/ that are not benches themselves
-HELPERS = {"__init__.py", "report.py", "llamacpp_side.py"}
+# not benches of figures: shared code, a peer's side, a profile of a GPU step's host time
+# (bench/gpu_host_profile.py, run on a lent GPU by bench/gpu_lease.sh)
+HELPERS = {"__init__.py", "report.py", "llamacpp_side.py", "gpu_host_profile.py"}
 
 
 def smoke_env(tiny_model_dir) -> dict:
