@@ -143,3 +143,18 @@ def test_clients_sweep_smoke(smoke_runs):
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["sweep"]
     assert [r["setting"] for r in rows] == ["off", "defaults"]
     assert all(r["requests"] > 0 for r in rows)
+
+
+def test_the_gpu_host_profile_runs_on_the_cpu(make_tiny_engine):
+    """bench/gpu_host_profile.py's step profile (a tool for a lent GPU) on the tiny model:
+    it still drives the engine as the engine is now."""
+    from bench.gpu_host_profile import run
+    from core.grammar_spec import GrammarSpec
+    from bench.gpu import guided_schema
+
+    engine = make_tiny_engine(max_num_seqs=2)
+    plain = run(engine, 2, 3, None, 5)
+    guided = run(engine, 2, 3, GrammarSpec.json_schema(guided_schema(3)), 5)
+    assert plain.startswith("batch 2 unguided: ") and "fill_us median" in plain
+    assert guided.startswith("batch 2 guided: ") and "cumulative" in guided
+    assert engine.stats().live_processors == 0 and not engine.has_work()
