@@ -28,12 +28,23 @@ pytestmark = pytest.mark.integration
 
 VOCAB = ["<eos>", "{", "}", '"', "a", "b", ":", ",", " ", "1", "2", "true", "false", "[", "]",
          "x", "y", "z", "0", "-"] + [chr(c) for c in range(ord("c"), ord("w"))]
-# about 7 s to compile with the default model's tokenizer (distinct long string bounds)
-SLOW = GrammarSpec.json_schema({"type": "object", "required": [f"p{i}" for i in range(10)],
-                                "properties": {f"p{i}": {"type": "string",
-                                                         "minLength": 1000 + 37 * i,
-                                                         "maxLength": 3000 + 53 * i}
-                                               for i in range(10)}})
+
+
+def long_strings(n):
+    """n required strings with distinct long length bounds: about 0.6 s each to compile with
+    the default model's tokenizer."""
+    return GrammarSpec.json_schema({"type": "object", "required": [f"p{i}" for i in range(n)],
+                                    "properties": {f"p{i}": {"type": "string",
+                                                             "minLength": 1000 + 37 * i,
+                                                             "maxLength": 3000 + 53 * i}
+                                                   for i in range(n)}})
+
+
+# about 6 s: far past a limit of 1 s or less (stopped there, so its length costs no time)
+SLOW = long_strings(10)
+# about 2.5 s: still compiling a moment after it starts (to kill it, or to fail its wait),
+# and seconds quicker than SLOW where a test then waits for its full compile
+SLOW_BRIEF = long_strings(4)
 
 
 def tiny_info():
@@ -149,13 +160,13 @@ def test_killed_compile_process_is_transient_and_not_cached(actor_name, default_
 
         def ask():
             try:
-                outcome["grammar"] = client.fetch(SLOW)
+                outcome["grammar"] = client.fetch(SLOW_BRIEF)
             except Exception as exc:  # noqa: BLE001 - the test looks at what came back
                 outcome["error"] = exc
 
         asker = threading.Thread(target=ask)
         asker.start()
-        key = SLOW.key(client.fingerprint)
+        key = SLOW_BRIEF.key(client.fingerprint)
         deadline = time.monotonic() + 60
         pids = {}
         while not pids and time.monotonic() < deadline:  # wait until the compile is running
@@ -172,7 +183,7 @@ def test_killed_compile_process_is_transient_and_not_cached(actor_name, default_
         assert stats["unavailable"] == 1 and stats["cached_errors"] == 0
         assert stats["compile_crashes"] == 1 and client.stats()["unavailable"] == 1
         # nothing was cached: the next ask compiles (in a fresh process) and succeeds
-        compiled = client.fetch(SLOW)
+        compiled = client.fetch(SLOW_BRIEF)
         assert xgr.GrammarMatcher(compiled).accept_string('{"p0": "')
         stats = ray.get(actor.stats.remote())
         assert stats["misses"] == 3 and stats["compiles"] == 3 and stats["errors"] == 1
@@ -228,7 +239,7 @@ def test_restarted_actor_is_used_again(actor_name):
                 break
         except Exception:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     client._down_until = 0.0  # a ping that timed out during the restart: don't wait 5 s
     client.fetch(spec(1))
     stats = ray.get(actor.stats.remote())
@@ -253,8 +264,8 @@ def test_local_verdict_compiles_in_process(actor_name):
 
 
 def test_verdict_compile_in_process_is_bounded(actor_name, default_tokenizer):
-    # the actor compiles SLOW within its (large) limit and sends a verdict; this worker's
-    # limit is far below SLOW's compile time, so its watchdog fails the request as
+    # the actor compiles SLOW_BRIEF within its (large) limit and sends a verdict; this
+    # worker's limit is far below its compile time, so its watchdog fails the request as
     # transient (the grammar is fine) instead of letting it wait unbounded
     actor = new_actor(actor_name, compile_timeout_s=120, local_verdict_factor=0.0)  # noqa: F841 - kept: the actor lives while a handle does
     client = GrammarCacheClient(default_info(default_tokenizer),
@@ -262,7 +273,7 @@ def test_verdict_compile_in_process_is_bounded(actor_name, default_tokenizer):
                                 rpc_timeout_s=150)
     try:
         with pytest.raises(GrammarUnavailable, match="did not compile within 0.2 s"):
-            client.fetch(SLOW)
+            client.fetch(SLOW_BRIEF)
         st = client.stats()
         assert st["verdicts"] == 1 and st["verdict_timeouts"] == 1
         # while that compile still runs (xgrammar cannot stop it), another verdict does
@@ -486,14 +497,14 @@ def test_fallback_process_warms_only_when_no_grammar_is_being_fetched(monkeypatc
     # a cold cluster's first compiles must not compete with the fallback's imports: the
     # warm-up waits while a fetch is in flight or recent, then starts the process
     from grammar_cache import client as client_mod
-    monkeypatch.setattr(client_mod, "FALLBACK_WARM_DELAY_S", 0.2)
-    monkeypatch.setattr(client_mod, "FALLBACK_WARM_QUIET_S", 0.5)
+    monkeypatch.setattr(client_mod, "FALLBACK_WARM_DELAY_S", 0.1)
+    monkeypatch.setattr(client_mod, "FALLBACK_WARM_QUIET_S", 0.3)
     client = GrammarCacheClient(default_info(default_tokenizer), GrammarCacheConfig(),
                                 name=f"absent-{uuid.uuid4().hex[:8]}")
     try:
         with client._lock:
             client._fetching = 1  # as while fetch() runs
-        time.sleep(1.5)
+        time.sleep(1.0)  # the warm-up looked three times (0.1, 0.4, 0.7 s) and waited
         assert client._local is None
         with client._lock:
             client._fetching, client._last_fetch = 0, time.monotonic()
@@ -516,7 +527,10 @@ def test_compile_limit_is_cpu_time_and_a_starved_compile_is_not_the_grammars_fau
 
     info = default_info(default_tokenizer)  # SLOW takes seconds with a real vocabulary
     fp, tok_json = tokenizer_fingerprint(info), info.serialize_json()
-    pool = CompilePool(GrammarCacheConfig(compile_processes=1, compile_timeout_s=1.0))
+    # the backstop (WALL_FACTOR x the limit) is what the starved compile waits for; a
+    # second keeps the fresh child's window wide enough on a loaded 2-core machine
+    limit = 1.0
+    pool = CompilePool(GrammarCacheConfig(compile_processes=1, compile_timeout_s=limit))
     try:
         pool.wait_ready()
         assert pool.compile(spec(1), fp, tok_json).error is None  # tokenizer loaded
@@ -531,7 +545,7 @@ def test_compile_limit_is_cpu_time_and_a_starved_compile_is_not_the_grammars_fau
         starved = box["r"]
         assert starved.error_kind == ErrorKind.GRAMMAR_UNAVAILABLE, starved.error
         assert not starved.cacheable and "busy" in starved.error
-        assert time.monotonic() - t0 >= WALL_FACTOR * 1.0 - 0.5
+        assert time.monotonic() - t0 >= WALL_FACTOR * limit - 0.5
         assert pool.starved == 1
         slow = pool.compile(SLOW, fp, tok_json)  # a fresh child, running freely
         assert slow.error_kind == ErrorKind.COMPILE_TIMEOUT and slow.cacheable, slow.error
