@@ -48,6 +48,9 @@ def greedy(n=10):
 
 PROMPTS = ["Hi", "Tell me a story about a cat", "1 2 3", "What is the capital of France?",
            "Yo"]
+# The CPU tests send them as plain text, 22 tokens in all (the chat template adds ~32 to
+# each, and every token costs the interpreter): still more than a graph step holds (16
+# tokens), so the prompts' step is eager and the graph steps read the keys it wrote
 
 
 def run(engine, reqs):
@@ -77,13 +80,16 @@ def test_the_graph_runner_gives_the_eager_logits(model_dir):
     """Every decode step, through the graph runner and again through the eager tiled
     runner (which writes the same keys and values to the same slots): logits equal. Five
     rows take bucket 8's static buffers with three padding rows; as rows finish, smaller
-    buckets."""
+    buckets; guided rows bring several tokens to a graph step. The prompts' step is
+    eager."""
     engine = _cpu_engine(model_dir, True)
     runner, graphs = engine.runner, engine.runner.graphs
-    orig, compared = runner.run, []
+    orig, compared, widest, eager = runner.run, [], [], []
 
     def both(scheduled):
         fits = graphs.fits(scheduled)
+        if not fits:
+            eager.append(len(scheduled))
         before = runner.kv_caches[0][0].clone() if fits else None
         logits, rows = orig(scheduled)
         if fits:  # the step wrote its rows' slots and the scratch block, nothing else
@@ -102,21 +108,22 @@ def test_the_graph_runner_gives_the_eager_logits(model_dir):
             assert rows == ref_rows
             torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
             compared.append(len(scheduled))
+            widest.append(max(s.num_tokens for s in scheduled))
         return logits, rows
 
     runner.run = both
-    reqs = [GenerationRequest(chat(p), greedy(4 + 2 * i)) for i, p in enumerate(PROMPTS)]
+    reqs = [GenerationRequest(p, greedy(4 + 2 * i)) for i, p in enumerate(PROMPTS)]
     for out in run(engine, reqs):
         assert out.error is None and out.token_ids
-    assert len(PROMPTS) in compared and min(compared) < len(PROMPTS)
+    assert len(PROMPTS) in compared and min(compared) < len(PROMPTS) and eager
     # guided rows: jump-forward's forced text rides on the sampled token (rows of several
     # tokens in one graph step, each token its own one-token tile)
-    compared.clear()
-    reqs = [GenerationRequest(chat(p), greedy(24), grammar=GrammarSpec.json_schema(PERSON))
+    del compared[:], widest[:], eager[:]
+    reqs = [GenerationRequest(p, greedy(20), grammar=GrammarSpec.json_schema(PERSON))
             for p in PROMPTS]
     for out in run(engine, reqs):
         assert out.error is None and json.loads(out.text).keys() == PERSON["properties"].keys()
-    assert compared
+    assert compared and max(widest) > 1 and eager
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -129,7 +136,7 @@ def test_jump_forward_steps_take_the_graph_runner_and_give_the_eager_output(mode
     """Guided rows whose forced text (``", "city": "``) goes with their sampled token: the
     step's rows bring several tokens each and still fit a graph; output equals the eager
     runner's token for token."""
-    reqs = lambda: [GenerationRequest(chat(p), greedy(32),  # noqa: E731
+    reqs = lambda: [GenerationRequest(p, greedy(20),  # noqa: E731
                                       grammar=GrammarSpec.json_schema(PERSON))
                     for p in PROMPTS]
     eager = [o.token_ids for o in run(_cpu_engine(model_dir, False), reqs())]
@@ -150,7 +157,7 @@ def test_jump_forward_steps_take_the_graph_runner_and_give_the_eager_output(mode
 
 
 def test_greedy_output_is_the_same_with_graphs(model_dir):
-    reqs = lambda: [GenerationRequest(chat(p), greedy(8)) for p in PROMPTS]  # noqa: E731
+    reqs = lambda: [GenerationRequest(p, greedy(8)) for p in PROMPTS]  # noqa: E731
     eager = [o.token_ids for o in run(_cpu_engine(model_dir, False), reqs())]
     engine = _cpu_engine(model_dir, True)
     calls = []
