@@ -58,11 +58,24 @@ def idle(engine):
             stats.free_blocks + stats.session_blocks == stats.total_blocks)
 
 
-def test_overlap_gives_the_same_output(make_engine):
-    plain = make_engine(overlap=False)
+@pytest.fixture(scope="module")
+def reference(default_model_dir, default_model, default_tokenizer):
+    """``requests()`` without overlap (``make_engine``'s engine), run once for the three
+    tests that compare against it: (outputs, the engine's jump-forward tokens)."""
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
+
+    plain = LLMEngine(EngineConfig(progress=False, num_kv_blocks=256, overlap=False),
+                      model=default_model, tokenizer=default_tokenizer,
+                      model_dir=default_model_dir)
+    assert not plain.overlap
+    return outputs(plain, requests()), plain.stats().jump_forward_tokens
+
+
+def test_overlap_gives_the_same_output(make_engine, reference):
+    ref, jump_forward_tokens = reference
     over = make_engine(overlap=True)
-    assert over.overlap and not plain.overlap
-    ref = outputs(plain, requests())
+    assert over.overlap
     got = outputs(over, requests())
     assert got.keys() == ref.keys()
     for rid in ref:
@@ -70,24 +83,25 @@ def test_overlap_gives_the_same_output(make_engine):
     assert ref["stop"][2] == "stop" and ref["person"][3] is None
     assert idle(over) == (0, 0, 0, True)
     # jump-forward ran: forced text went with the drawn tokens
-    assert over.stats().jump_forward_tokens == plain.stats().jump_forward_tokens > 0
+    assert over.stats().jump_forward_tokens == jump_forward_tokens > 0
 
 
-def test_overlap_through_a_preemption(make_engine):
+def test_overlap_through_a_preemption(make_tiny_engine):
     """A KV cache of 14 blocks for four rows that each need about 6: rows are preempted
-    and recomputed (a row may be preempted with its drawn token still ahead)."""
+    and recomputed (a row may be preempted with its drawn token still ahead). The tiny
+    model's seeded draws: each token depends on the whole context and on the row's
+    generator, so a row recomputed wrong, or a draw lost or repeated, changes them."""
     reqs = lambda: [GenerationRequest(chat(f"Story number {i} about a dog"), SamplingParams(  # noqa: E731
-        max_new_tokens=48, temperature=0.0), request_id=f"r{i}") for i in range(4)]
-    plain = make_engine(overlap=False, num_kv_blocks=14)
-    over = make_engine(overlap=True, num_kv_blocks=14)
+        max_new_tokens=48, temperature=0.8, seed=i), request_id=f"r{i}") for i in range(4)]
+    plain = make_tiny_engine(overlap=False, num_kv_blocks=14)
+    over = make_tiny_engine(overlap=True, num_kv_blocks=14)
     assert outputs(over, reqs()) == outputs(plain, reqs())
     assert over.scheduler.num_preemptions > 0
     assert idle(over) == (0, 0, 0, True)
 
 
-def test_an_abort_in_flight_leaves_the_others_as_they_were(make_engine):
-    plain = make_engine(overlap=False)
-    ref = outputs(plain, requests())
+def test_an_abort_in_flight_leaves_the_others_as_they_were(make_engine, reference):
+    ref = reference[0]
     over = make_engine(overlap=True)
     reqs = requests()
     for r in reqs:
@@ -109,25 +123,29 @@ def test_an_abort_in_flight_leaves_the_others_as_they_were(make_engine):
     assert idle(over) == (0, 0, 0, True)
 
 
-def test_a_session_s_second_turn(make_engine):
+def test_a_session_s_second_turn(make_tiny_engine):
+    """The tiny model's seeded draws, as in the preemption test: the second turn's tokens
+    depend on the KV the session kept."""
     def turns(engine):
         first = engine.generate([GenerationRequest(chat("Hi, I am Ann"), SamplingParams(
-            max_new_tokens=12, temperature=0.0), session_id="s", request_id="t1")])["t1"]
+            max_new_tokens=12, temperature=0.8, seed=1), session_id="s",
+            request_id="t1")])["t1"]
         prompt = chat("Hi, I am Ann") + [{"role": "assistant", "content": first.text},
                                           {"role": "user", "content": "Who am I?"}]
         second = engine.generate([GenerationRequest(prompt, SamplingParams(
-            max_new_tokens=12, temperature=0.0), session_id="s", request_id="t2")])["t2"]
+            max_new_tokens=12, temperature=0.8, seed=2), session_id="s",
+            request_id="t2")])["t2"]
         return first.token_ids, second.token_ids, second.cached_tokens
 
-    ref = turns(make_engine(overlap=False))
-    got = turns(make_engine(overlap=True))
+    ref = turns(make_tiny_engine(overlap=False))
+    got = turns(make_tiny_engine(overlap=True))
     assert got == ref and got[2] > 0
 
 
-def test_a_stream_with_overlap(make_engine):
+def test_a_stream_with_overlap(make_engine, reference):
     from worker.engine.async_engine import AsyncEngine
 
-    ref = outputs(make_engine(overlap=False), requests())
+    ref = reference[0]
     aengine = AsyncEngine(make_engine(overlap=True))
 
     async def stream(r):
