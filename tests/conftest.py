@@ -21,6 +21,12 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
+    # the modules on the shared Ray (below) run one after another at the end of their
+    # layer's folder, so it starts once per layer; every other order is kept
+    def key(item):
+        return (str(item.path.parent), "shared_ray" in item.fixturenames)
+
+    items[:] = sorted(items, key=key)  # stable: each module's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -60,6 +66,91 @@ def _private_ray(*, num_cpus: int = 4, nodes: int = 0, node_cpus: int = 2,
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+
+
+class _SharedRay:
+    """One local Ray instance for the modules that ask for ``shared_ray``: each of them
+    starts its runtime, Serve and app on it and leaves nothing behind (Serve is shut down,
+    every named actor killed and gone), so the next module finds it as new, without the
+    ~6 s a start and stop of Ray cost on two cores. Any other module (a private Ray, a
+    `ray start` head, a unit test that fakes ``ray.init``) gets no Ray in this process: the
+    shared one is stopped before it starts."""
+
+    CPUS = 6  # as many as the most any of these modules asked for on its own
+
+    def __init__(self):
+        self.up = False
+
+    def start(self):
+        import ray
+
+        if self.up:
+            return
+        assert not ray.is_initialized(), "a Ray left running by an earlier module"
+        from cluster import launch
+
+        launch.fast_death_notice()  # as `rayguide serve` and `up` set it for the Ray they start
+        ray.init(address="local", num_cpus=self.CPUS, include_dashboard=False,
+                 log_to_driver=False, namespace="rayguide")
+        self.up = True
+
+    def clear(self, timeout_s: float = 60.0):
+        """Serve (its proxy and port, every app) and every named actor of every namespace
+        gone; a module that leaves an unnamed actor referenced keeps it (none does)."""
+        import time
+
+        import ray
+        from ray import serve
+
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        deadline = time.monotonic() + timeout_s
+        while named := ray.util.list_named_actors(all_namespaces=True):
+            for actor in named:
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]),
+                             no_restart=True)
+            if time.monotonic() > deadline:
+                self.stop()  # the next module gets a Ray of its own
+                raise AssertionError(f"named actors outlived their module: {named}")
+            time.sleep(0.1)
+
+    def stop(self):
+        import ray
+
+        if self.up:
+            ray.shutdown()
+            self.up = False
+
+
+_SHARED_RAY = _SharedRay()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_shared_ray_unless_asked(request):
+    """A module that does not use the shared Ray runs without it."""
+    if not any("shared_ray" in item.fixturenames
+               for item in request.session.items if item.module is request.module):
+        _SHARED_RAY.stop()
+    yield
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """``with shared_ray():`` in a module fixture: Ray up (the session's one instance, see
+    ``_SharedRay``); on the way out, also when what the module started inside fails, Serve
+    and every named actor are gone again."""
+
+    @contextlib.contextmanager
+    def open_shared():
+        _SHARED_RAY.start()
+        try:
+            yield
+        finally:
+            _SHARED_RAY.clear()
+
+    yield open_shared
+    _SHARED_RAY.stop()
 
 
 @pytest.fixture(scope="session")

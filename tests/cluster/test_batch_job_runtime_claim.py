@@ -12,9 +12,9 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def ray_local(ray_runtime):
-    with ray_runtime(num_cpus=1) as cluster:
-        yield cluster
+def ray_local(shared_ray):
+    with shared_ray():
+        yield
 
 
 def test_one_claim_per_cluster(ray_local):

@@ -81,17 +81,13 @@ def test_a_continuation_the_grammar_refuses_is_a_clear_error(make_engine):
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir):
-    launch.fast_death_notice()  # as rayguide serve / up set it
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
+def runtime(tiny_model_dir, shared_ray):
     config = ClusterConfig(model=str(tiny_model_dir), num_workers=2,
                            worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 256, "max_model_len": 1024},
                            scheduler={"load_poll_interval_s": 0.3})
-    try:  # a start that fails must not leave Ray up for the next module
+    with shared_ray():  # Ray with fast death notices, as rayguide serve / up start it
         yield launch.up(config)
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.integration

@@ -255,11 +255,10 @@ HOT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": 
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory):
+def cluster(tiny_model_dir, tmp_path_factory, shared_ray):
     from cluster import launch
     from cluster.config import ClusterConfig
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="rayguide")
     disk = tmp_path_factory.mktemp("grammar-disk")
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=2,
@@ -268,11 +267,9 @@ def cluster(tiny_model_dir, tmp_path_factory):
         grammar_cache={"disk": True, "disk_dir": str(disk), "replicate_interval_s": 0.2,
                        "hot_specs": [{"kind": "json_schema", "source": HOT}]},
         scheduler={"load_poll_interval_s": 0.2})
-    try:  # a start that fails must not leave Ray up for the next module
+    with shared_ray():
         handles = launch.up(config)
         yield config, handles
-    finally:
-        ray.shutdown()
 
 
 def guided(schema, max_tokens=24):

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def runtime(default_model_dir, ray_runtime):
+def runtime(default_model_dir, shared_ray):
     config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
                            # xgrammar: the engine the shared cache serves (its compiles are counted)
                            engine={"num_kv_blocks": 256, "grammar_engine": "xgrammar"},
                            scheduler={"session_idle_timeout_s": 5.0, "load_poll_interval_s": 0.5})
-    with ray_runtime(num_cpus=2):
+    with shared_ray():
         yield launch.up(config)
 
 

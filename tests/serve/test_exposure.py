@@ -15,11 +15,11 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def svc(tiny_model_dir, ray_runtime):
+def svc(tiny_model_dir, shared_ray):
     config = ClusterConfig(num_workers=1, model=str(tiny_model_dir),
                            worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 64})
-    with ray_runtime(num_cpus=3):
+    with shared_ray():
         yield service.start(config, port=free_port())  # loopback, no API key
 
 

@@ -42,12 +42,12 @@ LISTENER = "LISTENER"
 
 
 @pytest.fixture(scope="module")
-def svc(tiny_model_dir, ray_runtime):
+def svc(tiny_model_dir, shared_ray):
     config = ClusterConfig(model=str(tiny_model_dir), num_workers=1,
                            worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 128, "max_model_len": 256},
                            scheduler={"load_poll_interval_s": 0.3})
-    with ray_runtime(num_cpus=4):  # shut down also when the start fails
+    with shared_ray():  # cleared also when the start fails
         yield service.start(config, port=free_port(), api_key=KEY,
                             app_args={"max_body_bytes": 200_000, "default_max_tokens": 8})
 

@@ -52,12 +52,12 @@ REFUSED = {
 
 
 @pytest.fixture(scope="module")
-def svc(tiny_model_dir, ray_runtime):
+def svc(tiny_model_dir, shared_ray):
     config = ClusterConfig(model=str(tiny_model_dir), num_workers=1,
                            worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 256},
                            scheduler={"load_poll_interval_s": 0.3})
-    with ray_runtime(num_cpus=4):
+    with shared_ray():
         yield service.start(config, port=free_port(), api_key=KEY, num_replicas=2,
                             app_args={"max_body_bytes": 1_000_000})
 

@@ -53,8 +53,8 @@ NORMAL_S = 10.0  # a plain request beside the slow bodies
 
 
 @pytest.fixture(scope="module")
-def svc(ray_runtime, tiny_model_dir):
-    with ray_runtime(num_cpus=6):
+def svc(shared_ray, tiny_model_dir):
+    with shared_ray():
         config = ClusterConfig(
             model=str(tiny_model_dir), num_workers=2,
             worker={"num_cpus": 1, "num_threads": 1},

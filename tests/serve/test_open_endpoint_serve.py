@@ -8,12 +8,12 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def serve_open(ray_runtime):
+def serve_open(shared_ray):
     from ray import serve
 
     from cluster.launch import free_port
 
-    with ray_runtime(num_cpus=2):
+    with shared_ray():
         serve.start(http_options={"host": "0.0.0.0", "port": free_port()})
         yield
 

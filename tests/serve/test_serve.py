@@ -27,11 +27,11 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def svc(default_model_dir, ray_runtime):
+def svc(default_model_dir, shared_ray):
     config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 256},
                            scheduler={"load_poll_interval_s": 0.3})
-    with ray_runtime(num_cpus=4):
+    with shared_ray():
         # two front-end replicas: sessions stay sticky because the scheduler routes them
         yield service.start(config, port=free_port(), api_key=KEY, num_replicas=2,
                             app_args={"max_body_bytes": 1_000_000})

@@ -1,6 +1,7 @@
-"""`rayguide serve` as an operator sees it, as real processes on real Ray: a clean log from
-start to Ctrl-C, `rayguide down` / `status` with their defaults leave a serve they were not
-pointed at alone, and a scheduler killed for good is rebuilt. Tiny random-weight model.
+"""`rayguide serve` as an operator sees it, as real processes on real Ray: in the foreground
+with an API key, a clean log from start to Ctrl-C, `rayguide down` / `status` with their
+defaults leave a serve they were not pointed at alone, and a scheduler killed for good is
+rebuilt. Tiny random-weight model.
 
 Each serve runs its own private Ray instance (in its process) on free ports; the tests stop
 only what they started, never with `ray stop`."""
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx2 as httpx
+import openai
 import pytest
 
 from cluster.launch import free_port
@@ -35,12 +37,12 @@ def env(tmp_path) -> dict:
     return e
 
 
-def start_serve(tiny_model_dir, tmp_path, port: int, log_name: str):
+def start_serve(tiny_model_dir, tmp_path, port: int, log_name: str, *args: str):
     log_path = tmp_path / log_name
     log = open(log_path, "w+")
     proc = subprocess.Popen(
         [str(BIN / "rayguide"), "serve", "--port", str(port), "--workers", "1",
-         "--model", str(tiny_model_dir)],
+         "--model", str(tiny_model_dir), *args],
         stdout=log, stderr=subprocess.STDOUT, text=True, env=env(tmp_path), cwd=ROOT,
         start_new_session=True)
     return proc, log_path
@@ -57,12 +59,24 @@ def ray_address(log_path: Path) -> str:
     return m.group(1)
 
 
-def test_serve_clean_log_and_down_status_leave_it_alone(tiny_model_dir, tmp_path):
+def test_serve_foreground_clean_log_and_down_status_leave_it_alone(tiny_model_dir, tmp_path):
+    """`rayguide serve` in the foreground with an API key: its banner names the endpoint,
+    the key is required, Ctrl-C stops it (exit 0, the port closed), and from start to stop
+    it logs nothing alarming."""
     port = free_port()
-    proc, log_path = start_serve(tiny_model_dir, tmp_path, port, "serve.log")
+    proc, log_path = start_serve(tiny_model_dir, tmp_path, port, "serve.log", "--api-key", "k1")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)
+        # the banner (printed once the app is up) names the endpoint and how to call it
+        deadline = time.monotonic() + 30
+        while not re.search(r"^curl ", log_path.read_text(), re.M):
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        assert f"http://127.0.0.1:{port}/v1" in log_path.read_text()
+        assert guided_request(url, "k1") in ("A", "B")
+        with pytest.raises(openai.AuthenticationError):
+            guided_request(url, "wrong")
         # one line per start stage, with its time (the runtime's stages may be printed just
         # after /health answers: the app starts beside the runtime, so wait for them)
         stages = [re.escape(s) + r".*\(\d+\.\d s\)" for s in (
@@ -83,7 +97,6 @@ def test_serve_clean_log_and_down_status_leave_it_alone(tiny_model_dir, tmp_path
         status = rayguide(tmp_path, "status")
         assert status.returncode == 1 and "--address" in status.stderr, status
         assert httpx.get(url + "/health", timeout=5).status_code == 200
-        assert guided_request(url) in ("A", "B")
         # pointed at it, status reads it (token auth: ~/.ray/auth_token, as Ray made it)
         st = subprocess.run([str(BIN / "rayguide"), "status", "--address", ray_address(log_path)],
                             capture_output=True, text=True, timeout=120,
@@ -93,6 +106,8 @@ def test_serve_clean_log_and_down_status_leave_it_alone(tiny_model_dir, tmp_path
     finally:
         code = interrupt(proc)
     assert code == 0
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=2)
     lines = log_path.read_text().splitlines()
     bad = [line for line in lines if ALARMING.search(line)]
     assert not bad, "\n".join(lines)
@@ -120,7 +135,7 @@ def test_serve_rebuilds_a_scheduler_killed_for_good(tiny_model_dir, tmp_path):
         while "rebuilt rayguide_scheduler" not in log_path.read_text():
             assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(1)
+            time.sleep(0.25)
         wait_healthy(url, proc)
         assert guided_request(url) in ("A", "B")  # the new front end reaches the new scheduler
     finally:
