@@ -22,11 +22,10 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items):
     # the modules on the shared Ray (below) run one after another at the end of their
-    # layer's folder, so it starts once per layer; every other order is kept
-    def key(item):
-        return (str(item.path.parent), "shared_ray" in item.fixturenames)
-
-    items[:] = sorted(items, key=key)  # stable: each module's tests keep their order
+    # layer's folder, so it starts once per layer; every other order is kept (a module's
+    # tests stay together and in their order, also those that do not use Ray themselves)
+    shared = {item.path for item in items if "shared_ray" in item.fixturenames}
+    items[:] = sorted(items, key=lambda item: (str(item.path.parent), item.path in shared))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -158,6 +157,18 @@ def ray_runtime():
     """``with ray_runtime(num_cpus=4) as cluster:`` in a module (or function) fixture: a
     private Ray that is always shut down; see ``_private_ray`` for the arguments."""
     return _private_ray
+
+
+@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+def kernel_threads(request):
+    """The C kernels split their rows over torch's thread count: each kernel test runs on
+    one thread and on three (an odd count, above the cores of a small machine), whatever
+    the count the suite runs with (`make test` runs the in-process layers with
+    OMP_NUM_THREADS=1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

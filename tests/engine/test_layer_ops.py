@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from worker.models import layer_ops, native
 from worker.models.rope import _rotate
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("kernel_threads")]
 
 needs_kernel = pytest.mark.skipif(not native.has_avx2_fma(),
                                   reason="the layer-ops kernel needs x86-64 with AVX2 + FMA")

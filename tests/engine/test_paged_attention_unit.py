@@ -8,7 +8,7 @@ import torch
 
 from worker.models import native, paged_attention as pa
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("kernel_threads")]
 
 needs_kernel = pytest.mark.skipif(not native.has_avx2_fma() or not pa.decode_kernel_available(),
                                   reason="the kernel needs x86-64 with AVX2, FMA and a C compiler")

@@ -36,6 +36,7 @@ def test_quantize_weight_round_trip():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 32, 63, 64, 70])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n_k", [(8, 16), (96, 576), (64, 1536)])
+@pytest.mark.usefixtures("kernel_threads")
 def test_int8_linear_matches_reference(rows, bias, n_k):
     """Both paths (the kernel below DEQUANT_MIN_ROWS rows, dequantize + sgemm above)."""
     torch.manual_seed(rows)
