@@ -24,8 +24,11 @@ def pytest_collection_modifyitems(config, items):
     # the modules on the shared Ray (below) run one after another at the end of their
     # layer's folder, so it starts once per layer; every other order is kept (a module's
     # tests stay together and in their order, also those that do not use Ray themselves)
+    # (and those on the shared 3-node cluster first, one after another)
     shared = {item.path for item in items if "shared_ray" in item.fixturenames}
-    items[:] = sorted(items, key=lambda item: (str(item.path.parent), item.path in shared))
+    on_cluster = {item.path for item in items if "shared_cluster" in item.fixturenames}
+    items[:] = sorted(items, key=lambda item: (str(item.path.parent), item.path in shared,
+                                               item.path not in on_cluster))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -73,12 +76,19 @@ class _SharedRay:
     every named actor killed and gone), so the next module finds it as new, without the
     ~6 s a start and stop of Ray cost on two cores. Any other module (a private Ray, a
     `ray start` head, a unit test that fakes ``ray.init``) gets no Ray in this process: the
-    shared one is stopped before it starts."""
+    shared one is stopped before it starts.
+
+    With ``nodes``: the same for the modules that ask for ``shared_cluster``, a
+    ray.cluster_utils.Cluster of a head (2 CPUs and a ``head`` resource, for what a module
+    keeps off the nodes it removes) and ``nodes`` nodes of 2 CPUs (a start and stop: ~8 s
+    and ~9 CPU-s here)."""
 
     CPUS = 6  # as many as the most any of these modules asked for on its own
 
-    def __init__(self):
+    def __init__(self, nodes: int = 0):
         self.up = False
+        self.nodes = nodes
+        self.cluster = None  # the ray.cluster_utils.Cluster, with ``nodes``
 
     def start(self):
         import ray
@@ -89,8 +99,18 @@ class _SharedRay:
         from cluster import launch
 
         launch.fast_death_notice()  # as `rayguide serve` and `up` set it for the Ray they start
-        ray.init(address="local", num_cpus=self.CPUS, include_dashboard=False,
-                 log_to_driver=False, namespace="rayguide")
+        if self.nodes:
+            from ray.cluster_utils import Cluster
+
+            self.cluster = Cluster(initialize_head=True,
+                                   head_node_args={"num_cpus": 2, "resources": {"head": 1}})
+            self.up = True  # from here stop() takes it down, also if what follows fails
+            for _ in range(self.nodes):
+                self.cluster.add_node(num_cpus=2)
+            ray.init(address=self.cluster.address, namespace="rayguide", log_to_driver=False)
+        else:
+            ray.init(address="local", num_cpus=self.CPUS, include_dashboard=False,
+                     log_to_driver=False, namespace="rayguide")
         self.up = True
 
     def clear(self, timeout_s: float = 60.0):
@@ -118,19 +138,30 @@ class _SharedRay:
         import ray
 
         if self.up:
+            if self.cluster is not None:
+                from ray import serve
+
+                with contextlib.suppress(Exception):
+                    serve.shutdown()
             ray.shutdown()
+            if self.cluster is not None:
+                self.cluster.shutdown()
+                self.cluster = None
             self.up = False
 
 
 _SHARED_RAY = _SharedRay()
+_SHARED_CLUSTER = _SharedRay(nodes=2)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_shared_ray_unless_asked(request):
-    """A module that does not use the shared Ray runs without it."""
-    if not any("shared_ray" in item.fixturenames
-               for item in request.session.items if item.module is request.module):
-        _SHARED_RAY.stop()
+    """A module that does not use the shared Ray (or the shared cluster) runs without it."""
+    asks = set().union(*(item.fixturenames for item in request.session.items
+                         if item.module is request.module))
+    for name, shared in (("shared_ray", _SHARED_RAY), ("shared_cluster", _SHARED_CLUSTER)):
+        if name not in asks:
+            shared.stop()
     yield
 
 
@@ -150,6 +181,25 @@ def shared_ray():
 
     yield open_shared
     _SHARED_RAY.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster():
+    """``with shared_cluster() as cluster:`` in a module fixture: the session's 3-node
+    ray.cluster_utils.Cluster up (``_SharedRay`` with nodes), yielded for a module that adds
+    or removes nodes; on the way out Serve and every named actor are gone again, as with
+    ``shared_ray``."""
+
+    @contextlib.contextmanager
+    def open_shared():
+        _SHARED_CLUSTER.start()
+        try:
+            yield _SHARED_CLUSTER.cluster
+        finally:
+            _SHARED_CLUSTER.clear()
+
+    yield open_shared
+    _SHARED_CLUSTER.stop()
 
 
 @pytest.fixture(scope="session")

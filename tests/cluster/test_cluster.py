@@ -24,11 +24,11 @@ class Runtimes:
     """One runtime at a time in this process: ``shared()`` is the module's, started on first
     use; ``fresh()`` gives a destructive test one of its own and shuts it down after, so the
     next test starts a shared one again (no test depends on running before or after it).
-    A fresh runtime is started on the running 3-node Ray cluster when there is one (the
-    shared runtime's actors killed for good first): a new cluster cost 25-30 s."""
+    Every runtime starts on the session's 3-node cluster (``shared_cluster``: a new
+    cluster costs ~8 s); a fresh one after the shared runtime's actors are killed for good."""
 
-    def __init__(self, open_ray, config: ClusterConfig):
-        self._open_ray, self._config = open_ray, config
+    def __init__(self, open_cluster, config: ClusterConfig):
+        self._open_cluster, self._config = open_cluster, config
         self._stack: contextlib.ExitStack | None = None
         self.handles = None
 
@@ -56,7 +56,7 @@ class Runtimes:
 
     def _start(self):
         with contextlib.ExitStack() as stack:
-            stack.enter_context(self._open_ray(num_cpus=2, nodes=2))
+            stack.enter_context(self._open_cluster())
             self.handles = launch.up(self._config)
             self._stack = stack.pop_all()  # started: kept open until stop()
 
@@ -67,7 +67,7 @@ class Runtimes:
 
 
 @pytest.fixture(scope="module")
-def runtimes(ray_runtime, tiny_model_dir):
+def runtimes(shared_cluster, tiny_model_dir):
     config = ClusterConfig(
         model=str(tiny_model_dir), num_workers=3,
         worker={"num_cpus": 1, "num_threads": 1},
@@ -76,7 +76,7 @@ def runtimes(ray_runtime, tiny_model_dir):
         grammar_cache={"worker_first_compile": True},
         # a long poll: the tests see what callers' failure reports do on their own
         scheduler={"load_poll_interval_s": 300.0})
-    holder = Runtimes(ray_runtime, config)
+    holder = Runtimes(shared_cluster, config)
     yield holder
     holder.stop()
 

@@ -40,7 +40,7 @@ CLEAR_ERRORS = {"http_503", "http_429", "APIError"}  # 503 worker died / 429 ove
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, ray_runtime):
+def stack(tiny_model_dir, shared_cluster):
     # the front end, scheduler and cache stay on the head (as on a real cluster's CPU
     # head), so removing a worker node costs what losing a GPU node costs
     launch.fast_death_notice()  # as rayguide serve / up set it
@@ -50,7 +50,7 @@ def stack(tiny_model_dir, ray_runtime):
         scheduler={"load_poll_interval_s": 0.5, "rpc_timeout_s": 3.0},
         control_resources={"head": 0.01})
     from cluster.launch import free_port
-    with ray_runtime(num_cpus=2, nodes=2, head_resources={"head": 1}) as cluster:
+    with shared_cluster() as cluster:  # a head with the "head" resource, two nodes
         svc = service.start(config, port=free_port(),
                             app_args={"replica_resources": {"head": 0.01}})
         nodes = list(cluster.worker_nodes)  # the two added to the head

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.unit
 TESTS = Path(__file__).resolve().parents[1]
 # what starts Ray or a runtime (a unit test may import the ray package, e.g. for its version)
 STARTS_RAY = re.compile(r"\bray\.init\(|\bCluster\(|\blaunch\.up\(|\bservice\.start\(|"
-                        r"\bray_runtime\b|\bshared_ray\b")
+                        r"\bray_runtime\b|\bshared_ray\b|\bshared_cluster\b")
 
 HEAVY = ("torch", "transformers", "xgrammar")
 LIGHT = ["worker.actor", "cluster.client", "scheduler.actor", "core.params", "core.request",
