@@ -31,10 +31,9 @@ def slow(n: int) -> GrammarSpec:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def ray_local(shared_ray):
+    with shared_ray():  # every named actor (the caches these tests start) gone after
+        yield
 
 
 @pytest.fixture

@@ -15,10 +15,13 @@ from __future__ import annotations
 import contextvars
 import time
 
-# the bound on one rewrite: ~0.05 s of Python (a 210 kB schema of 4,000 plain nodes takes
-# 4,200 units; a negation 4 a node, so its output stays under ~0.5 MB)
+# the bound on one rewrite. Steps decide (a 210 kB schema of 4,000 plain nodes takes 4,200
+# units; a negation 4 a node, so its output stays under ~0.5 MB); the time is a backstop for
+# a step that costs far more than it should. That schema takes 0.075 s of a thread's CPU time
+# here (0.155 s at first use, and past 0.25 s on a loaded 2-core machine, so 0.25 s refused
+# it there): 25,000 steps at that rate are ~0.45 s, hence 1 s
 MAX_WORK = 25_000
-MAX_SECONDS = 0.25
+MAX_SECONDS = 1.0
 
 
 class SchemaTooComplex(ValueError):
