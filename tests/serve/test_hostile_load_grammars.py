@@ -122,8 +122,13 @@ async def grammar_flood(url: str, flooders: int, duration_s: float):
             n = 0
             while time.monotonic() < deadline:
                 n += 1
-                r = await http.post(CHAT, json={"messages": ask("Words."), "max_tokens": 16,
-                                                "guided_regex": flood_regex(100 * run + c, n)})
+                try:  # at the flood's end a flooder hangs up on what it still waits for
+                    r = await asyncio.wait_for(http.post(CHAT, json={
+                        "messages": ask("Words."), "max_tokens": 16,
+                        "guided_regex": flood_regex(100 * run + c, n)}),
+                        timeout=max(0.05, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    break
                 statuses[r.status_code] += 1
                 samples.setdefault(r.status_code, r.text[:300])
                 if r.status_code == 429:  # a hostile client ignores Retry-After, but pauses
