@@ -77,6 +77,56 @@ class LoadCost:
         return seconds, True
 
 
+# what a compile child takes from xgrammar: its compile, serialization and version API
+COMPILE_API = {"compiler": ("CompiledGrammar", "GrammarCompiler"),
+               "grammar": ("Grammar", "StructuralTagItem"),
+               "tokenizer_info": ("TokenizerInfo",),
+               "config": ("get_serialization_version",)}
+
+
+def import_xgrammar():
+    """xgrammar for a compile child, without torch and transformers where it can be.
+
+    ``import xgrammar`` imports torch (its matcher and kernels; tvm_ffi tries it first)
+    and transformers (tokenizer_info, for ``from_huggingface``): about 1.9 s of CPU and
+    150 MB in every child, which compiles, serializes and loads grammars and needs
+    neither. So the package's modules that hold that API (``COMPILE_API``) are imported
+    without running its ``__init__``, with torch absent and transformers a stand-in for
+    the two class names tokenizer_info imports; both are put back as they were
+    afterwards. Where that fails (another xgrammar layout), the plain import; a process
+    that has either library already takes the plain import too.
+    tests/unit/test_compile_child_unit.py checks that a child's compiles equal the
+    plain import's, and that it imported neither library."""
+    import importlib
+    import importlib.util
+    import types
+
+    if "xgrammar" in sys.modules or "torch" in sys.modules or "transformers" in sys.modules:
+        import xgrammar
+        return xgrammar
+    stand_in = types.ModuleType("transformers")
+    stand_in.PreTrainedTokenizerBase = stand_in.PreTrainedTokenizerFast = type(
+        "NotLoaded", (), {})
+    spec = importlib.util.find_spec("xgrammar")
+    package = importlib.util.module_from_spec(spec)  # its __init__ is not run
+    sys.modules.update({"torch": None, "transformers": stand_in, "xgrammar": package})
+    try:
+        importlib.import_module("xgrammar.load_binding")  # the library, first (as __init__)
+        for module, names in COMPILE_API.items():
+            loaded = importlib.import_module(f"xgrammar.{module}")
+            for name in names:
+                setattr(package, name, getattr(loaded, name))
+    except Exception:  # noqa: BLE001 - any failure: forget the partial import, do the plain one
+        for name in [m for m in sys.modules if m == "xgrammar" or m.startswith("xgrammar.")]:
+            del sys.modules[name]
+        package = None
+    finally:
+        del sys.modules["torch"], sys.modules["transformers"]
+    if package is None:
+        import xgrammar as package
+    return package
+
+
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -101,7 +151,7 @@ def main() -> None:
     limit = args.memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    import xgrammar as xgr
+    xgr = import_xgrammar()
 
     from grammar_cache import envelope
     from grammar_cache.compile import compile_spec
