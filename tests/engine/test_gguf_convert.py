@@ -181,3 +181,29 @@ def test_second_ensure_converted_does_not_reconvert(converted, monkeypatch):
     assert ensure_converted(progress=False) == converted
     assert convert_gguf(default_gguf_path(), converted, progress=False) == converted
     assert (converted.stat().st_ino, marker.stat().st_mtime_ns) == before
+
+
+@pytest.mark.integration
+def test_the_tokenizer_loads_as_autotokenizer_would(converted, tiny_model_dir):
+    """load_tokenizer takes transformers' generic fast tokenizer class directly where
+    tokenizer_config.json names it (the converted and the tiny model), skipping
+    AutoTokenizer's lookup: what it gives must be what AutoTokenizer gives."""
+    from transformers import AutoTokenizer
+
+    from worker.models import loader
+
+    texts = ["Hello world", ' {"a": 1}', "<|im_start|>user\nhi<|im_end|>", "ünïcode ✓ 😀",
+             "  leading spaces\tand\ttabs\n\n"]
+    chat = [{"role": "user", "content": "hi"}]
+    for model_dir in (converted, tiny_model_dir):
+        assert loader._plain_fast_tokenizer(model_dir, loader.load_config(model_dir))
+        ours, auto = loader.load_tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+        assert type(ours) is type(auto)
+        assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+        assert [ours(t)["input_ids"] for t in texts] == [auto(t)["input_ids"] for t in texts]
+        assert ours.all_special_ids == auto.all_special_ids and len(ours) == len(auto)
+        assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == \
+            (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id)
+        assert ours.chat_template == auto.chat_template
+        assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+            auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)

@@ -120,14 +120,39 @@ def load_config(model_dir: Path):
     return AutoConfig.from_pretrained(model_dir)
 
 
+def _plain_fast_tokenizer(model_dir: Path, config) -> bool:
+    """True where AutoTokenizer would pick transformers' generic fast tokenizer
+    (``TokenizersBackend``, the class our GGUF conversion and tiny models save): a Llama
+    whose tokenizer_config.json names that class and no code of its own, with a
+    tokenizer.json. Loading it directly skips ``transformers.models``' import-structure
+    scan (0.3 s of CPU at every worker start); tests/engine/test_gguf_convert.py checks that
+    both give the same tokenizer."""
+    if getattr(config, "model_type", None) != "llama":
+        return False
+    try:
+        raw = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(raw, dict) and raw.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in raw and (Path(model_dir) / "tokenizer.json").is_file())
+
+
 def load_tokenizer(model_dir: Path):
     """AutoTokenizer builds the model's own config class only to read its model_type unless
     it is given a config; a plain one with that model_type spares the imports (see
-    ``load_config``). The tokenizer class still comes from tokenizer_config.json."""
+    ``load_config``). The tokenizer class still comes from tokenizer_config.json: where it
+    is the generic fast one, that class loads it without AutoTokenizer's lookup."""
+    config = load_config(model_dir)
+    if _plain_fast_tokenizer(model_dir, config):
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # transformers 4: no such class; AutoTokenizer decides
+            pass
+        else:
+            return TokenizersBackend.from_pretrained(model_dir)
     from transformers import AutoTokenizer
     from transformers.configuration_utils import PretrainedConfig
 
-    config = load_config(model_dir)
     if isinstance(config, ModelConfig):
         plain = type("PlainConfig", (PretrainedConfig,), {"model_type": config.model_type})
         return AutoTokenizer.from_pretrained(model_dir, config=plain.from_dict(vars(config)))
