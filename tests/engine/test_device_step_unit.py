@@ -175,3 +175,24 @@ def test_a_decoder_layer_is_nine_kernels_in_a_decode_step():
     assert sum(per_layer.values()) <= 12, per_layer
     assert per_layer == {"rms_norm": 2, "rope_and_cache": 1, "paged_attention": 1,
                          "silu_mul": 1, "aten.linear": 4}, per_layer  # a GEMM each
+
+
+def test_a_cpu_kv_cache_is_zero_and_resident_only_where_written():
+    """model_runner.zeroed: the CPU cache is the kernel's zero pages (no time to zero
+    kv_cache_gb at a worker's start, no memory for blocks never written)."""
+    from worker.engine.model_runner import zeroed
+
+    def resident_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    before = resident_mb()
+    kv = zeroed((2**20, 4, 64), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert kv.shape == (2**20, 4, 64) and kv.dtype == torch.float32 and kv.is_contiguous()
+    assert resident_mb() - before < 64
+    kv[123] = 2.0
+    assert kv[123].eq(2.0).all() and kv[:64].eq(0).all() and kv[-64:].eq(0).all()
+    assert resident_mb() - before < 64
+    assert zeroed((0, 4, 64), torch.float16, torch.device("cpu")).shape == (0, 4, 64)
+    meta = zeroed((8, 2), torch.float16, torch.device("meta"))
+    assert meta.device.type == "meta" and meta.shape == (8, 2)
