@@ -20,7 +20,8 @@
 4. A worker killed under load (tiny model, 2 workers, 32 clients, 60% streaming): requests
    failed (mid-stream ones continue on the other worker), the longest pause a client saw,
    and how soon a new request succeeds. ``--quick`` runs the same with fewer requests;
-   ``--smoke`` every part in the fewest requests, the tiny model in part 2 and 3 as well.
+   ``--smoke`` every part in the fewest requests, the tiny model in part 2 and 3 as well
+   (and one worker and one baseline replica there).
 
     python bench/cluster.py [--quick | --smoke] [--json] [--no-record]
 
@@ -242,9 +243,9 @@ def stack(quick: bool, smoke_model: str | None = None) -> tuple[str, dict]:
     from deploy import service
     from worker.models.loader import resolve_model_dir
 
-    workers = 2
-    port = 8000 + int(time.time()) % 1000
     smoke = smoke_model is not None
+    workers = 1 if smoke else 2  # a smoke checks the path: one worker, one baseline replica
+    port = 8000 + int(time.time()) % 1000
     svc = service.start(ClusterConfig(model=smoke_model, num_workers=workers,
                                       worker={"num_cpus": 0.1, "num_threads": 1},
                                       engine={"num_kv_blocks": 1024}),
