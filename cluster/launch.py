@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -143,10 +144,31 @@ def set_auth_mode(mode: str) -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+# Ray's worker processes listen on ports 10002-19999 by default (min/max_worker_port)
+SERVER_PORTS_FROM = 20000
+
+
+def ephemeral_ports_from() -> int:
+    """The low end of the kernel's range for the local ports of outgoing connections."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(preferred: int | None = None, host: str = "") -> int:
-    """A port free on ``host`` now: ``preferred`` where it is free, else one the system
-    picks (the tests' and benches' servers take theirs here too)."""
-    for candidate in ([preferred] if preferred else []) + [0]:
+    """A port free on ``host`` now: ``preferred`` where it is free, else one between Ray's
+    worker ports and the kernel's ephemeral range (the tests' and benches' servers take
+    theirs here too). A port the system picks (bind to port 0) comes from the ephemeral
+    range, where any outgoing connection made before the server binds it (a runtime's
+    start makes hundreds) can take it first: Serve's proxy then failed with "Failed to
+    bind to address" (a test's service start, 2026-11-29). Port 0 is the last resort."""
+    below = ephemeral_ports_from()
+    pick = random.SystemRandom()  # not the global generator: tests seed that one
+    spread = (pick.sample(range(SERVER_PORTS_FROM, below), 32)
+              if below - SERVER_PORTS_FROM >= 64 else [])
+    for candidate in ([preferred] if preferred else []) + spread + [0]:
         with socket.socket() as s:
             try:
                 s.bind((host, candidate))
