@@ -485,14 +485,12 @@ def _served(args, engine: str):
         with report.served(args) as served:
             yield served
         return
-    import socket
 
     from cluster.config import ClusterConfig
+    from cluster.launch import free_port
     from deploy import service
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # outside the range of outgoing connections
     svc = service.start(ClusterConfig(model=report.smoke_model() if args.smoke else None,
                                       num_workers=1, worker={"num_threads": args.threads},
                                       engine={"grammar_engine": engine}), port=port,

@@ -176,17 +176,15 @@ def run_http(items, *, concurrency: int = 16, threads: int = 2,
     guards), the real `openai` client, ``concurrency`` requests in flight. A 400 naming
     the budget is a refusal (see ``summarize``); any other error counts as invalid."""
     import asyncio
-    import socket
 
     import openai
 
     from cluster.config import ClusterConfig
+    from cluster.launch import free_port
     from deploy import service
     from worker.guided.validation import validate_json
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # outside the range of outgoing connections
     engine = {} if grammar_engine == "auto" else {"grammar_engine": grammar_engine}
     svc = service.start(ClusterConfig(num_workers=1, worker={"num_threads": threads},
                                       engine=engine), port=port)

@@ -16,19 +16,16 @@ from deploy.loadtest import main  # noqa: E402
 
 
 def smoke(argv: list[str]) -> int:
-    import socket
-
     import ray
 
     from cluster.config import ClusterConfig
+    from cluster.launch import free_port
     from deploy import service
     from bench.report import tiny_model
 
     with tempfile.TemporaryDirectory(prefix="rayguide-smoke-") as tmp:
         model = tiny_model(Path(tmp) / "tiny-llama")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()  # outside the range of outgoing connections
         svc = service.start(ClusterConfig(model=model, num_workers=1,
                                           worker={"num_cpus": 0.1, "num_threads": 1}),
                             port=port)

@@ -147,16 +147,13 @@ def served(args) -> Iterator[tuple[str, str]]:
     """`rayguide serve` with one worker of ``args.threads`` threads on a free port (the
     tiny model with --smoke, else the default model): yields its URL and model name, and
     stops it."""
-    import socket
-
     import httpx
 
     from cluster.config import ClusterConfig
+    from cluster.launch import free_port
     from deploy import service
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # outside the range of outgoing connections
     svc = service.start(ClusterConfig(model=smoke_model() if args.smoke else None,
                                       num_workers=1, worker={"num_threads": args.threads}),
                         port=port, app_args=smoke_app_args(args))

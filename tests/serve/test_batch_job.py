@@ -17,7 +17,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -233,14 +232,14 @@ MARKER = "RAYGUIDE_BATCH_JOB_TEST_HEAD"
 
 
 def free_ports(n):
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    """n distinct free ports outside the range of outgoing connections (launch.free_port)."""
+    from cluster.launch import free_port
+
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     return ports
 
 
