@@ -478,15 +478,24 @@ def test_compile_pool_starts_more_processes_only_when_compiles_overlap():
         assert pool.started == 1
         assert pool.compile(spec(1), fp, tok_json).error is None  # one at a time: one process
         assert pool.started == 1
+        # the only child is held as if it were compiling (a tiny grammar's compile ends in
+        # a millisecond: threads left to overlap by chance often do not), so every compile
+        # below finds every started child busy
+        held = pool._idle.get(timeout=10)
         results = []
         threads = [threading.Thread(target=lambda i=i: results.append(
             pool.compile(spec(10 + i), fp, tok_json))) for i in range(3)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 60
+        while pool.started < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.started == 2  # a compile that found every child busy started another
+        pool._idle.put(held)
         for t in threads:
             t.join(timeout=120)
         assert [r.error for r in results] == [None, None, None]
-        assert pool.started == 2  # overlapping compiles started the second, and no more
+        assert pool.started == 2  # and no more than compile_processes
     finally:
         pool.close()
 

@@ -78,9 +78,9 @@ def test_a_schema_far_over_the_budget_is_refused_without_a_search(make_engine, m
     # outside the closing window nothing was checked at all
     engine = make_engine()
     searches = engine.guided.closer.stats["searches"]
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time (the suite may run this beside other tests)
     outs = run(engine, [request(LONG, max_tokens) for _ in range(3)])
-    elapsed = time.perf_counter() - t
+    cpu_s = time.process_time() - t
     for out in outs:
         assert out.error_kind == ErrorKind.BUDGET_TOO_SMALL, (out.error, out.text)
         # 135 from the characters, 202 from the names' tokens (40 x '"name"', '"biography"')
@@ -88,7 +88,7 @@ def test_a_schema_far_over_the_budget_is_refused_without_a_search(make_engine, m
         assert out.completion_tokens == 0
     assert engine.guided.closer.stats["searches"] == searches  # decided by the bound
     assert engine.guide.policy.stats.budget_checks == 3
-    assert elapsed < 5.0  # the compile dominates; a search that gives up costs 0.1 s each
+    assert cpu_s < 5.0  # no search ran: one that gives up costs 0.1 s each
 
 
 def test_a_schema_whose_bound_fits_is_still_admitted(make_engine):
