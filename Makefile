@@ -36,21 +36,12 @@ run: install
 generate: install
 	$(VENV)/bin/rayguide generate --prompt "$(PROMPT)"
 
-# What CI runs: every test but the `slow` ones, in two parts, each listing its slowest.
-# What runs in process (tests/engine, tests/unit and the *_unit.py files of the Ray layers:
-# no Ray) on TEST_WORKERS pytest workers (pytest-xdist, by file): alone they leave a core
-# idle a third of the time (Python between the kernels). The rest of the Ray layers
-# (tests/cluster, tests/serve) one test at a time: their starvation bounds assume the
-# machine is theirs. One torch thread per process (two processes' threads on two cores
-# only wait for each other); both parts always run, and the target fails if either does.
+# What CI runs: every test but the `slow` ones, in three tiers (tests/suite.sh says how):
+# the unit tier on TEST_WORKERS pytest workers; then the Ray layers (tests/cluster,
+# tests/serve) one test at a time, with the engine tier (tests/engine) beside them at a
+# lower priority, on the cores they leave idle. The target fails if any tier does.
 TEST_WORKERS ?= 2
-RAY_LAYER_UNITS = $(wildcard tests/cluster/*_unit.py tests/serve/*_unit.py)
-SUITE = export OMP_NUM_THREADS=1; rc=0; \
-	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS) --dist loadfile --durations=15 \
-		tests/engine tests/unit $(RAY_LAYER_UNITS) || rc=$$?; \
-	$(PY) -m pytest -m "not slow" -q --durations=30 --ignore-glob='*_unit.py' \
-		tests/cluster tests/serve || rc=$$?; \
-	exit $$rc
+SUITE = TEST_WORKERS=$(TEST_WORKERS) bash tests/suite.sh $(PY)
 
 test: install
 	@$(SUITE)
