@@ -4,8 +4,10 @@ temperatures, budget-aware closing for each grammar kind, budgets below the gram
 minimum, post-validation."""
 
 import dataclasses
+import itertools
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -149,6 +151,28 @@ def test_budget_below_the_minimum_is_refused_before_generating(make_engine):
     [out] = run(engine, [GenerationRequest(chat("A record"), params(24),
                                            grammar=GrammarSpec.json_schema(FORMATS))])
     assert out.error_kind == ErrorKind.BUDGET_TOO_SMALL, (out.error, out.text)
+
+
+def test_a_starved_engine_thread_gets_the_same_verdicts_and_outputs(make_engine, monkeypatch):
+    """The closing searches' limits are the engine thread's CPU time: on a machine so busy
+    that a second of wall time passes between any two readings of the wall clock (the
+    searches used to give up at once there: the uuid record below was admitted and ended
+    invalid, and closed outputs changed), the same refusals and the same outputs."""
+    def answers():
+        engine = make_engine()
+        reqs = [GenerationRequest(chat("A record"), params(24),
+                                  grammar=GrammarSpec.json_schema(FORMATS)),
+                GenerationRequest(chat("A person"), params(20),
+                                  grammar=GrammarSpec.json_schema(PERSON)),
+                GenerationRequest(chat("A person"), params(24, 0.8, seed=3),
+                                  grammar=GrammarSpec.json_schema(PERSON))]
+        return [(o.error_kind, o.finish_reason, o.token_ids) for o in run(engine, reqs)]
+
+    calm = answers()
+    assert calm[0][0] == ErrorKind.BUDGET_TOO_SMALL and calm[1][1] == "length"
+    wall = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(wall)))
+    assert answers() == calm
 
 
 def test_admission_verdicts_are_remembered_per_grammar_and_budget(make_tiny_engine):

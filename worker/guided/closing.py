@@ -14,11 +14,14 @@ The search works for every grammar kind because it only uses the matcher:
               the string the grammar forces from here, tokenized by the real tokenizer
     search  = uniform-cost (Dijkstra) up to ``limit`` tokens and ``max_expansions`` nodes
 
-Every search is bounded twice: by ``max_expansions`` nodes and by ``time_limit_s`` of wall
-time, since it runs on the engine thread and stalls the whole batch, and a mask fill that
-is cheap in most states is costly deep inside free-form JSON, so a node cap alone does
-not bound the time. A search cut short answers "not found, not exhausted", which the
-output policy treats as "do not know" (it retries a few tokens later, a few times).
+Every search is bounded twice: by ``max_expansions`` nodes and by ``time_limit_s`` of the
+searching thread's CPU time (``CLOCK``), since it runs on the engine thread and stalls the
+whole batch, and a mask fill that is cheap in most states is costly deep inside free-form
+JSON, so a node cap alone does not bound the time. CPU time, not wall time: the same search
+gets the same answer however busy the machine is (with a wall-clock limit, a starved
+engine thread searched less and closed outputs differently). A search cut short answers
+"not found, not exhausted", which the output policy treats as "do not know" (it retries a
+few tokens later, a few times).
 
 Two reductions keep a search small. Candidates are the single-byte tokens, the short
 structural tokens of JSON (``"}``, ``", "``, ``": ``...) and JSON's literals; where many of
@@ -61,6 +64,9 @@ import xgrammar as xgr
 
 from worker.guided.backend import GrammarMatcher
 from worker.guided.xgrammar_backend import as_matcher
+
+# the searches' clock: the calling thread's CPU time (see the module docstring)
+CLOCK = time.thread_time
 
 _JSON_PUNCT = set(b'{}[]",: ')
 _REPEATS = 3
@@ -144,7 +150,7 @@ class CompletionSearch:
         # is overlong, ED A0 a surrogate): the first byte the search adds must fit
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
             0x80, 0xBF)
-        self._deadline = time.perf_counter() + self.time_limit_s
+        self._deadline = CLOCK() + self.time_limit_s
         self._reps_memo = {}
         if not exact:  # a greedy dive first: milliseconds, and usually (near) the shortest
             dived = self._dive(matcher, limit)
@@ -154,7 +160,7 @@ class CompletionSearch:
         # without blank-only tokens where anything else is allowed (a JSON layout's blanks
         # multiply the states twelvefold per place and never help to close), then with them
         found = self._search(matcher, limit, "no_blanks")
-        if found.tokens is None and time.perf_counter() < self._deadline:
+        if found.tokens is None and CLOCK() < self._deadline:
             found = self._search(matcher, limit, "all")
         if found.tokens is None and found.exhausted and not matcher.has_parser_state():
             # equal keys may be different places (llguidance): the mask and the depth
@@ -175,7 +181,7 @@ class CompletionSearch:
             return []
         self._first_byte = NEXT_BYTE.get(pending, (0x80, 0xBF)) if len(pending) == 1 else (
             0x80, 0xBF)
-        self._deadline = time.perf_counter() + (
+        self._deadline = CLOCK() + (
             scale * self.time_limit_s if time_limit_s is None else time_limit_s)
         self._reps_memo = {}
         nodes = (scale * self.max_expansions if max_expansions is None
@@ -365,7 +371,7 @@ class CompletionSearch:
         return ("chars", m.is_completed(), m.forced_continuation(), bits)
 
     def _late(self) -> bool:
-        if time.perf_counter() < self._deadline:
+        if CLOCK() < self._deadline:
             return False
         if self._deadline != -1.0:
             self.stats["timeouts"] += 1

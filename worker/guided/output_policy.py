@@ -33,7 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from worker.guided.closing import Completion
+from worker.guided.closing import CLOCK, Completion
 from worker.engine.config import EngineConfig
 from core.params import LoopGuardParams
 from worker.guided.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
@@ -609,11 +609,11 @@ class OutputPolicy:
         long = probe_s > 0 and st.long_probe_s < _LONG_PROBES * probe_s
         if long:
             caps = {"time_limit_s": probe_s, "max_expansions": 10 * closer.max_expansions}
-        began = time.perf_counter()
+        began = CLOCK()
         path = closer.estimate(matcher, 4 * self.remaining(seq) + 16,
                                pending=closer.pending_bytes(seq.output_ids), **caps)
         if long:
-            st.long_probe_s += time.perf_counter() - began
+            st.long_probe_s += CLOCK() - began
         if path is not None:
             st.fallback = (seq.num_output, path)
         return path
