@@ -52,7 +52,8 @@ def _private_ray(*, num_cpus: int = 4, nodes: int = 0, node_cpus: int = 2,
         if nodes:
             from ray.cluster_utils import Cluster
             cluster = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": num_cpus, "resources": head_resources or {}})
+                "num_cpus": num_cpus, "resources": head_resources or {},
+                "include_dashboard": False})
             for _ in range(nodes):
                 cluster.add_node(num_cpus=node_cpus)
             ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
@@ -103,7 +104,8 @@ class _SharedRay:
             from ray.cluster_utils import Cluster
 
             self.cluster = Cluster(initialize_head=True,
-                                   head_node_args={"num_cpus": 2, "resources": {"head": 1}})
+                                   head_node_args={"num_cpus": 2, "resources": {"head": 1},
+                                                   "include_dashboard": False})
             self.up = True  # from here stop() takes it down, also if what follows fails
             for _ in range(self.nodes):
                 self.cluster.add_node(num_cpus=2)

@@ -25,7 +25,6 @@ import time
 import openai
 import pytest
 import ray
-from ray.util.state import list_actors
 
 from cluster import launch
 from cluster.config import ClusterConfig
@@ -109,8 +108,12 @@ def serves_again(svc, timeout=300.0) -> float:
 
 
 def actor_node(class_name: str) -> set[str]:
-    return {a.node_id for a in list_actors(filters=[("class_name", "=", class_name),
-                                                    ("state", "=", "ALIVE")])}
+    """The nodes where an actor of this class is alive, as the GCS knows them (the shared
+    cluster runs without Ray's dashboard, which ray.util.state needs)."""
+    from ray._private.state import actors
+
+    return {a["Address"]["NodeID"] for a in actors().values()
+            if a.get("ActorClassName") == class_name and a.get("State") == "ALIVE"}
 
 
 def whole_again(stack, timeout=300.0) -> None:
