@@ -54,6 +54,7 @@ class RuntimeClientStats:
     failover_pause_max_s: float = 0.0  # worker death -> continuation sent
     failover_pause_p50_s: float = 0.0
     scheduler_down: int = 0  # 1 while the scheduler is known to be down
+    scheduler_outages: int = 0  # times it was noticed down (a short outage a scrape misses)
 
 
 class RuntimeClient:
@@ -139,6 +140,7 @@ class RuntimeClient:
             except _WORKER_GONE as exc:
                 if self.scheduler_down_since is None:
                     self.scheduler_down_since = time.monotonic()
+                    self.counts.scheduler_outages += 1
                     logger.warning("scheduler unavailable (%s); routing from the last known "
                                    "workers until it is back", type(exc).__name__)
                 if isinstance(exc, ActorDiedError):

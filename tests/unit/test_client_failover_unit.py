@@ -79,3 +79,31 @@ def test_a_death_after_the_last_token_is_not_continued(streamed, budget, continu
     else:
         assert not resumed and client.counts.failovers == 0
         assert "last token" in final.error
+
+
+def test_a_short_scheduler_outage_is_counted_after_it_ends():
+    """The long poll fails once (the scheduler died) and answers again at once (restarted):
+    ``scheduler_down`` is back to 0 before anyone reads it, but the outage is counted."""
+    from ray.exceptions import ActorUnavailableError
+
+    calls = []
+
+    async def watch(timeout_s):
+        calls.append(timeout_s)
+        if len(calls) == 2:  # the first long poll: the scheduler dies under it
+            raise ActorUnavailableError("restarting", None)
+        if timeout_s:
+            await asyncio.sleep(3600)  # an open long poll
+
+    scheduler = type("Scheduler", (), {"watch": _Method(watch)})()
+    client = RuntimeClient(scheduler=scheduler)
+
+    async def run_watch():
+        client._ensure_watching()
+        while len(calls) < 4:  # up, poll (fails), up again, poll
+            await asyncio.sleep(0.01)
+        client._watcher.cancel()
+
+    asyncio.run(run_watch())
+    assert client.scheduler_down_since is None and client.stats().scheduler_down == 0
+    assert client.counts.scheduler_outages == 1 == client.stats().scheduler_outages
