@@ -408,8 +408,8 @@ def check_rows(rows):
         assert "error" not in row, row
         assert row["finish_reason"] in ("stop", "length"), row
         assert row["usage"]["prompt_tokens"] > 0 and row["usage"]["completion_tokens"] > 0
-        if row["finish_reason"] != "stop":
-            continue  # a random model can run out of tokens mid-output
+        # guided rows are valid whatever the finish reason: an output the budget would cut
+        # is closed inside it (a random model runs to the budget on every row)
         if row["id"] in ("chat", "own", "rf"):
             schema = NAME_SCHEMA if row["id"] == "chat" else AGE_SCHEMA
             jsonschema.validate(row["json"], schema)
