@@ -20,15 +20,33 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The engine tier (tests/suite.sh) runs its files on two workers, one file at a time each,
+# in this order: the longest first (process CPU-s in session 17), so that the last file a
+# worker runs once the Ray layers have ended is a short one and the other worker does not
+# wait long for it
+ENGINE_LONGEST_FIRST = ("test_engine.py", "test_device_engine.py", "test_conformance_engine.py",
+                        "test_cuda_graphs.py", "test_overlap_engine.py",
+                        "test_closing_long_engine.py", "test_guided_engine.py",
+                        "test_reasoning.py", "test_gguf_convert.py")
+
+
+def _engine_rank(path) -> int:
+    if path.parent.name != "engine" or path.name not in ENGINE_LONGEST_FIRST:
+        return len(ENGINE_LONGEST_FIRST)
+    return ENGINE_LONGEST_FIRST.index(path.name)
+
+
 def pytest_collection_modifyitems(config, items):
     # the modules on the shared Ray (below) run one after another at the end of their
     # layer's folder, so it starts once per layer; every other order is kept (a module's
     # tests stay together and in their order, also those that do not use Ray themselves)
-    # (and those on the shared 3-node cluster first, one after another)
+    # (and those on the shared 3-node cluster first, one after another; in tests/engine
+    # the longest files first)
     shared = {item.path for item in items if "shared_ray" in item.fixturenames}
     on_cluster = {item.path for item in items if "shared_cluster" in item.fixturenames}
     items[:] = sorted(items, key=lambda item: (str(item.path.parent), item.path in shared,
-                                               item.path not in on_cluster))
+                                               item.path not in on_cluster,
+                                               _engine_rank(item.path)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

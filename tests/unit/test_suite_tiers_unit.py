@@ -82,3 +82,23 @@ def test_lowered_runs_its_command_in_a_session_of_its_own_at_nice_19():
     enabled = Path("/proc/sys/kernel/sched_autogroup_enabled")
     if enabled.exists() and enabled.read_text().strip() == "1":
         assert out[1].endswith("nice 7"), out
+
+
+
+def test_the_engine_tier_s_longest_files_exist_and_go_first():
+    """tests/conftest.py orders tests/engine's files longest first (a renamed file would
+    silently drop to the end) and keeps each file's tests together, in their order."""
+    from types import SimpleNamespace
+
+    from tests.conftest import ENGINE_LONGEST_FIRST, pytest_collection_modifyitems
+
+    paths = sorted((TESTS / "engine").glob("test_*.py"))
+    assert set(ENGINE_LONGEST_FIRST) <= {p.name for p in paths}
+    items = [SimpleNamespace(path=p, name=f"{p.name}::{i}", fixturenames=[], keywords={},
+                             add_marker=lambda marker: None) for p in paths for i in range(2)]
+    pytest_collection_modifyitems(None, items)
+    files = list(dict.fromkeys(item.path.name for item in items))
+    assert files[:len(ENGINE_LONGEST_FIRST)] == list(ENGINE_LONGEST_FIRST)
+    assert len(files) == len(paths)  # each file's tests together
+    assert [item.name for item in items if item.path == paths[0]] == \
+        [f"{paths[0].name}::0", f"{paths[0].name}::1"]
