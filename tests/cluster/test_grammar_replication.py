@@ -156,7 +156,9 @@ def test_hot_reports_compiles_running_or_queued(tmp_path):
     async def scenario():
         assert cache.hot(fp, 0, [])["compiling"] == 0
         tasks = [asyncio.create_task(cache.get(spec(60 + i), fp)) for i in range(2)]
+        deadline = time.monotonic() + 60  # a hang guard, not a speed bound
         while cache.compiling < 2:  # one compiling, one waiting for the one process
+            assert time.monotonic() < deadline, f"compiling: {cache.compiling}"
             await asyncio.sleep(0.01)
         assert cache.hot(fp, 0, [])["compiling"] == 2
         await asyncio.gather(*tasks)
