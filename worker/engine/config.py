@@ -65,17 +65,22 @@ class EngineConfig(ConfigModel):
     # tokens kept in hand above the shortest completion when deciding to close: one
     # sampled token can open up to a few brackets at once
     closing_margin: int = Field(3, ge=0)
-    # cap of one shortest-completion search, in the engine thread's CPU time (it runs on
-    # that thread; a search cut short is retried a few tokens later, see closing.py)
+    # cap of one shortest-completion search, in CPU time (a search cut short is retried a
+    # few tokens later, see closing.py)
     closing_search_ms: float = 100.0
-    # cap of the closing probe (the engine thread's CPU time): one greedy dive per request
-    # (and one more after a loop cut) when its budget's end nears, given ten times the
-    # search's nodes. A large grammar (hundreds of properties on llguidance) needs a few
-    # hundred ms for a dive that closing_search_ms cuts short on every step; the path the
-    # probe finds is replayed (microseconds) until it is emitted, so the output closes even
-    # where no search fits in closing_search_ms. A stall of the batch up to this long (more
-    # on a busy machine: CPU time, so that the verdict is the same), at most twice a request
+    # cap of the closing probe (CPU time): one greedy dive per request (and one more after
+    # a loop cut) when its budget's end nears, given ten times the search's nodes. A large
+    # grammar (hundreds of properties on llguidance) needs a few hundred ms for a dive that
+    # closing_search_ms cuts short on every step; the path the probe finds is replayed
+    # (microseconds) until it is emitted, so the output closes even where no search fits
+    # in closing_search_ms. At most twice a request; it costs that request's time only
     closing_probe_ms: float = Field(2000.0, ge=0)
+    # the searches' share of the engine thread (worker/guided/search_slices.py): all of a
+    # step's closing searches together take at most this share of the engine's own recent
+    # step time, and at least search_step_floor_ms; a search not done by then goes on in
+    # the next steps while its request waits (parked), never the batch
+    search_step_share: float = Field(0.5, gt=0)
+    search_step_floor_ms: float = Field(5.0, gt=0)
     # the loop guard (loop_guard.py): a JSON value that repeats itself is ended where the
     # repetition began; on for every guided JSON request unless a request turns it off
     loop_guard: bool = True

@@ -271,9 +271,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.overlap:
             return self._step_overlapped()
-        outputs = self._admit_compiled_grammars()
+        outputs = self._begin_step()
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            if self.guide.searching:  # rows wait for searches: the next step goes on
+                return outputs
             if self.waiting_for_grammar:  # nothing to run until a grammar is ready
                 wait([s.guide.grammar_future for s in self.waiting_for_grammar], timeout=0.05,
                      return_when=FIRST_COMPLETED)
@@ -294,12 +296,15 @@ class LLMEngine:
             s.seq.num_computed += s.num_tokens
         if sampling:
             result = self.sampler(logits, inputs.rows, proc)
-            self.guide.steer(sampling, result.token_ids, result.logprobs)
-            status = proc.accept_token(result.token_ids)
+            held = self.guide.steer(sampling, result.token_ids, result.logprobs)
+            status = proc.accept_token(result.token_ids, skip=held)
             self.num_sampled += len(sampling)
-            outputs += [self._append_token(seq, tok, lp, status.get(i))
-                        for i, (seq, tok, lp) in enumerate(
-                            zip(sampling, result.token_ids, result.logprobs))]
+            for i, (seq, tok, lp) in enumerate(zip(sampling, result.token_ids,
+                                                   result.logprobs)):
+                if i in held:  # its token waits for a search's verdict
+                    self.scheduler.park(seq)
+                else:
+                    outputs.append(self._append_token(seq, tok, lp, status.get(i)))
         self.last_timings = proc.timings
         return outputs
 
@@ -317,7 +322,7 @@ class LLMEngine:
     # gives (tests/engine/test_overlap_engine.py); chunks come one step later.
 
     def _step_overlapped(self) -> list[RequestOutput]:
-        outputs = self._admit_compiled_grammars()
+        outputs = self._begin_step()
         drawn, self._ahead = self._ahead, None
         scheduled = self.scheduler.schedule()
         logits, rows = None, []
@@ -336,7 +341,7 @@ class LLMEngine:
         if drawn is not None:
             outputs += self._handle(drawn)  # the host's work, under the forward
         if not scheduled:
-            if drawn is None:
+            if drawn is None and not self.guide.searching:
                 if self.waiting_for_grammar:  # nothing to run until a grammar is ready
                     wait([s.guide.grammar_future for s in self.waiting_for_grammar],
                          timeout=0.05, return_when=FIRST_COMPLETED)
@@ -356,10 +361,13 @@ class LLMEngine:
         proc = FusedLogitsProcessor(inputs, self.guided)
         proc.prepare()
         result = self.sampler(logits, inputs.rows, proc)
-        self.guide.steer(sampling, result.token_ids, result.logprobs)
+        held = self.guide.steer(sampling, result.token_ids, result.logprobs)
         self.num_sampled += len(sampling)
-        for seq, token in zip(sampling, result.token_ids):
-            seq.put_ahead(token)
+        for i, (seq, token) in enumerate(zip(sampling, result.token_ids)):
+            if i in held:  # its token waits for a search's verdict (_handle skips it)
+                self.scheduler.park(seq)
+            else:
+                seq.put_ahead(token)
         self._ahead = _Sampled(proc, sampling, result.token_ids, result.logprobs)
         self.last_timings = proc.timings
         return outputs
@@ -385,6 +393,19 @@ class LLMEngine:
                 seq.keep_ahead_kv(position, token)
         return outputs
 
+    def _begin_step(self) -> list[RequestOutput]:
+        """A step's first work: the closing searches' slice (``GuidedPath.begin_step``),
+        the rows whose search ended taken back into the batch (or ended: the search's
+        answer may close them), then the requests whose grammar is ready admitted."""
+        ended = self.guide.begin_step()
+        outputs = []
+        for seq in [s for s in self.scheduler.parked if s.request_id in ended]:
+            outcome = seq.guide.resume()
+            if not outcome.park:
+                self.scheduler.unpark(seq)
+            outputs.append(self._end(seq, outcome))
+        return outputs + self._admit_compiled_grammars()
+
     def _admit_compiled_grammars(self) -> list[RequestOutput]:
         """Moves requests whose grammar is ready into the scheduler's queue, once their
         guided part admits them (``GuidedRequest.admit``: a matcher, the budget check);
@@ -394,6 +415,8 @@ class LLMEngine:
         for seq in list(self.waiting_for_grammar):
             if seq.guide.grammar_future.done():
                 refused = seq.guide.admit()
+                if refused is not None and refused.park:
+                    continue  # its budget's verdict waits for a search
                 if refused is not None:
                     outputs.append(self._end(seq, refused))
                     continue
@@ -438,7 +461,10 @@ class LLMEngine:
         return out
 
     def _end(self, seq: Sequence, outcome: Outcome) -> RequestOutput:
-        """The chunk of a hook's outcome: the last one when it finishes the request."""
+        """The chunk of a hook's outcome: the last one when it finishes the request. A
+        row that waits for a search is held out of the batch (parked) meanwhile."""
+        if outcome.park and seq.status is SeqStatus.RUNNING:
+            self.scheduler.park(seq)
         if outcome.finish is not None:
             return self._finish(seq, outcome.finish, text=outcome.text,
                                 new_tokens=outcome.new_tokens, logprobs=outcome.logprobs,

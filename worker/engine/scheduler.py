@@ -40,13 +40,27 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # running sequences held out of the batch (their blocks kept) while their guided
+        # part waits for a search (worker/guided/search_slices.py)
+        self.parked: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
+
+    def park(self, seq: Sequence) -> None:
+        """Holds a running sequence out of the batch, its blocks kept, until ``unpark``."""
+        self.running.remove(seq)
+        seq.status = SeqStatus.PARKED
+        self.parked.append(seq)
+
+    def unpark(self, seq: Sequence) -> None:
+        self.parked.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
 
     def schedule(self) -> list[ScheduledSeq]:
         """Returns this step's sequences: single-token (decode) ones first, then chunks."""
@@ -67,7 +81,8 @@ class Scheduler:
                 budget -= n
                 i += 1
         # after a preemption the cache is full: admitting would only thrash
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.parked) < self.max_num_seqs
                and self.num_preemptions == preemptions):
             seq = self.waiting[0]
             if not seq.block_table and seq.session_id is not None:
@@ -98,6 +113,8 @@ class Scheduler:
         """Takes a sequence out of the queues (finished, aborted or failed)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SeqStatus.PARKED:
+            self.parked.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

@@ -17,6 +17,7 @@ class SeqStatus(enum.Enum):
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its grammar compiles off the step loop
     WAITING = "waiting"
     RUNNING = "running"
+    PARKED = "parked"  # running, held out of the batch while its guided part waits
     FINISHED = "finished"
 
 

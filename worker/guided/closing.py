@@ -53,6 +53,7 @@ from output_policy.py.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import time
@@ -127,6 +128,20 @@ class CompletionSearch:
         self._closer_bit = (self._closer_ids & 31).to(torch.int32)
         self.stats = {"searches": 0, "expansions": 0, "timeouts": 0}
         self._reps_memo: dict = {}  # per search: (mask, parser state, tokens) -> distinct
+        # where a search may be suspended (search_slices.py): returns the CPU time it was
+        # away, which its time limit does not count
+        self._due: Callable[[], float] | None = None
+
+    def clone(self, due: Callable[[], float] | None = None) -> "CompletionSearch":
+        """A search of its own over the same vocabulary tables: its scratch masks, clock,
+        memo and counters (``stats``), so searches suspended in turn (``due``) do not
+        share them."""
+        c = copy.copy(self)
+        c._mask = xgr.allocate_token_bitmask(1, self.info.vocab_size)
+        c._scratch = xgr.allocate_token_bitmask(1, self.info.vocab_size)
+        c._reps_memo, c._deadline, c._due = {}, float("inf"), due
+        c.stats = dict.fromkeys(self.stats, 0)
+        return c
 
     # the search ---------------------------------------------------------------------------
 
@@ -371,6 +386,8 @@ class CompletionSearch:
         return ("chars", m.is_completed(), m.forced_continuation(), bits)
 
     def _late(self) -> bool:
+        if self._due is not None and self._deadline != -1.0:
+            self._deadline += self._due()
         if CLOCK() < self._deadline:
             return False
         if self._deadline != -1.0:

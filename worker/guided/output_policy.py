@@ -33,13 +33,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from worker.guided.closing import CLOCK, Completion
+from worker.guided.closing import Completion
 from worker.engine.config import EngineConfig
 from core.params import LoopGuardParams
 from worker.guided.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
 from core.request import RequestOutput
 from worker.engine.sequence import Sequence
 from worker.guided.schema_witness import witness_tokens
+from worker.guided.search_slices import SearchSlices
 from worker.guided.shortest_bound import TokenCapacity
 from worker.guided.validation import approximated_keywords, validate_json
 
@@ -83,6 +84,14 @@ class OutputState:
     # a reasoning model's thought): the loop guard counts from here
     base: int = 0
     hold: int = 0  # the newest output tokens held back from the stream
+    # the sliced searches (search_slices.py): the key of the one this request waits for
+    # (None: none; the engine parks the row meanwhile), and the answers its current state
+    # got (a decision that asked several searches is replayed, each answer kept)
+    waiting_on: object = None
+    held: tuple | None = None  # a drawn token waiting for its steer verdict (token, logprob)
+    tick: int = 0  # the state's number: one more after each token (answers are of one)
+    answers: dict = field(default_factory=dict)
+    answers_tick: int = 0
 
     def reset_closing(self, at: int) -> None:
         """After a cut (the output now ``at`` tokens) the output is another: no closing
@@ -105,6 +114,26 @@ class _Verdict:
     undecided: bool = False
 
 
+class _Waiting(Exception):
+    """A decision needs a search that is still running (search_slices.py): the policy
+    unwinds to its public method, which records the wait; the decision is replayed, from
+    the same state, once the answer is in. (Internal: never leaves this module.)"""
+
+    def __init__(self, key):
+        super().__init__(key)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A sliced search's answer: its value, whether it was cut short by its time limit,
+    and the engine-thread CPU time it took."""
+
+    value: object
+    timed_out: bool
+    cpu_s: float
+
+
 @dataclass
 class PolicyStats:
     """Counters of the output policy (exported on /metrics through EngineStats)."""
@@ -122,6 +151,8 @@ class PolicyStats:
     closing_fallbacks: int = 0
     budget_checks: int = 0  # guided requests whose budget was checked at admission
     budget_checks_memo: int = 0  # ... judged from a remembered verdict (no search)
+    # decisions that waited for a search to end in a later step (the row held meanwhile)
+    closing_waits: int = 0
     loop_cuts: int = 0  # repeating values the loop guard ended
     loop_cut_outputs: int = 0  # outputs with at least one cut
 
@@ -136,6 +167,9 @@ class OutputPolicy:
         self.config = config
         self.guided = guided
         self.remaining = remaining
+        # the searches' share of the engine thread: each step's at most a bounded slice
+        self.slices = SearchSlices(share=config.search_step_share,
+                                   floor_ms=config.search_step_floor_ms)
         self.stats = PolicyStats()
         self.loop_defaults = LoopGuardParams(enabled=config.loop_guard)
         self._closers: dict[str, int] | None = None  # the closers' token ids (first use)
@@ -154,10 +188,18 @@ class OutputPolicy:
         """A guided request whose grammar is ready: a refusal message when its budget
         cannot hold the grammar's shortest output; else its state is set up (the loop
         guard, the shortest output planned when that is all that fits) and None."""
-        too_small = self._budget_too_small(seq, matcher)
+        st = seq.guide.ending
+        st.waiting_on = None
+        counted = self.stats.as_dict()
+        try:
+            too_small = self._budget_too_small(seq, matcher)
+        except _Waiting as wait:  # admitted or refused once the search answers
+            st.waiting_on = wait.key
+            for name, value in counted.items():  # the replay counts once
+                setattr(self.stats, name, value)
+            return None
         if too_small is not None:
             return too_small
-        st = seq.guide.ending
         params = seq.guide.loop_guard or self.loop_defaults
         if self._closers is None:
             self._closers = closer_ids(self.guided.closer.vocab)
@@ -186,20 +228,44 @@ class OutputPolicy:
 
     # after sampling -------------------------------------------------------------------------
 
-    def steer(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> None:
+    def steer(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> set[int]:
         """Once per batch, before the matchers accept: a guided row planned to its shortest
         output takes the plan's token; one near its budget's end whose sampled token would
-        leave no room to close takes the closing path's. A replaced token has no logprob."""
+        leave no room to close takes the closing path's. A replaced token has no logprob.
+        Returns the rows whose verdict waits for a search: their token is held
+        (``OutputState.held``; the matcher has not seen it) until ``steer_held``."""
+        held = set()
         for i, seq in enumerate(seqs):
             if seq.guide is None or not seq.guide.guided_now:
                 continue
             st = seq.guide.ending
-            forced = st.forced_path[0] if st.forced_path else self._keep_closable(
-                seq, token_ids[i])
+            st.waiting_on = None
+            try:
+                forced = st.forced_path[0] if st.forced_path else self._keep_closable(
+                    seq, token_ids[i])
+            except _Waiting as wait:
+                st.waiting_on = wait.key
+                st.held = (token_ids[i], logprobs[i] if logprobs else None)
+                held.add(i)
+                continue
             if forced is not None and forced != token_ids[i]:
                 token_ids[i] = forced
                 if logprobs:
                     logprobs[i] = None
+        return held
+
+    def steer_held(self, seq: Sequence) -> tuple[int, object] | None:
+        """A held token's verdict, now that its search has ended: (the token, its logprob;
+        the closing path's token, without one, where the drawn one could not close), or
+        None while it waits for another search."""
+        st = seq.guide.ending
+        token, logprob = st.held
+        held = [token]
+        logprobs = [logprob]
+        if self.steer([seq], held, logprobs):
+            return None
+        st.held = None
+        return held[0], logprobs[0]
 
     def after_token(self, seq: Sequence, new: int = 1) -> tuple[list[int], str] | None:
         """After a guided row's ``new`` newest tokens were accepted (its sampled one, and
@@ -208,13 +274,27 @@ class OutputPolicy:
         then near the budget's end the closing path is forced: (its tokens, appended to
         the output already, and the finish reason)."""
         st = seq.guide.ending
+        st.tick += 1
         if st.loop is not None and st.loop.active:  # spent: it records nothing more
             for token in seq.token_ids[len(seq.token_ids) - new:]:
                 st.loop.push(token)
             cut = st.loop.find(lambda keep, closers: self._may_cut(seq, keep, closers))
             if cut is not None:
                 self._cut(seq, cut)
-        closed = self._maybe_close(seq)
+        return self.close(seq)
+
+    def close(self, seq: Sequence) -> tuple[list[int], str] | None:
+        """Budget-aware closing from the output as it is (``after_token``'s second half;
+        also a parked row's, once the search it waited for has answered): the closing
+        path, appended, and the finish reason; None: it goes on, or waits for a search
+        (``OutputState.waiting_on``: the engine parks the row, and calls this again)."""
+        st = seq.guide.ending
+        st.waiting_on = None
+        try:
+            closed = self._maybe_close(seq)
+        except _Waiting as wait:
+            st.waiting_on = wait.key
+            return None
         if closed is not None:
             forced, reason = closed
             st.closed_early = reason == "length"
@@ -365,11 +445,10 @@ class OutputPolicy:
         if fresh and self.shortest_bound(seq) > budget:
             verdict, certain = self._bound_refusal(seq), True
         else:
-            closer = self.guided.closer
-            timeouts = closer.stats["timeouts"]
-            verdict = self._budget_search(matcher, budget,
-                                          closer.pending_bytes(seq.output_ids))
-            certain = closer.stats["timeouts"] == timeouts
+            pending = self.guided.closer.pending_bytes(seq.output_ids)
+            answer = self._ask(seq, "budget", lambda c, m: self._budget_search(
+                c, m, budget, pending), matcher, shared=key and ("budget",) + key)
+            verdict, certain = answer.value, not answer.timed_out
         if facts is not None and verdict.path is not None:
             remember_start_path(seq.guide.compiled, verdict.path)
         if key is not None:
@@ -397,14 +476,15 @@ class OutputPolicy:
         facts = seq.guide.compiled.facts
         dive = facts.get("start_dive")
         if dive is None and facts.get("start_dives", 0) < _START_DIVES:
-            # the probe's time (a busy machine cut 4x the search's short), 4x the nodes
+            # the probe's time (a busy machine cut 4x the search's short), 4x the nodes;
+            # one dive per grammar, whichever of its requests asks
+            probe_s = self.config.closing_probe_ms / 1000
+            path = self._ask(seq, "start_dive", lambda c, m: c.estimate(
+                m, 4 * budget + 16, scale=_START_SCALE,
+                time_limit_s=max(probe_s, _START_SCALE * c.time_limit_s),
+                max_expansions=_START_SCALE * c.max_expansions), matcher,
+                shared=("start_dive", seq.grammar.key(self.guided.fingerprint))).value
             facts["start_dives"] = facts.get("start_dives", 0) + 1
-            closer = self.guided.closer
-            path = closer.estimate(
-                matcher, 4 * budget + 16, scale=_START_SCALE,
-                time_limit_s=max(self.config.closing_probe_ms / 1000,
-                                 _START_SCALE * closer.time_limit_s),
-                max_expansions=_START_SCALE * closer.max_expansions)
             if path is not None:
                 remember_start_path(seq.guide.compiled, path)
                 facts["start_dive"] = dive = tuple(path)
@@ -446,10 +526,10 @@ class OutputPolicy:
     def _bound_refusal(self, seq: Sequence) -> _Verdict:
         return _Verdict(need=f"at least {self.shortest_bound(seq)}")
 
-    def _budget_search(self, matcher, budget: int, pending: int) -> _Verdict:
+    @staticmethod
+    def _budget_search(closer, matcher, budget: int, pending: bytes) -> _Verdict:
         """The searches' verdict: a closing path that fits the budget, a refusal, or
         neither (``undecided`` when they found no completion in time)."""
-        closer = self.guided.closer
         found = closer.fitting(matcher, budget, pending=pending)
         if found.tokens is not None and len(found.tokens) <= budget:
             return _Verdict(path=found.tokens)
@@ -530,10 +610,10 @@ class OutputPolicy:
             self.stats.closing_reused += 1
             found = Completion(carried, False)
         else:
-            closer = self.guided.closer
-            pending = closer.pending_bytes(seq.output_ids)
+            pending = self.guided.closer.pending_bytes(seq.output_ids)
+            found = self._ask(seq, "fitting", lambda c, m: c.fitting(m, left, pending=pending),
+                              matcher).value
             self.stats.closing_searches += 1
-            found = closer.fitting(matcher, left, pending=pending)
             if carried is not None and (found.tokens is None
                                         or len(found.tokens) > len(carried)):
                 found = Completion(carried, found.exhausted)  # cut short: the replayed one
@@ -587,11 +667,12 @@ class OutputPolicy:
         than the window, so that closing begins in time for it (a completion of 50 tokens
         found at 48 left cannot be emitted any more)."""
         st = seq.guide.ending
-        st.closing_probed = True
         matcher = seq.guide.matcher
         if matcher is None:
+            st.closing_probed = True
             return
         path = self._dive(seq, matcher)
+        st.closing_probed = True
         if path is not None and len(path) + _GUARD_ZONE > self.config.closing_window:
             st.closing_estimate = (seq.num_output, len(path))
 
@@ -603,17 +684,18 @@ class OutputPolicy:
         others the search's own caps."""
         st = seq.guide.ending
         closer = self.guided.closer
-        self.stats.closing_probes += 1
         caps = {}
         probe_s = self.config.closing_probe_ms / 1000
         long = probe_s > 0 and st.long_probe_s < _LONG_PROBES * probe_s
         if long:
             caps = {"time_limit_s": probe_s, "max_expansions": 10 * closer.max_expansions}
-        began = CLOCK()
-        path = closer.estimate(matcher, 4 * self.remaining(seq) + 16,
-                               pending=closer.pending_bytes(seq.output_ids), **caps)
+        limit, pending = 4 * self.remaining(seq) + 16, closer.pending_bytes(seq.output_ids)
+        answer = self._ask(seq, "long_dive" if long else "dive", lambda c, m: c.estimate(
+            m, limit, pending=pending, **caps), matcher)
+        path = answer.value
+        self.stats.closing_probes += 1
         if long:
-            st.long_probe_s += CLOCK() - began
+            st.long_probe_s += answer.cpu_s
         if path is not None:
             st.fallback = (seq.num_output, path)
         return path
@@ -710,14 +792,50 @@ class OutputPolicy:
         if unsure and left > len(path) + _GUARD_ZONE:
             self.stats.closing_steered += 1  # (no search: see above)
             return path[0]
+        pending = closer.pending_bytes(seq.output_ids + [token])
+        found = self._ask(seq, ("keep", token), lambda c, m: c.shortest(
+            m, 2 * left + 8, pending=pending), probe).value
         self.stats.closing_searches += 1
-        found = closer.shortest(probe, 2 * left + 8,
-                                pending=closer.pending_bytes(seq.output_ids + [token]))
         if found.tokens is not None and len(found.tokens) <= left:
             seq.guide.ending.closing_path = (seq.num_output + 1, found.tokens, 0)  # for _maybe_close
             return None
         self.stats.closing_steered += 1
         return path[0]
+
+    def _ask(self, seq: Sequence, name, search, matcher, shared=None) -> "_Answer":
+        """``search(closer, matcher)`` for this request's current state, on a fork of
+        ``matcher`` and a closing search of its own, as a sliced search
+        (search_slices.py): the answer this state got already, or the search's when it
+        ends within the step's budget; else ``_Waiting`` is raised (the decision is
+        replayed when it has ended). ``shared``: the key under which other requests'
+        identical search is the same one (a grammar's start, a fresh budget's verdict)."""
+        st = seq.guide.ending
+        if st.answers_tick != st.tick:
+            st.answers, st.answers_tick = {}, st.tick
+        if name in st.answers:
+            return st.answers[name]
+        key = shared if shared is not None else (seq.request_id, st.tick, name)
+        job = None
+        if key not in self.slices:
+            closer, due, fork = self.guided.closer, self.slices.due, matcher.fork()
+
+            def job():
+                own = closer.clone(due)
+                try:
+                    return search(own, fork), own.stats["timeouts"] > 0
+                finally:
+                    for counter, n in own.stats.items():
+                        closer.stats[counter] += n
+        done = self.slices.run(key, seq.request_id, job)
+        if done is None:
+            self.stats.closing_waits += 1
+            raise _Waiting(key)
+        answer = st.answers[name] = _Answer(*done.value, done.cpu_s)
+        return answer
+
+    def forget(self, seq: Sequence) -> None:
+        """The request ended: the searches only it waited for are dropped."""
+        self.slices.drop(seq.request_id)
 
     def _force(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str]:
         """Feeds a closing path to the request's matcher (which checks every token)."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from core.errors import ErrorKind
@@ -46,6 +46,7 @@ from worker.guided import bitmask
 from worker.guided.guided_process import GuidedDecodingManager
 from worker.guided.jump_forward import JumpForward, JumpStats
 from worker.guided.output_policy import OutputPolicy, OutputState, PolicyStats
+from worker.guided.search_slices import SliceStats
 from worker.guided.reasoning import (OPEN, Thinking, from_template, generation_prompt,
                                      opens_thought, prompt_thought, split_marker_token,
                                      thought_end)
@@ -65,7 +66,7 @@ class ThoughtStats:
 
 
 @dataclass
-class GuidedCounters(ThoughtStats, JumpStats, PolicyStats):
+class GuidedCounters(ThoughtStats, JumpStats, PolicyStats, SliceStats):
     """Every counter of the guided path (how outputs ended: closing, the loop guard,
     validation; jump-forward; thoughts): the guided fields of the engine's stats."""
 
@@ -85,6 +86,20 @@ class Outcome:
     error: str | None = None
     error_kind: ErrorKind | None = None
     plain: bool = False
+    # the request waits for a closing search (worker/guided/search_slices.py): the engine
+    # holds its row out of the batch until ``GuidedPath.begin_step`` says it ended, then
+    # calls ``GuidedRequest.resume``
+    park: bool = False
+
+
+@dataclass
+class Accepted:
+    """A held token's acceptance (the fields of the batch's ``RowStatus``)."""
+
+    terminated: bool = False
+    stop: bool = False
+    error: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 class GuidedPath:
@@ -147,6 +162,7 @@ class GuidedPath:
         """The path's counters (``GuidedCounters``' fields)."""
         return dict(thinking_tokens=self.thinking_tokens, thoughts_forced=self.thoughts_forced,
                     **(self.policy.stats if self.policy else PolicyStats()).as_dict(),
+                    **asdict(self.policy.slices.stats if self.policy else SliceStats()),
                     **(self._jumper.stats if self._jumper else JumpStats()).as_dict())
 
     def owed(self, seq: Sequence) -> int:
@@ -175,11 +191,28 @@ class GuidedPath:
                                                             waiter=True)
         return guide
 
-    def steer(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> None:
+    def begin_step(self) -> set[str]:
+        """Once per engine step, first: the closing searches' slices of this step run
+        (search_slices.py); returns the ids of the requests whose search ended (a parked
+        row's ``resume``, a waiting request's ``admit``, is due)."""
+        if self.policy is None:
+            return set()
+        self.policy.slices.begin_step()
+        return self.policy.slices.advance()
+
+    @property
+    def searching(self) -> bool:
+        """Whether a closing search is still under way (the engine keeps stepping)."""
+        return self.policy is not None and self.policy.slices.pending
+
+    def steer(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> set[int]:
         """Once per batch, after the draw and before the matchers accept: the output
-        policy's forced tokens (a planned shortest output, the closing path)."""
-        if self.policy is not None:
-            self.policy.steer(seqs, token_ids, logprobs)
+        policy's forced tokens (a planned shortest output, the closing path). Returns the
+        rows whose token is held for a search's verdict: the engine parks them, their
+        token not accepted, and ``GuidedRequest.resume`` takes it up."""
+        if self.policy is None:
+            return set()
+        return self.policy.steer(seqs, token_ids, logprobs)
 
     # reasoning ----------------------------------------------------------------------------
 
@@ -312,16 +345,20 @@ class GuidedRequest:
         if exc is not None:  # a bad grammar, or the compile service failed
             kind = getattr(exc, "kind", None) or ErrorKind.GRAMMAR_UNAVAILABLE
             return Outcome("error", error=str(exc) or repr(exc), error_kind=kind)
-        self.compiled = compiled = self.grammar_future.result()
-        self.matcher = matcher = path.manager.add_matcher(compiled)
-        self.ending = OutputState()
-        if seq.num_output:
-            refused = self._advance_resumed()
-            if refused is not None:
-                return refused
+        if self.matcher is None:  # (not when admission waited for a search: again)
+            self.compiled = self.grammar_future.result()
+            self.matcher = path.manager.add_matcher(self.compiled)
+            self.ending = OutputState()
+            if seq.num_output:
+                refused = self._advance_resumed()
+                if refused is not None:
+                    return refused
+        compiled, matcher = self.compiled, self.matcher
         too_small = path.policy.admit(seq, matcher)
         if too_small is not None:
             return Outcome("error", error=too_small, error_kind=ErrorKind.BUDGET_TOO_SMALL)
+        if self.ending.waiting_on is not None:  # the budget's verdict needs a search
+            return Outcome(park=True)
         if self.thinking_now:
             self._leave_answer_room()
         elif seq.params.stop:  # a stop string only where the grammar may end
@@ -385,7 +422,43 @@ class GuidedRequest:
             closed = path.policy.after_token(seq, 1 + jumped)
             if closed is not None:
                 out.finish = closed[1]
-        if out.finish is None and path.remaining(seq) <= 0:
+        return self._settle(out)
+
+    def resume(self) -> Outcome:
+        """A parked row's search has ended: its decision is made again from the same
+        state (the answer is in now): a held token's (``OutputPolicy.steer_held``, then
+        accepted and handled as ``after_sample`` would have), or closing's, as after its
+        last token."""
+        policy, seq = self.path.policy, self.seq
+        if self.ending.held is not None:
+            verdict = policy.steer_held(seq)
+            if verdict is None:
+                return Outcome(park=True)
+            token, logprob = verdict
+            return self.after_sample(token, logprob, self._accept(token))
+        closed = policy.close(seq)
+        new_tokens, lps, text = self._release(final=False)
+        return self._settle(Outcome(closed and closed[1], text, new_tokens, lps))
+
+    def _accept(self, token: int) -> "Accepted":
+        """The matcher accepts a held token as the batch's accept would have (logits_process
+        ``FusedLogitsProcessor.accept_token``)."""
+        matcher = self.matcher
+        may_end = matcher.is_completed()
+        if may_end and token in self.seq.params.stop_token_ids:
+            return Accepted(stop=True)
+        if not matcher.accept_token(token):
+            failure = matcher.failure()
+            return Accepted(error=failure or f"the grammar rejected token {token}",
+                            error_kind=ErrorKind.GRAMMAR_TOO_LARGE if failure
+                            else ErrorKind.REJECTED)
+        return Accepted(terminated=matcher.is_terminated())
+
+    def _settle(self, out: Outcome) -> Outcome:
+        """Parked while its closing waits for a search; else ends at its budget."""
+        if out.finish is None and self.ending is not None and self.ending.waiting_on is not None:
+            out.park = True
+        elif out.finish is None and self.path.remaining(self.seq) <= 0:
             out.finish = "length"
         return out
 
@@ -466,8 +539,7 @@ class GuidedRequest:
                         return Outcome(closed[1], answer, new_tokens, lps, reasoning)
             else:  # text after the marker in its own token: the answer's first
                 answer = th.after
-        finish = "length" if path.remaining(seq) <= 0 else None
-        return Outcome(finish, answer, new_tokens, lps, reasoning)
+        return self._settle(Outcome(None, answer, new_tokens, lps, reasoning))
 
     def _answer_instead(self) -> Outcome:
         """An unguided row whose output turned out not to open a thought goes on as a
@@ -552,6 +624,8 @@ class GuidedRequest:
             path.thinking_tokens += self.thinking.tokens
         if waiting:
             path.manager.give_up(seq.grammar, self.grammar_future)
+        if path.policy is not None:
+            path.policy.forget(seq)
         if self.matcher is not None:
             path.manager.remove_matcher(self.matcher)  # nothing needs it any more
             self.matcher = None
