@@ -35,7 +35,8 @@ MAX_CHOICES = 4096
 KEY_VERSION = 6  # 2: the engine is part of the key; 3: formats written as patterns;
 # 4: no year 0000 in dates; 5: an e-mail's local part at most 64 characters, its domain a
 # hostname; 6: for xgrammar a pattern beside a format, propertyNames, patternProperties
-# (a change to what a spec compiles to must bump it: the disk tier keeps grammars by key)
+# (the disk tier needs no bump: its folder carries a digest of the code that writes
+# grammars, grammar_cache/code_digest.py)
 
 
 @dataclass(frozen=True)

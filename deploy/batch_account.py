@@ -18,10 +18,15 @@ Every output row carries ``outcome``, one of OUTCOMES:
 ``--retry-failed`` runs again only the rows a retry can help (``retry_for``): closed at the
 budget with twice the budget, refused for a budget below the grammar's shortest output with
 twice what the refusal says it needs (four times a structural lower bound), at most
-``--retry-max-tokens``; ``invalid`` on the other grammar backend;
-``infrastructure`` as it was. A row is retried at most ``MAX_ATTEMPTS - 1`` times (its
-``attempt`` counts). Loop cuts, refusals of the line and grammar errors stay: retrying them
-as they are gives the same answer (the summary says what to change instead).
+``--retry-max-tokens``; ``invalid`` on the engine that served it (pinned: under ``auto`` the
+other engine may be the one that refused the schema) with twice the budget;
+``infrastructure`` as it was. A line is run at most ``MAX_ATTEMPTS`` times in all (its
+row's ``attempts``, else ``attempt``). Loop cuts, refusals of the line and grammar errors
+stay: retrying them as they are gives the same answer (the summary says what to change
+instead).
+
+A retry's row is appended beside the row it retries; the better of the two is kept
+(``better``: the better outcome, the retry on a tie), so a retry never makes a line worse.
 """
 
 from __future__ import annotations
@@ -48,7 +53,9 @@ _INFRASTRUCTURE_KINDS = {ErrorKind.INTERNAL, ErrorKind.REJECTED}
 # of a real output) or "more than N" (nothing found within N)
 _NEEDS = re.compile(r"needs (at least|about|more than) (\d+) tokens")
 _NEED_FACTOR = {"about": 2, "at least": 4, "more than": 4}
-OTHER_BACKEND = {"xgrammar": "llguidance", "llguidance": "xgrammar"}
+# outcomes from best to worst: which of two rows of one line is kept
+_RANK = {o: i for i, o in enumerate(("valid", "closed_at_budget", "loop_cut", "invalid",
+                                     "refused", "grammar_error", "infrastructure"))}
 
 # what to do about each outcome, in the summary
 ADVICE = {
@@ -56,7 +63,7 @@ ADVICE = {
     "closed_at_budget": "raise max_tokens (--retry-failed doubles it)",
     "loop_cut": "the model repeated itself: a higher temperature or a clearer prompt",
     "invalid": "the backend approximates a keyword (validation_error): --retry-failed "
-               "tries the other backend",
+               "tries again with twice the budget; `rayguide grammar check` says which",
     "refused": "fix the line (its error says what) or shorten the prompt; a budget below "
                "the grammar's shortest output is retried with the budget it needs",
     "grammar_error": "simplify the schema; `rayguide grammar check FILE` tells why",
@@ -99,7 +106,7 @@ def outcome_of(row: dict) -> str:
 def retry_for(row: dict, max_tokens_cap: int = DEFAULT_RETRY_MAX_TOKENS) -> dict | None:
     """How ``--retry-failed`` runs the row's line again: ``{}`` (as it was), or overrides
     ``max_tokens`` / ``engine``; None when a retry cannot help."""
-    if row.get("attempt", 1) >= MAX_ATTEMPTS:
+    if attempts_of(row) >= MAX_ATTEMPTS:
         return None
     outcome = outcome_of(row)
     used = (row.get("usage") or {}).get("completion_tokens") or 0
@@ -113,12 +120,28 @@ def retry_for(row: dict, max_tokens_cap: int = DEFAULT_RETRY_MAX_TOKENS) -> dict
         factor = _NEED_FACTOR[m.group(1)] if m else 2
         new = min(max_tokens_cap, max(factor * needs, 2 * (row.get("max_tokens") or 0), 16))
         return {"max_tokens": new} if new >= needs else None
-    if outcome == "invalid":
-        other = OTHER_BACKEND.get(row.get("grammar_engine"))
-        return {"engine": other} if other else None
+    if outcome == "invalid":  # the same engine (the other may refuse the schema), more room
+        budget = row.get("max_tokens") or used
+        new = min(max_tokens_cap, max(2 * budget, 16))
+        if new <= budget:
+            return None
+        engine = row.get("grammar_engine")
+        return {"max_tokens": new, **({"engine": engine} if engine else {})}
     if outcome == "infrastructure":
         return {}
     return None
+
+
+def attempts_of(row: dict) -> int:
+    """How many times the row's line was run: ``attempts`` where a retry's row lost to the
+    row it retried (``better``), else the row's own ``attempt`` (1 when absent)."""
+    return max(row.get("attempts") or 1, row.get("attempt") or 1)
+
+
+def better(new: dict, old: dict) -> bool:
+    """Whether ``new`` (a later row of a line) is kept over ``old``: its outcome is as
+    good or better."""
+    return _RANK[outcome_of(new)] <= _RANK[outcome_of(old)]
 
 
 class Account:

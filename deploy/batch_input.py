@@ -152,7 +152,6 @@ def load_schema(value: str) -> GrammarSpec:
 @dataclass
 class WorkPlan:
     todo: list[int] = field(default_factory=list)  # line numbers to run, in order
-    duplicates: dict[int, str] = field(default_factory=dict)  # line -> error
     skipped: int = 0
     lines: int = 0  # the input's lines (blank ones not counted): one output row each
     # line -> how --retry-failed runs it again: overrides (max_tokens, engine) and attempt
@@ -161,8 +160,12 @@ class WorkPlan:
 
 def plan(input_path: str, skip: set[str], retries: dict[str, dict] | None = None) -> WorkPlan:
     """First pass over the input: which lines to run (ids not yet in the output).
-    ``retries``: by id key, how a line that --retry-failed runs again is changed."""
-    p, first_line = WorkPlan(), {}
+    ``retries``: by id key, how a line that --retry-failed runs again is changed.
+
+    Raises ValueError naming every id that is on more than one line, with the lines:
+    rows are kept, skipped and replaced by id, so two lines of one id would take each
+    other's row (a resume lost one of them for good)."""
+    p, lines_of = WorkPlan(), {}
     retries = retries or {}
     for line, text in input_lines(input_path):
         if text is not None and not text.strip():
@@ -174,16 +177,23 @@ def plan(input_path: str, skip: set[str], retries: dict[str, dict] | None = None
             # not UTF-8, not JSON, an integer of 4,300+ digits, nesting past the recursion
             # limit: the line's id is its number, and parse_line makes it its error
             key = id_key(line)
+        lines_of.setdefault(key, []).append(line)
+        if len(lines_of[key]) > 1:
+            continue
         if key in skip:
             p.skipped += 1
             continue
-        if key in first_line:
-            p.duplicates[line] = f"duplicate id {key} (first on line {first_line[key]})"
-        else:
-            first_line[key] = line
-            if key in retries:
-                p.retries[line] = retries[key]
+        if key in retries:
+            p.retries[line] = retries[key]
         p.todo.append(line)
+    duplicates = [(key, lines) for key, lines in lines_of.items() if len(lines) > 1]
+    if duplicates:
+        listed = "; ".join(f"id {key} on lines {', '.join(map(str, lines))}"
+                           for key, lines in duplicates[:10])
+        more = f"; and {len(duplicates) - 10} more" if len(duplicates) > 10 else ""
+        raise ValueError(f"--input {input_path}: {len(duplicates)} ids are on more than one "
+                         f"line ({listed}{more}); give each line its own id (or none: "
+                         "the line number is its id)")
     return p
 
 
@@ -207,9 +217,7 @@ def items(input_path: str, p: WorkPlan, **parse_kwargs):
         if line != next_line:
             continue
         item = parse_line(text, line, **parse_kwargs)
-        if line in p.duplicates:
-            item.request, item.error = None, p.duplicates[line]
-        elif line in p.retries:
+        if line in p.retries:
             retried(item, p.retries[line])
         yield item
         next_line = next(wanted, None)

@@ -15,8 +15,9 @@ Input: one JSON object per line (blank lines are ignored).
 - sampling: ``max_tokens`` (or ``max_new_tokens``), ``temperature``, ``top_p``, ``top_k``,
   ``seed``, ``stop`` (a string or a list), and the other ``SamplingParams`` fields; the
   flags ``--max-tokens`` (256) and ``--temperature`` (0: greedy) are the defaults.
-- ``id``: a string or an integer, unique in the file; without one, the line number
-  (1-based) is the id. Other keys are ignored (keep your metadata there).
+- ``id``: a string or an integer, unique in the file (an id on several lines exits 2,
+  naming the id and its lines); without one, the line number (1-based) is the id. Other
+  keys are ignored (keep your metadata there).
 
 Output: one JSON object per input line, in input order: ``id``, ``line``, ``text``,
 ``finish_reason`` (``stop``, ``length`` or ``error``), ``usage`` (``prompt_tokens``,
@@ -36,27 +37,29 @@ an error row with ``transient: true``.
 Every row also carries its account (deploy/batch_account.py): ``outcome`` (``valid``,
 ``closed_at_budget``, ``loop_cut``, ``invalid``, ``refused``, ``grammar_error`` or
 ``infrastructure``), ``grammar`` (the line's grammar id, as ``POST /v1/grammars`` gives it),
-``max_tokens``, ``grammar_engine`` (the backend that served it), ``loop_cuts`` and
-``attempt`` (from 2 on: a retry). The job ends with a table of the output's rows by outcome
+``max_tokens``, ``grammar_engine`` (the backend that served it), ``loop_cuts``,
+``attempt`` (from 2 on: a retry) and ``attempts`` (on a row kept over its retry: the runs
+of the line in all). The job ends with a table of the output's rows by outcome
 and by grammar (stderr), and writes it as JSON to ``OUTPUT.summary.json`` (rows,
 input_lines, missing, valid_share, outcomes, retryable, by_grammar); stdout's last line is
 ``batch_job: summary=PATH valid_share=X``. The progress bar shows the run's valid share.
 
 ``--retry-failed`` runs again the lines a retry can help: closed at the budget (or refused
 for a budget below the grammar's shortest output) with twice the budget (at most
-``--retry-max-tokens``, 4096), ``invalid`` on the other grammar backend, infrastructure
-errors as they were; at most two retries per line. Valid rows and the rest stay as they are.
+``--retry-max-tokens``, 4096), ``invalid`` on the backend that served it with twice the
+budget, infrastructure errors as they were; at most two retries per line. Valid rows and
+the rest stay as they are.
 
 Resume: re-running with the same ``--output`` skips every id that already has a result
 there and appends the rest (a half-written last line is cut off first). Rows marked
-``transient`` are removed and their lines run again. Other error rows are skipped too,
-unless ``--retry-errors``: then they are removed and their lines run again. Lines run
-again have their new results appended after the others (so the file is in input order
-except for those).
+``transient`` are run again. Other error rows are skipped too, unless ``--retry-errors``.
+A line run again has its new row appended beside the old one, and the run's end (or the
+next run's start) keeps the better (deploy/batch_output.py ``settle_output``): a run
+killed or unable to reach the runtime loses no row or attempt count.
 
 Lock: a run holds an exclusive ``flock`` on ``OUTPUT.lock`` from start to end (removed
 when it ends); a second run on the same output exits 2, naming the holder. The output, its
-lock and the resume's rewrite (a new file of a random name, renamed over the output) are
+lock and the settling rewrite (a new file of a random name, renamed over the output) are
 never opened through a symbolic link: an ``--output`` that is a link exits 2.
 
 A row that cannot be written (a full disk, a quota) stops the job at once: the requests in
@@ -117,14 +120,15 @@ from deploy.batch_account import (DEFAULT_RETRY_MAX_TOKENS, account_of, outcome_
 from deploy.batch_input import (BATCH_CLIENT, Item, LineError, WorkPlan, id_key, items,
                                 load_schema, params_of, parse_line, plan)
 from deploy.batch_output import (close_quietly, error_row, lock_output, open_output,
-                                 result_row, scan_output, unlock_output, write_row)
+                                 result_row, scan_output, settle_output, unlock_output,
+                                 write_row)
 
 __all__ = ["main", "parse_args", "process", "run_item", "transient_kind", "BatchCounts",
            "OutputWriteError", "acquire_runtime", "release_runtime", "RUNTIME_CLAIM",
            "runtime_claim_owner", "claim_runtime", "outcome_of", "retry_for", "BATCH_CLIENT", "Item", "LineError",
            "WorkPlan", "id_key", "items", "load_schema", "params_of", "parse_line", "plan",
-           "error_row", "result_row", "scan_output", "lock_output", "unlock_output",
-           "open_output"]
+           "error_row", "result_row", "scan_output", "settle_output", "lock_output",
+           "unlock_output", "open_output"]
 
 
 def exception_message(exc: BaseException) -> str:
@@ -369,9 +373,9 @@ def main(argv=None) -> int:
                              f"{os.path.realpath(args.output)}); give the real path")
         lock = lock_output(args.output)
         retries: dict = {}
-        skip, dropped = scan_output(args.output, args.retry_errors,
-                                    retry_failed=args.retry_failed, retries=retries,
-                                    max_tokens_cap=args.retry_max_tokens)
+        skip, again = scan_output(args.output, args.retry_errors,
+                                  retry_failed=args.retry_failed, retries=retries,
+                                  max_tokens_cap=args.retry_max_tokens)
         work = plan(args.input, skip, retries)
     except (ValueError, OSError) as exc:
         if lock is not None:
@@ -379,15 +383,20 @@ def main(argv=None) -> int:
         print(f"batch_job: {exc}", file=sys.stderr)
         return 2
     try:
-        return _run(args, work, dropped, default_grammar, started)
+        return _run(args, work, again, default_grammar, started)
     finally:
         unlock_output(args.output, lock)
 
 
-def _run(args, work: WorkPlan, dropped: int, default_grammar, started: float) -> int:
-    if dropped:
-        print(f"batch_job: running again {dropped} lines that failed before", file=sys.stderr)
+def _run(args, work: WorkPlan, again: int, default_grammar, started: float) -> int:
+    if again:
+        print(f"batch_job: running again {again} lines that failed before", file=sys.stderr)
     code = _run_lines(args, work, default_grammar, started)
+    try:  # one row per line: a retried line keeps the better of its two rows
+        settle_output(args.output)
+    except OSError as exc:
+        print(f"batch_job: could not settle the retried lines' rows ({exc}); the next run "
+              "does it first", file=sys.stderr)
     if code in (0, 130):  # the account of every row in the output, this run's and before
         acc = account_of(args.output, args.retry_max_tokens)
         print("batch_job: outcomes of the rows in the output\n" + acc.table(), file=sys.stderr)

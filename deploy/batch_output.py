@@ -1,6 +1,7 @@
 """The batch job's output (deploy/batch_job.py): a line's result row, and the output file:
-its lock for the run's length, the resume's scan (and atomic rewrite), and the appends.
-Nothing is opened through a symbolic link."""
+its lock for the run's length, the resume's scan, the appends, and settling each line to
+one row (an atomic rewrite that drops only rows whose replacement is on disk). Nothing is
+opened through a symbolic link."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import tempfile
 
 from core.errors import ErrorKind
 from core.request import RequestOutput
-from deploy.batch_account import DEFAULT_RETRY_MAX_TOKENS, outcome_of, retry_for
+from deploy.batch_account import (DEFAULT_RETRY_MAX_TOKENS, attempts_of, better,
+                                  outcome_of, retry_for)
 from deploy.batch_input import Item, id_key
 
 
@@ -79,17 +81,64 @@ def result_row(item: Item, out: RequestOutput) -> dict:
 def scan_output(path: str, retry_errors: bool, *, retry_failed: bool = False,
                 retries: dict | None = None,
                 max_tokens_cap: int = DEFAULT_RETRY_MAX_TOKENS) -> tuple[set[str], int]:
-    """Prepares the output file for appending and returns (ids to skip, rows dropped).
-    Cuts a half-written last line; rewrites the file (atomically) without the rows to run
-    again, so those lines appear once: rows marked ``transient`` (the runtime failed
-    underneath them) always, every error row with retry_errors, and with retry_failed
-    every row a retry can help (``batch_account.retry_for``), whose overrides (and next
-    attempt) go into ``retries`` by id key."""
+    """Prepares the output file for appending and returns (ids to skip, lines to run
+    again). Cuts a half-written last line, and settles the lines a run that did not reach
+    its end left with two rows (``settle_output``). Lines to run again: rows marked
+    ``transient`` (the runtime failed underneath them) always, every error row with
+    retry_errors, and with retry_failed every row a retry can help
+    (``batch_account.retry_for``), whose overrides and next attempt go into ``retries`` by
+    id key. Their rows stay in the file until their replacements are written (the run's
+    end settles each line to its better row): a run that dies or never reaches the
+    runtime loses none of them, nor their attempt counts."""
     retries = retries if retries is not None else {}
+    rows = settle_output(path)
+
+    def redo(row: dict) -> dict | None:
+        retry = retry_for(row, max_tokens_cap) if retry_failed else None
+        if retry is None and row.get("error") and (retry_errors or row.get("transient") is True):
+            retry = {}
+        return retry
+
+    skip, again = set(), 0
+    for key, row in rows:
+        if key is None:
+            continue
+        retry = redo(row)
+        if retry is None:
+            skip.add(key)
+        else:
+            retries[key] = {**retry, "attempt": attempts_of(row) + 1}
+            again += 1
+    return skip, again
+
+
+def _read_rows(data: bytes) -> list[tuple[bytes, str | None, dict | None]]:
+    """(line, id key, row) per line of the output; key and row None for a line that is
+    not a row (kept as it is)."""
+    out = []
+    for raw in data.splitlines(keepends=True):
+        try:
+            row = json.loads(raw)
+            out.append((raw, id_key(row["id"]), row))
+        except (ValueError, KeyError, TypeError, RecursionError):
+            out.append((raw, None, None))
+    return out
+
+
+def settle_output(path: str) -> list[tuple[str | None, dict | None]]:
+    """Leaves one row per id in the output, and returns its (id key, row) pairs.
+
+    A retried line's row is appended beside the row it retries, so a line has two rows
+    from the moment its retry is written until this runs (at a run's end, or at the start
+    of the next one if a run died first): the better is kept (``batch_account.better``,
+    the later on a tie) where it stands, with ``attempts`` the most either counted. The
+    file is replaced atomically (a new file, fsynced, renamed over it), so every row it
+    drops has its replacement on disk. A half-written last line (a run killed in a write)
+    is cut off first."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return set(), 0
+        return []
     with os.fdopen(fd, "r+b") as f:
         data = f.read()
         end = data.rfind(b"\n") + 1
@@ -98,48 +147,52 @@ def scan_output(path: str, retry_errors: bool, *, retry_failed: bool = False,
             f.truncate(end)
             data = data[:end]
         mode = stat.S_IMODE(os.fstat(fd).st_mode)
-
-    def redo(row: dict | None) -> bool:
-        if row is None:
-            return False
-        if retry_failed and retry_for(row, max_tokens_cap) is not None:
-            return True
-        return bool(row.get("error")) and (retry_errors or row.get("transient") is True)
-
-    done, failed, rows = set(), set(), []
-    for raw in data.splitlines(keepends=True):
-        try:
-            row = json.loads(raw)
-            key = id_key(row["id"])
-        except (ValueError, KeyError, TypeError, RecursionError):
-            rows.append((raw, None))
+    rows = _read_rows(data)
+    kept: dict[str, int] = {}  # id key -> index of its row in rows
+    attempts: dict[str, int] = {}
+    for i, (_, key, row) in enumerate(rows):
+        if key is None:
             continue
-        if redo(row):
-            retry = (retry_for(row, max_tokens_cap) if retry_failed else None) or {}
-            retries[key] = {**retry, "attempt": row.get("attempt", 1) + 1}
-        elif not row.get("error"):
-            done.add(key)
-        else:
-            failed.add(key)
-        rows.append((raw, row))
-    dropped = [raw for raw, row in rows if redo(row)]
-    if dropped:
-        # a new file of a random name, created exclusively (never through a link someone
-        # planted at a guessable name), then renamed over the output
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
-                                   dir=os.path.dirname(os.path.abspath(path)))
+        attempts[key] = max(attempts.get(key, 1), attempts_of(row))
+        if key not in kept or better(row, rows[kept[key]][2]):
+            kept[key] = i
+    if len(kept) == sum(key is not None for _, key, _ in rows):
+        return [(key, row) for _, key, row in rows]
+    settled = []
+    for i, (raw, key, row) in enumerate(rows):
+        if key is not None and kept[key] != i:
+            continue
+        if key is not None and attempts[key] > attempts_of(row):
+            row = {**row, "attempts": attempts[key]}
+            raw = row_text(row).encode("utf-8")
+        settled.append((raw, key, row))
+    _replace(path, b"".join(raw for raw, _, _ in settled), mode)
+    return [(key, row) for _, key, row in settled]
+
+
+def _replace(path: str, data: bytes, mode: int) -> None:
+    """Replaces the file at ``path`` with ``data``, atomically and durably: a new file of
+    a random name, created exclusively (never through a link someone planted at a
+    guessable name), fsynced, renamed over it, and the folder fsynced."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(folder, os.O_RDONLY)
         try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), mode)
-                f.writelines(raw for raw, row in rows if not redo(row))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    return done | failed, len(dropped)
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def lock_output(path: str) -> int:
@@ -190,14 +243,19 @@ def open_output(path: str):
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
-def write_row(out_file, row: dict) -> None:
-    """Appends one row and flushes it (a lone surrogate in a text is written escaped)."""
+def row_text(row: dict) -> str:
+    """The row as one line of JSON (a lone surrogate in a text is written escaped)."""
     text = json.dumps(row, ensure_ascii=False)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         text = json.dumps(row)
-    out_file.write(text + "\n")
+    return text + "\n"
+
+
+def write_row(out_file, row: dict) -> None:
+    """Appends one row and flushes it."""
+    out_file.write(row_text(row))
     out_file.flush()
 
 

@@ -12,7 +12,9 @@ A guided choice carries a ``guided`` object next to OpenAI's fields: ``validatio
 (the budget ran out and the output was closed to stay valid; finish_reason stays
 "length") and ``approximated`` (schema keywords the grammar only approximates, where the
 validation is what enforces them), and ``engine``: the grammar engine that served it
-("xgrammar" or "llguidance").
+("xgrammar" or "llguidance"). A tool-calling choice's report also holds ``tool_calls``,
+one verdict per call (``tools.call_report``: its arguments against its function's
+``parameters``), and its ``validation`` is theirs.
 """
 
 from __future__ import annotations
@@ -44,15 +46,23 @@ def finish_reason(reason: str | None, has_calls: bool) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def guided_report(out: RequestOutput) -> dict:
-    """The conformance report of a finished guided choice."""
-    return {"validation": getattr(out, "validation", None),
-            "validation_error": getattr(out, "validation_error", None),
-            "closed_early": bool(getattr(out, "closed_early", False)),
-            "loop_cut": bool(getattr(out, "loop_cuts", 0)),
-            "loop_cuts": int(getattr(out, "loop_cuts", 0) or 0),
-            "approximated": list(getattr(out, "approximated", None) or []),
-            "engine": getattr(out, "grammar_engine", None)}
+def guided_report(out: RequestOutput, calls: list[dict] | None = None,
+                  plan: Plan | None = None) -> dict:
+    """The conformance report of a finished guided choice; with a tool-calling ``plan``,
+    its ``calls`` validated (``tools.call_report``)."""
+    report = {"validation": getattr(out, "validation", None),
+              "validation_error": getattr(out, "validation_error", None),
+              "closed_early": bool(getattr(out, "closed_early", False)),
+              "loop_cut": bool(getattr(out, "loop_cuts", 0)),
+              "loop_cuts": int(getattr(out, "loop_cuts", 0) or 0),
+              "approximated": list(getattr(out, "approximated", None) or []),
+              "engine": getattr(out, "grammar_engine", None)}
+    if plan is not None and plan.tool_mode and out.finish_reason != "error":
+        calls_report = tools.call_report(calls or [], plan.tools or [], plan.tool_mode)
+        if calls_report["validation"] is None:  # text under "auto": the engine's word
+            calls_report.pop("validation"), calls_report.pop("validation_error")
+        report.update(calls_report)
+    return report
 
 
 # A token the engine forced to close an output early (its budget ran out) was not sampled:
@@ -115,6 +125,7 @@ def response_body(plan: Plan, outputs: list[RequestOutput], model: str) -> dict:
     """The non-streamed response: one choice per runtime request."""
     choices = []
     for i, out in enumerate(outputs):
+        calls: list[dict] = []
         if plan.kind == "chat":
             content, calls = (tools.parse_tool_calls(out.text) if plan.tool_mode
                               else (out.text, []))
@@ -135,7 +146,7 @@ def response_body(plan: Plan, outputs: list[RequestOutput], model: str) -> dict:
                                    if plan.logprobs else None),
                       "finish_reason": finish_reason(out.finish_reason, False)}
         if plan.grammar is not None:
-            choice["guided"] = guided_report(out)
+            choice["guided"] = guided_report(out, calls, plan)
         choices.append(choice)
     return {"id": new_id(plan.kind),
             "object": "chat.completion" if plan.kind == "chat" else "text_completion",
@@ -216,7 +227,7 @@ class StreamAssembler:
             choice = {"index": i, "text": text, "logprobs": lps, "finish_reason": reason}
             emit = bool(text or lps or reason)
         if reason is not None and self.plan.grammar is not None:
-            choice["guided"] = guided_report(out)
+            choice["guided"] = guided_report(out, calls, self.plan)
         events = [self._event(choice)] if emit else []
         if chunk.finished and out.finish_reason == "error":
             err = for_kind(out.error_kind, out.error or "generation failed",

@@ -6,6 +6,11 @@ format many open models were trained on, for generation and for history alike. T
 fixes everything but the arguments, which follow the function's parameter schema, so a call
 under "required" or a named tool_choice cannot be malformed; under "auto" the model may
 write text, and once it starts a call the same rule holds.
+
+The grammar only approximates some schema keywords, and a call closed at the budget may
+lack required arguments, so each parsed call's arguments are validated against its
+function's ``parameters`` like any JSON answer (``call_report``: one verdict per call, in
+the choice's ``guided`` report).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import uuid
 
 from core.errors import ErrorKind
 from core.grammar_spec import GrammarSpec
+from core.json_validation import validate_json
 from deploy.dialects import DialectError, check_depth
 from deploy.errors import bad_request
 
@@ -136,6 +142,35 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     kept.append(text[pos:])
     content = "".join(kept).strip()
     return (content or None), calls
+
+
+def call_report(calls: list[dict], functions: list[dict], mode: str | None) -> dict:
+    """The ``guided`` report's tool-call part: ``tool_calls``, one ``{id, name,
+    validation, validation_error}`` per call (``id`` as in ``message.tool_calls``), its
+    arguments validated against its function's ``parameters``; and the choice's
+    ``validation`` / ``validation_error``: "invalid" naming the first call that is, "valid"
+    when every call is, and "invalid" when "required" or a named tool_choice produced no
+    complete call (cut off by ``max_tokens``). Without calls under "auto" the answer is
+    text, and there is nothing to validate (None)."""
+    schemas = {f["name"]: f["parameters"] for f in functions}
+    verdicts = []
+    for call in calls:
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        error = (validate_json(schemas[name], arguments) if name in schemas
+                 else f"no function named {name!r} in tools")
+        verdicts.append({"id": call["id"], "name": name,
+                         "validation": "invalid" if error else "valid",
+                         "validation_error": error})
+    bad = next((v for v in verdicts if v["validation"] == "invalid"), None)
+    if bad is not None:
+        validation, error = "invalid", f"tool call {bad['name']}: {bad['validation_error']}"
+    elif verdicts:
+        validation, error = "valid", None
+    elif mode in ("required", "named"):
+        validation, error = "invalid", "no complete tool call (cut off by max_tokens?)"
+    else:
+        validation, error = None, None
+    return {"validation": validation, "validation_error": error, "tool_calls": verdicts}
 
 
 class ToolStreamSplitter:

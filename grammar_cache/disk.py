@@ -1,11 +1,14 @@
 """The disk tier: compiled grammars (their envelopes) persisted per node.
 
-    <disk_dir>/xgr-<xgrammar version>-s<serialization version>/<tokenizer fingerprint>/<key>.env
+    <disk_dir>/xgr-<xgrammar version>-s<serialization version>-c<code digest>/
+        <tokenizer fingerprint>/<key>.env
 
 so a restarted cluster (the cache actor on its node) or a new worker warms from disk
 instead of compiling. The path carries the versions and the fingerprint, and the envelope
 repeats them (checked again on unpack), so a file written by another xgrammar or for
-another tokenizer is never loaded. Writes are atomic (a temporary file in the same folder,
+another tokenizer is never loaded; the code digest (grammar_cache/code_digest.py: a hash
+of the source of our modules that write grammars) does the same for a file our own
+earlier code compiled. Writes are atomic (a temporary file in the same folder,
 then ``os.replace``): a reader sees a whole envelope or none, and several processes of a
 node may write the same key at once. The folder is bounded by ``max_bytes``: past it, the
 files least recently used (a read touches its file's mtime) are deleted.
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 from grammar_cache import envelope
+from grammar_cache.code_digest import grammar_code_digest
 from grammar_cache.private_files import check_private, make_private_dirs
 from grammar_cache.stats import DiskStats
 
@@ -51,10 +55,12 @@ class DiskStore:
 
     @property
     def root(self) -> Path:
-        """This xgrammar's folder (found on first use: see envelope.serialization_version)."""
+        """The folder of this xgrammar and of this code that writes grammars (found on
+        first use: see envelope.serialization_version, code_digest.grammar_code_digest)."""
         if self._root is None:
             self._root = self.base / (f"xgr-{envelope.XGRAMMAR_VERSION}"
-                                      f"-s{envelope.serialization_version()}")
+                                      f"-s{envelope.serialization_version()}"
+                                      f"-c{grammar_code_digest()}")
         return self._root
 
     def path(self, fingerprint: str, key: str) -> Path:

@@ -52,10 +52,15 @@ def test_retry_for():
                   "max_tokens": 44}) == {"max_tokens": 150}
     assert retry({"error": "needs at least 9000 tokens", "error_kind": "budget_too_small",
                   "max_tokens": 64}, 4096) is None  # more than the cap allows
-    assert retry({"validation": "invalid", "grammar_engine": "xgrammar"}) == {
-        "engine": "llguidance"}
-    assert retry({"validation": "invalid", "grammar_engine": "llguidance"}) == {
-        "engine": "xgrammar"}
+    # invalid: the engine that served it (pinned), with twice the budget
+    assert retry({"validation": "invalid", "grammar_engine": "xgrammar", "max_tokens": 32}) == {
+        "engine": "xgrammar", "max_tokens": 64}
+    assert retry({"validation": "invalid", "grammar_engine": "llguidance",
+                  "max_tokens": 32}) == {"engine": "llguidance", "max_tokens": 64}
+    assert retry({"validation": "invalid", "grammar_engine": "xgrammar",
+                  "max_tokens": 4096}, 4096) is None  # no more room to give
+    assert retry({"finish_reason": "length", "max_tokens": 32, "attempt": 1,
+                  "attempts": batch_account.MAX_ATTEMPTS}) is None  # counted on disk
     assert retry({"error": "x", "error_kind": "worker_died", "transient": True}) == {}
     assert retry({"finish_reason": "stop", "loop_cuts": 1}) is None
     assert retry({"error": "x", "error_kind": "invalid_grammar"}) is None
@@ -116,6 +121,7 @@ def run(tmp_path, lines, client, *, retry_failed=False):
     with open(out, "a") as f:
         asyncio.run(batch_job.process(batch_job.items(
             str(inp), work, defaults=DEFAULTS, default_grammar=None, run_tag="t"), client, f))
+    batch_job.settle_output(str(out))  # as the job does at its end
     return [json.loads(x) for x in out.read_text().splitlines()], work, dropped
 
 
@@ -159,31 +165,81 @@ def test_retry_failed_redoes_only_what_a_retry_can_help(tmp_path):
     before = (tmp_path / "out.jsonl").read_text().splitlines()
     valid_before = batch_account.account_of(str(tmp_path / "out.jsonl")).valid_share
     client = Client()
-    rows, work, dropped = run(tmp_path, LINES, client, retry_failed=True)
-    assert dropped == 4
-    # the retried lines only, with a larger budget or the other backend
-    assert sorted(client.calls) == sorted([("long", 64, "auto"), ("approx", 32, "llguidance"),
+    rows, work, again = run(tmp_path, LINES, client, retry_failed=True)
+    assert again == 4
+    # the retried lines only, with a larger budget (invalid: on the engine that served it)
+    assert sorted(client.calls) == sorted([("long", 64, "auto"), ("approx", 64, "xgrammar"),
                                            ("budget", 160, "auto"), ("broken", 32, None)])
     after = (tmp_path / "out.jsonl").read_text().splitlines()
     kept = [x for x in before if json.loads(x)["id"] not in ("long", "approx", "budget",
                                                              "broken")]
-    assert after[:len(kept)] == kept  # every other row byte for byte, in place
-    retried = {r["id"]: r for r in rows[len(kept):]}
-    assert retried["long"]["outcome"] == "closed_at_budget" and retried["long"]["attempt"] == 2
-    assert retried["approx"]["outcome"] == "valid"
-    assert retried["approx"]["grammar_engine"] == "llguidance"
-    assert retried["approx"]["grammar"] == rows[6]["grammar"]  # the line's grammar, not the retry's
-    assert retried["budget"]["outcome"] == "valid" and retried["budget"]["max_tokens"] == 160
+    assert [x for x in after if x in kept] == kept  # every other row byte for byte, in order
+    by_id = {r["id"]: r for r in rows}
+    assert len(rows) == len(LINES) == len(by_id)  # one row per line
+    assert by_id["long"]["outcome"] == "closed_at_budget" and by_id["long"]["attempt"] == 2
+    assert by_id["approx"]["outcome"] == "invalid" and by_id["approx"]["attempt"] == 2
+    assert by_id["approx"]["grammar_engine"] == "xgrammar" and by_id["approx"]["max_tokens"] == 64
+    assert by_id["approx"]["grammar"] == rows[0]["grammar"]  # the line's grammar, not the retry's
+    assert by_id["budget"]["outcome"] == "valid" and by_id["budget"]["max_tokens"] == 160
     acc = batch_account.account_of(str(tmp_path / "out.jsonl"))
     assert acc.rows == len(LINES) and acc.valid_share > valid_before
     # the budget doubles again, up to the cap; then the line is left alone
     client = Client()
     rows, _, _ = run(tmp_path, LINES, client, retry_failed=True)
-    assert sorted(client.calls) == [("broken", 32, None), ("long", 128, "auto")]
+    assert sorted(client.calls) == [("approx", 128, "xgrammar"), ("broken", 32, None),
+                                    ("long", 128, "auto")]
     assert {r["id"]: r["outcome"] for r in rows}["long"] == "valid"
     client = Client()
     run(tmp_path, LINES, client, retry_failed=True)
-    assert client.calls == []  # broken: attempt 3 of 3; everything else is settled
+    assert client.calls == []  # approx, broken: attempt 3 of 3; everything else is settled
+
+
+class AutoClient(Client):
+    """``refuses-llg``: llguidance refuses the schema (so ``auto`` serves it with
+    xgrammar), and xgrammar's answer validates only with 64 tokens or more; ``worse``: an
+    invalid answer whose retry fails with an internal error."""
+
+    def __init__(self):
+        super().__init__()
+        self.tries = 0
+
+    async def complete(self, request):
+        p, g = request.params, request.grammar
+        self.calls.append((request.prompt, p.max_new_tokens, g.engine))
+        if request.prompt == "worse" and self.tries:
+            return RequestOutput(request.request_id, "", finish_reason="error",
+                                 error_kind=ErrorKind.INTERNAL, error="model step failed")
+        self.tries += request.prompt == "worse"
+        if g.engine == "llguidance":
+            return RequestOutput(request.request_id, "", finish_reason="error",
+                                 error_kind=ErrorKind.INVALID_GRAMMAR,
+                                 error="llguidance refuses the schema")
+        valid = request.prompt == "refuses-llg" and p.max_new_tokens >= 64
+        return RequestOutput(request.request_id, '{"a": 1}', finish_reason="stop",
+                             completion_tokens=5, grammar_engine="xgrammar",
+                             validation="valid" if valid else "invalid",
+                             validation_error=None if valid else "at /a: oneOf")
+
+
+def test_an_invalid_row_is_retried_where_it_can_pass_and_never_made_worse(tmp_path):
+    """Under ``auto`` an invalid answer came from xgrammar because llguidance refused the
+    schema: a retry forced onto llguidance was refused again and the row became a
+    grammar_error. The retry stays on the engine that served it, with more room; and a
+    retry that goes worse keeps the row it retried (with its attempts counted)."""
+    lines = [{"id": "a", "prompt": "refuses-llg", "schema": SCHEMA},
+             {"id": "w", "prompt": "worse", "schema": SCHEMA}]
+    rows, _, _ = run(tmp_path, lines, AutoClient())
+    assert [r["outcome"] for r in rows] == ["invalid", "invalid"]
+    client = AutoClient()
+    client.tries = 1
+    rows, _, again = run(tmp_path, lines, client, retry_failed=True)
+    assert again == 2 and sorted(client.calls) == [("refuses-llg", 64, "xgrammar"),
+                                                   ("worse", 64, "xgrammar")]
+    by_id = {r["id"]: r for r in rows}
+    assert len(rows) == 2
+    assert by_id["a"]["outcome"] == "valid" and by_id["a"]["attempt"] == 2
+    assert by_id["w"]["outcome"] == "invalid" and by_id["w"]["max_tokens"] == 32  # the first
+    assert "attempt" not in by_id["w"] and by_id["w"]["attempts"] == 2  # its retry counted
 
 
 def test_summary_file(tmp_path):

@@ -72,6 +72,7 @@ def run(tmp_path, lines, client, *, retry_errors=False):
         counts = asyncio.run(batch_job.process(
             batch_job.items(str(inp), work, defaults=DEFAULTS, default_grammar=None,
                             run_tag="t"), client, f, concurrency=4))
+    batch_job.settle_output(str(out))  # as the job does at its end
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     return rows, counts, work, dropped
 

@@ -143,19 +143,81 @@ def test_rayservice_requires_the_api_key():
         assert ref.get("optional", False) is False
 
 
+CLUSTERS = [("rayservice.yaml", "rayClusterConfig", "serve"),
+            ("rayjob.yaml", "rayClusterSpec", "batch")]
+CLUSTER_LABEL = "rayguide.io/cluster"
+
+
+def _pod_templates(cluster: dict):
+    return [g["template"] for g in [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]]
+
+
+def _policies() -> dict:
+    docs = [d for d in yaml.safe_load_all((K8S / "networkpolicy.yaml").read_text()) if d]
+    assert all(d["kind"] == "NetworkPolicy" for d in docs)
+    return {d["spec"]["podSelector"]["matchLabels"][CLUSTER_LABEL]: d for d in docs}
+
+
 def test_network_policy_keeps_ray_ports_inside():
-    doc = yaml.safe_load((K8S / "networkpolicy.yaml").read_text())
-    assert doc["kind"] == "NetworkPolicy" and doc["spec"]["policyTypes"] == ["Ingress"]
-    rules = doc["spec"]["ingress"]
-    # any rule without `ports` admits every port: only Ray pods of a cluster may have one
-    for rule in rules:
-        if "ports" not in rule:
+    for doc in _policies().values():
+        assert doc["spec"]["policyTypes"] == ["Ingress"]
+        rules = doc["spec"]["ingress"]
+        open_ports = {p["port"] for r in rules if "ports" in r for p in r["ports"]}
+        assert open_ports <= {8265, 8000} and 8265 in open_ports
+        (dash,) = [r for r in rules if "ports" in r and r["ports"][0]["port"] == 8265]
+        assert "namespaceSelector" in dash["from"][0]  # the KubeRay operator's namespace only
+    assert 8000 not in {p["port"] for r in _policies()["batch"]["spec"]["ingress"]
+                        for p in r.get("ports", [])}  # the batch cluster serves no endpoint
+
+
+@pytest.mark.parametrize("name,key,label", CLUSTERS)
+def test_network_policy_admits_only_its_own_cluster(name, key, label):
+    """Every pod of a cluster carries its label; its policy selects those pods, and the
+    rule that admits every port admits only pods with the same label (not every Ray
+    cluster of the namespace, as ``ray.io/cluster: Exists`` did)."""
+    cluster = yaml.safe_load((K8S / name).read_text())["spec"][key]
+    for template in _pod_templates(cluster):
+        assert template["metadata"]["labels"][CLUSTER_LABEL] == label
+    policy = _policies()[label]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {CLUSTER_LABEL: label}}
+    for rule in policy["spec"]["ingress"]:
+        if "ports" not in rule:  # every port: this cluster's pods only
             (peer,) = rule["from"]
-            assert peer["podSelector"]["matchExpressions"][0]["key"] == "ray.io/cluster"
-    open_ports = {p["port"] for r in rules if "ports" in r for p in r["ports"]}
-    assert open_ports == {8265, 8000}
-    (dash,) = [r for r in rules if "ports" in r and r["ports"][0]["port"] == 8265]
-    assert "namespaceSelector" in dash["from"][0]  # the KubeRay operator's namespace only
+            assert peer == {"podSelector": {"matchLabels": {CLUSTER_LABEL: label}}}
+
+
+@pytest.mark.parametrize("name,key,label", CLUSTERS)
+def test_pods_run_unprivileged(name, key, label):
+    """Non-root, no privilege escalation, no capabilities, a read-only root filesystem,
+    and a writable emptyDir wherever Ray and rayguide write (/tmp, /cache)."""
+    cluster = yaml.safe_load((K8S / name).read_text())["spec"][key]
+    for template in _pod_templates(cluster):
+        pod = template["spec"]["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] != 0
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        for c in template["spec"]["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["readOnlyRootFilesystem"] is True
+            assert sc["capabilities"] == {"drop": ["ALL"]}
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+            assert "emptyDir" in mounts["/tmp"] and "emptyDir" in mounts["/cache"]
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["RAYGUIDE_CACHE_DIR"].startswith("/cache/")
+            assert env["XDG_CACHE_HOME"] == "/cache"
+
+
+def test_hub_models_are_pinned():
+    """A hub model in a manifest names its commit: every pod downloads the same weights."""
+    import re
+    found = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for line in path.read_text().splitlines():
+            found += re.findall(r"hf:[^\s\"']+", line.partition("#")[0])  # not comments
+    assert found
+    for ref in found:
+        assert re.fullmatch(r"hf:[\w.-]+/[\w.-]+@[0-9a-f]{40}", ref), ref
 
 
 def test_local_serve_config_binds_loopback():

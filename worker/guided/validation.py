@@ -25,33 +25,23 @@ here); a format nothing knows (a custom one, OpenAPI's ``int32``) is listed as
 ``format: <name> (not checked)``, so an output is never called valid over a format that
 nobody checked.
 
-``validate_json(schema, text)`` is the reusable entry point (the edge validates tool-call
-arguments with it).
+``validate_json(schema, text)`` lives in core/json_validation.py (the edge validates
+tool-call arguments with it) and is re-exported here.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
-from collections import OrderedDict
-
-import jsonschema_rs
 
 from core.json_schema import walk
+# validate_json (and the validator schema_rewrites.py builds) live in core, for the edge
+from core.json_validation import CHECKED_FORMATS as _CHECKED_FORMATS
+from core.json_validation import validate_json  # noqa: F401 - re-exported
+from core.json_validation import validator as _validator  # noqa: F401 - re-exported
 from grammar_cache.format_patterns import (XGRAMMAR_NATIVE_FORMATS, named_properties,
                                            takes_any_string)
 
-_CACHE_SIZE = 256
-
-# the formats jsonschema-rs checks under draft 2020-12 (under an older draft it ignores
-# those the draft did not name yet, e.g. draft 7's uuid and duration: so each is checked
-# here by a 2020-12 validator, whatever the schema's draft), and draft 3's names for two
-_CHECKED_FORMATS = {name: name for name in (
-    "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
-    "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
-    "uri-template", "json-pointer", "relative-json-pointer", "regex")}
-_CHECKED_FORMATS.update({"host-name": "hostname", "ip-address": "ipv4"})
 # the formats xgrammar enforces with a grammar of its own (probed: a schema with only
 # that format refuses a malformed string) or with the pattern that
 # grammar_cache/format_patterns.py writes for it (the IDN ones and draft 3's as their ASCII
@@ -61,59 +51,6 @@ _XGRAMMAR_FORMATS = frozenset((
     "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer",
     "idn-email", "idn-hostname", "host-name", "ip-address"))
 NOT_CHECKED = " (not checked)"  # the mark of a format nothing checks, in ``approximated``
-
-
-def _format_check(name: str):
-    return jsonschema_rs.validator_for({"format": name}, validate_formats=True).is_valid
-
-
-_FORMAT_CHECKS = {name: _format_check(std) for name, std in _CHECKED_FORMATS.items()}
-_validators: OrderedDict[str, object] = OrderedDict()
-_lock = threading.Lock()
-
-
-def _validator(schema_text: str):
-    with _lock:
-        v = _validators.get(schema_text)
-        if v is not None:
-            _validators.move_to_end(schema_text)
-            return v
-    v = jsonschema_rs.validator_for(json.loads(schema_text), retriever=_no_retrieval,
-                                    validate_formats=True, formats=_FORMAT_CHECKS)
-    with _lock:
-        _validators[schema_text] = v
-        while len(_validators) > _CACHE_SIZE:
-            _validators.popitem(last=False)
-    return v
-
-
-def _no_retrieval(uri: str):
-    """jsonschema-rs fetches ``http://`` and ``file://`` references by default: a client's
-    schema must never make the server reach the network or read a file."""
-    raise ValueError(f"the reference {uri} is outside the schema and is not resolved")
-
-
-def validate_json(schema: dict | bool | str | None, text: str) -> str | None:
-    """Checks ``text`` against ``schema`` (a dict, a JSON string, or None for "any JSON
-    object"). Returns None when valid, else a message saying what is wrong and where."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # ValueError: a 5,000-digit integer
-        return f"not valid JSON: {exc}"
-    if schema is None:
-        return None if isinstance(value, dict) else "not a JSON object"
-    # a schema jsonschema-rs cannot build or run (wrong-typed keywords, a regex it refuses):
-    # say so, never guess and never fail the request's step
-    try:
-        schema_text = schema if isinstance(schema, str) else json.dumps(schema, sort_keys=True)
-        validator = _validator(schema_text)
-        err = next(iter(validator.iter_errors(value)), None)
-    except Exception as exc:
-        return f"the schema could not be used for validation: {exc}"
-    if err is None:
-        return None
-    path = "/".join(str(p) for p in getattr(err, "instance_path", ()) or ())
-    return f"at /{path}: {err.message}" if path else err.message
 
 
 # keywords xgrammar 0.2.8 drops or widens (probed one by one: a grammar built from a
