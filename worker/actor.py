@@ -298,9 +298,8 @@ class WorkerActor:
         guided = self.engine.engine.guided
         if guided is None:
             return CheckStats()
-        q = guided.queue
-        return CheckStats(compiles_waiting=q.waiting, compiles_running=q.running,
-                          compiles_refused=q.refusals, compiles_displaced=q.displaced)
+        from worker.guided.check_reports import queue_stats
+        return queue_stats(guided)
 
     async def health(self) -> bool:
         self._replicating()

@@ -115,10 +115,10 @@ def test_the_manager_refuses_new_grammars_past_its_queue_as_overloaded(monkeypat
         queued = [manager.get_grammar(schema(i), "flood") for i in (1, 2)]
         refused = manager.get_grammar(schema(3), "flood")
         assert overloaded(refused) and "max_queued_compiles" in str(refused.exception())
-        assert manager.queue.waiting == 2 and manager.stats.overloaded == 1
+        assert manager.build_queue.waiting == 2 and manager.stats.overloaded == 1
         polite = manager.get_grammar(schema(99), "polite")
         assert overloaded(queued[1])  # displaced: the flood's newest
-        assert manager.queue.waiting == 2 and not polite.done()
+        assert manager.build_queue.waiting == 2 and not polite.done()
         # nothing was cached for the refused: asked again later, it compiles
         gate.open.set()
         for future in (running, queued[0], polite):
@@ -137,7 +137,7 @@ def test_a_queued_compile_nobody_waits_for_leaves_the_queue(monkeypatch):
         gate.started.acquire()
         future = manager.get_grammar(schema(1), "a", waiter=True)
         manager.give_up(schema(1), future)
-        assert manager.queue.waiting == 0
+        assert manager.build_queue.waiting == 0
         assert isinstance(future.exception(timeout=60), GrammarUnavailable)
     finally:
         gate.open.set()

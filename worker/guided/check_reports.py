@@ -44,6 +44,17 @@ REPORT_CPU_S = 0.25
 _FACTS = ("witness_path", "start_path", "checked_budget")
 
 
+def queue_stats(guided, counts: CheckStats | None = None) -> CheckStats:
+    """``counts`` with the manager's compile queues' sizes and refusals now (summed over
+    its two queues, each bounded by ``max_queued_compiles``)."""
+    queues = guided.queues
+    return dataclasses.replace(
+        counts or CheckStats(), compiles_waiting=sum(q.waiting for q in queues),
+        compiles_running=sum(q.running for q in queues),
+        compiles_refused=sum(q.refusals for q in queues),
+        compiles_displaced=sum(q.displaced for q in queues))
+
+
 @dataclasses.dataclass
 class _Kept:
     report: dict
@@ -111,14 +122,12 @@ class CheckReports:
         return GrammarChecker.pending(spec, waited_s).as_dict()
 
     def stats(self) -> CheckStats:
-        """The counters, with the queues' sizes now (the manager's compile queue too)."""
-        compiles = self.guided.queue
+        """The counters, with the queues' sizes now (the manager's compile queues too)."""
         with self._lock:
             return dataclasses.replace(
-                self.counts, reports_kept=len(self._kept), report_bytes=self._size,
-                reports_waiting=self.queue.waiting, reports_running=self.queue.running,
-                compiles_waiting=compiles.waiting, compiles_running=compiles.running,
-                compiles_refused=compiles.refusals, compiles_displaced=compiles.displaced)
+                queue_stats(self.guided, self.counts), reports_kept=len(self._kept),
+                report_bytes=self._size, reports_waiting=self.queue.waiting,
+                reports_running=self.queue.running)
 
     def close(self) -> None:
         for answer in self.queue.close():

@@ -160,10 +160,13 @@ class GuidedDecodingManager:
         # with a remote fetch or child processes the threads mostly wait: several, so one
         # slow compile does not hold every other new grammar behind it
         waits = fetch is not None or self.compile_pool is not None
-        # every compile of this manager waits in one bounded queue, fair between clients
-        # (compile_queue.py); past its bound a new grammar is OVERLOADED at once
-        self.queue = FairQueue(8 if waits else compile_threads,
-                               self.compile_limits.max_queued_compiles, "grammar-compile")
+        # every compile of this manager waits in a bounded queue, fair between clients
+        # (compile_queue.py); past its bound a new grammar is OVERLOADED at once. Builds in
+        # this process (llguidance's: this CPU, the engine's interpreter) have a queue of
+        # their own, on ``compile_threads``, so a flood of them never runs eight at a time
+        limit = self.compile_limits.max_queued_compiles
+        self.queue = FairQueue(8 if waits else compile_threads, limit, "grammar-compile")
+        self.build_queue = FairQueue(compile_threads, limit, "grammar-build")
         # the backends by name; the others' factories, built on first use (llguidance's
         # takes about half a second)
         xgrammar = XGrammarBackend(tokenizer_info, compile_threads=compile_threads,
@@ -278,12 +281,25 @@ class GuidedDecodingManager:
             self.stats.misses += 1
             running = self._inflight[key] = _Inflight(Future(), waiters=int(waiter))
         try:  # outside the lock: a displaced compile's refusal takes it
-            self.queue.submit(client, running.future,
-                              lambda: self._compile(key, spec, client, running),
-                              lambda: self._overloaded(key, spec, running))
+            self._queue_for(spec).submit(client, running.future,
+                                         lambda: self._compile(key, spec, client, running),
+                                         lambda: self._overloaded(key, spec, running))
         except QueueFull:
             self._overloaded(key, spec, running)
         return running.future
+
+    def _queue_for(self, spec: GrammarSpec) -> FairQueue:
+        """``build_queue`` when the first backend to try ``spec`` compiles in this process,
+        else ``queue``."""
+        first = backend_order(spec, self.default_engine, llguidance=self.has(LLGUIDANCE))[0]
+        built = self._backends.get(first)
+        # (a backend not built yet comes from a factory: llguidance's, which builds here)
+        return self.build_queue if built is None or built.compiles_locally else self.queue
+
+    @property
+    def queues(self) -> tuple[FairQueue, FairQueue]:
+        """The compile queues: (remote or child-process compiles, builds in this process)."""
+        return self.queue, self.build_queue
 
     def _overloaded(self, key: str, spec: GrammarSpec, running: _Inflight) -> None:
         """``running``'s compile was refused a place in the queue (or gave its place to a
@@ -291,11 +307,11 @@ class GuidedDecodingManager:
         with self._lock:
             self._forget(key, running)
             self.stats.overloaded += 1
-            waiting = self.queue.waiting
+            waiting = self.queue.waiting + self.build_queue.waiting
         if not running.future.done():
             running.future.set_exception(GrammarUnavailable(
                 f"this worker has {waiting} grammar compiles waiting (the limit is "
-                f"{self.queue.limit}: grammar_cache.max_queued_compiles) and this client "
+                f"{self.queue.limit} a queue: grammar_cache.max_queued_compiles) and this client "
                 f"has its share of them; this new {spec.kind} grammar was not queued: retry "
                 "in a few seconds", ErrorKind.OVERLOADED))
 
@@ -313,7 +329,7 @@ class GuidedDecodingManager:
             running.cancel.set()
             del self._inflight[key]  # the next ask starts a compile of its own
             self.stats.cancelled += 1
-        if self.queue.drop(future):  # still queued: it never starts
+        if any(q.drop(future) for q in self.queues):  # still queued: it never starts
             future.set_exception(GrammarUnavailable(
                 f"the compile of this {spec.kind} grammar was cancelled (nobody waits for "
                 "it any more); retry"))
@@ -565,7 +581,7 @@ class GuidedDecodingManager:
         with self._lock:
             for running in self._inflight.values():
                 running.cancel.set()
-        for future in self.queue.close():
+        for future in self.queue.close() + self.build_queue.close():
             if not future.done():
                 future.set_exception(GrammarUnavailable("the engine is shutting down"))
         if self.compile_pool is not None:
