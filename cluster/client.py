@@ -32,6 +32,7 @@ from core.request import GenerationRequest, RequestOutput
 from grammar_cache.actor import ACTOR_NAME as CACHE_NAME
 from grammar_cache.checked import CheckedGrammars
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME
+from scheduler.routing import CHECK_COST_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +347,8 @@ class RuntimeClient:
         waits for the compile before it reports "compiling" (None: its grammar wait)."""
         died_on: set[str] = set()
         for attempt in range(self.max_attempts):
-            route = await self._route_after_deaths(None, 0, spec.family, died_on)
+            route = await self._route_after_deaths(None, CHECK_COST_TOKENS, spec.family,
+                                                   died_on)
             try:
                 report = await route["handle"].check_grammar.remote(spec, client, wait_s)
             except _WORKER_GONE:
@@ -358,34 +360,39 @@ class RuntimeClient:
         raise NoWorkers(f"the grammar check failed on {self.max_attempts} workers in a row "
                         "(each died before answering)")
 
-    async def remember_checked(self, grammar_id: str, spec: GrammarSpec, report: dict) -> None:
-        """Keeps the checked grammar under its id: in this front end, and in the shared
-        cache actor (where every front end finds it) when the runtime has one."""
-        self._checked.put(grammar_id, spec, report)
+    async def remember_checked(self, owner: str | None, grammar_id: str, spec: GrammarSpec,
+                               report: dict) -> None:
+        """Keeps the checked grammar under ``owner`` (the client that checked it:
+        grammar_cache/checked.py) and its id: in this front end, and in the shared cache
+        actor (where every front end finds it) when the runtime has one."""
+        self._checked.put(owner, grammar_id, spec, report)
         cache = await self._cache_actor()
         if cache is not None:
             try:
-                await asyncio.wait_for(cache.remember_checked.remote(grammar_id, spec, report),
-                                       self.scheduler_wait_s)
+                await asyncio.wait_for(
+                    cache.remember_checked.remote(owner, grammar_id, spec, report),
+                    self.scheduler_wait_s)
             except Exception as exc:  # noqa: BLE001 - kept here all the same
                 logger.warning("could not keep grammar %s in the grammar cache (%r); only "
                                "this front end knows it", grammar_id, exc)
 
-    async def checked(self, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
-        """The spec and report checked under ``grammar_id``: the shared cache actor's (the
-        newest, whichever front end checked it last), else this front end's own copy (the
-        runtime runs without the actor, or it is unreachable); None when neither knows it."""
+    async def checked(self, owner: str | None,
+                      grammar_id: str) -> tuple[GrammarSpec, dict] | None:
+        """The spec and report ``owner`` checked under ``grammar_id``: the shared cache
+        actor's (the newest, whichever front end checked it last), else this front end's
+        own copy (the runtime runs without the actor, or it is unreachable); None when
+        neither knows it for this owner."""
         cache = await self._cache_actor()
         if cache is not None:
             try:
-                found = await asyncio.wait_for(cache.checked.remote(grammar_id),
+                found = await asyncio.wait_for(cache.checked.remote(owner, grammar_id),
                                                self.scheduler_wait_s)
             except Exception:  # noqa: BLE001 - the actor down or slow: the local copy
                 found = None
             if found is not None:
-                self._checked.put(grammar_id, *found)
+                self._checked.put(owner, grammar_id, *found)
                 return found
-        return self._checked.get(grammar_id)
+        return self._checked.get(owner, grammar_id)
 
     async def _cache_actor(self):
         """The shared grammar cache actor, looked up by name (None: the runtime runs

@@ -464,9 +464,10 @@ def _grammar(req: _Request, named: GrammarSpec | None = None) -> GrammarSpec | N
 
 
 def grammar_not_found(grammar_id: str, param: str | None = None) -> APIError:
-    return APIError(404, f"no checked grammar {grammar_id[:80]!r} here: POST its grammar to "
-                         "/v1/grammars first (checked grammars are kept while the runtime "
-                         "runs, the least recently used forgotten past a bound)",
+    return APIError(404, f"no checked grammar {grammar_id[:80]!r} for this client: POST its "
+                         "grammar to /v1/grammars first, with the same API key and user "
+                         "(a client's checked grammars are its own, kept while the runtime "
+                         "runs, its least recently used forgotten past a bound)",
                     param=param, code="grammar_not_found")
 
 

@@ -225,7 +225,8 @@ class OpenAIServer:
             parsed = api.parse_request(api.GrammarCheckRequest, await self._body(request))
             await self._check_model(parsed.model)
             client = self._client(request, parsed.user)
-            spec = api.check_spec(parsed, self.limits, await self._named(parsed.grammar_id))
+            spec = api.check_spec(parsed, self.limits,
+                                  await self._named(parsed.grammar_id, client))
             wait_s = (self.settings.grammar_check_wait_s if parsed.wait_s is None
                       else parsed.wait_s)
             report = await self._check(spec, client, wait_s)
@@ -237,27 +238,31 @@ class OpenAIServer:
             raise
 
     @fastapi_app.get("/v1/grammars/{grammar_id}")
-    async def get_grammar(self, grammar_id: str, request: Request):
-        """The report ``POST /v1/grammars`` answered for this id; 404 when unknown. One
-        that was still compiling is checked again (up to ``grammar_check_wait_s``): 200
-        with the report once the compile is done, 202 "compiling" until then."""
+    async def get_grammar(self, grammar_id: str, request: Request, user: str | None = None):
+        """The report ``POST /v1/grammars`` answered this client for this id (``user``:
+        the ``user`` the check was sent with); 404 when this client checked no such
+        grammar. One that was still compiling is checked again (up to
+        ``grammar_check_wait_s``): 200 with the report once the compile is done, 202
+        "compiling" until then."""
         self._auth(request)
-        found = await self._checked(grammar_id, None)
+        client = self._client(request, user)
+        found = await self._checked(grammar_id, None, client)
         if found is None:
             raise api.grammar_not_found(grammar_id)
         spec, report = found
         if report.get("status") == "compiling":
-            report = await self._check(spec, None, self.settings.grammar_check_wait_s)
+            report = await self._check(spec, client, self.settings.grammar_check_wait_s)
         return self._report_response(report)
 
     async def _check(self, spec, client: str | None, wait_s: float) -> dict:
-        """The worker's report on ``spec`` as the API answers it, kept under its id."""
+        """The worker's report on ``spec`` as the API answers it, kept under its id for
+        ``client`` (grammar_cache/checked.py: a client's checked grammars are its own)."""
         try:
             report = await self.runtime.check_grammar(spec, client, wait_s)
         except Exception as exc:  # noqa: BLE001 - the runtime's failures, mapped
             raise for_exception(exc) from None
         report = self._shape_report(report)
-        await self.runtime.remember_checked(report["id"], spec, report)
+        await self.runtime.remember_checked(client, report["id"], spec, report)
         return report
 
     @staticmethod
@@ -267,21 +272,21 @@ class OpenAIServer:
         return JSONResponse(report, status_code=202, headers={
             "Location": f"/v1/grammars/{report['id']}", "Retry-After": "1"})
 
-    async def _named(self, grammar_id: str | None):
-        """The checked spec a request's ``grammar_id`` names (None: no id, or unknown; the
-        planner answers the 404 or 400)."""
+    async def _named(self, grammar_id: str | None, client: str | None):
+        """The checked spec a request's ``grammar_id`` names among ``client``'s (None: no
+        id, or unknown to this client; the planner answers the 404 or 400)."""
         if grammar_id is None or not is_grammar_id(grammar_id):
             return None
-        found = await self._checked(grammar_id, "grammar_id")
+        found = await self._checked(grammar_id, "grammar_id", client)
         return found[0] if found is not None else None
 
-    async def _checked(self, grammar_id: str, param: str | None):
+    async def _checked(self, grammar_id: str, param: str | None, client: str | None):
         if not is_grammar_id(grammar_id):
             raise bad_request("a grammar id is 'grammar-' and 32 hex digits, as POST "
                               "/v1/grammars answers it", param)
         timeout = self.settings.scheduler_timeout_s
         try:
-            return await asyncio.wait_for(self.runtime.checked(grammar_id), timeout)
+            return await asyncio.wait_for(self.runtime.checked(client, grammar_id), timeout)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -362,9 +367,9 @@ class OpenAIServer:
             body = await self._body(request)
             parsed = api.parse_request(model_cls, body)
             await self._check_model(parsed.model)
-            plan = planner(parsed, self.limits, self._served,
-                           self._client(request, parsed.user),
-                           named=await self._named(parsed.grammar_id))
+            client = self._client(request, parsed.user)
+            plan = planner(parsed, self.limits, self._served, client,
+                           named=await self._named(parsed.grammar_id, client))
             if plan.stream:
                 response = await self._stream(plan, started)
             else:

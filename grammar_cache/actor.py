@@ -219,7 +219,7 @@ class GrammarCache:
         # computed); specs and requests per key reported by workers, and the hot lists
         self.distinct: OrderedDict[str, None] = OrderedDict()
         self.hot_list = HotList(config)
-        self.checked = CheckedGrammars()  # POST /v1/grammars' reports, by grammar id
+        self.checked = CheckedGrammars()  # POST /v1/grammars' reports, by owner and id
         self._ready = threading.Event()
         self._ready_error: str | None = None
         threading.Thread(target=self._start_pool, name="grammar-pool-start",
@@ -576,6 +576,7 @@ class GrammarCache:
                 "compile_p50_s": percentile(self.compile_times, 50, 0.0),
                 "compile_p99_s": percentile(self.compile_times, 99, 0.0),
                 "compile_crashes": self.pool.crashes, "ready": self._ready.is_set(),
+                **self.checked.stats(),
                 "config": self.config.model_dump()}
 
     def close(self) -> None:
@@ -622,14 +623,16 @@ class GrammarCacheActor:
     def stats(self) -> dict:
         return self.cache.stats()
 
-    def remember_checked(self, grammar_id: str, spec: GrammarSpec, report: dict) -> None:
-        """Keeps a checked grammar's spec and report under its id (grammar_cache/checked.py)."""
-        self.cache.checked.put(grammar_id, spec, report)
+    def remember_checked(self, owner: str | None, grammar_id: str, spec: GrammarSpec,
+                         report: dict) -> None:
+        """Keeps a checked grammar's spec and report under ``owner`` (the client that
+        checked it) and its id (grammar_cache/checked.py)."""
+        self.cache.checked.put(owner, grammar_id, spec, report)
 
-    def checked(self, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
-        """The spec and report checked under ``grammar_id``, None when unknown (never
-        checked, or forgotten: the bound, a restart)."""
-        return self.cache.checked.get(grammar_id)
+    def checked(self, owner: str | None, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
+        """The spec and report ``owner`` checked under ``grammar_id``, None when unknown
+        (never checked by this owner, or forgotten: the bounds, a restart)."""
+        return self.cache.checked.get(owner, grammar_id)
 
     def compile_pids(self) -> dict[int, str]:
         """pid -> key of each compile process busy compiling (for operators and tests)."""

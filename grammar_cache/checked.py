@@ -1,44 +1,100 @@
-"""The checked grammars, by id: what ``POST /v1/grammars`` checked, so ``GET
+"""The checked grammars, by owner and id: what ``POST /v1/grammars`` checked, so ``GET
 /v1/grammars/{id}`` answers the same report and a request may name ``grammar_id`` instead
-of repeating a large schema. A byte-bounded LRU (no Ray): the cache actor holds the
-cluster's (every front end reaches it), each front end a small one of its own in front.
+of repeating a large schema. No Ray: the cache actor holds the cluster's (every front end
+reaches it), each front end a small one of its own in front.
+
+Each entry belongs to the client that checked it (its owner: the front end's client
+identity, ``<API key hash>.<user or address>``): another client asking for the same id
+finds nothing (it checks the grammar itself), so an id never tells one client what
+another checked, and one client's checks can only evict its own while it holds more than
+the others. An entry is kept as the bytes it really is (the spec and the report pickled:
+no parsed schema, no live objects), and those bytes are what is bounded: ``owner_bytes``
+per owner (its least recently used go first) and ``max_bytes`` in all (the least recently
+used of the owner holding the most go first). The newest entry always stays.
 """
 
 from __future__ import annotations
 
-import json
-import re
+import pickle
 from collections import OrderedDict
 
 from core.grammar_spec import GrammarSpec
 
 MAX_CHECKED_BYTES = 64 * 2**20  # the cache actor's; about 250 schemas of the 256 kB limit
+OWNER_SHARE = 8  # an owner holds at most max_bytes / OWNER_SHARE
+ENTRY_OVERHEAD = 256  # the keys and the tables' slots an entry takes besides its bytes
+
+
 class CheckedGrammars:
-    def __init__(self, max_bytes: int = MAX_CHECKED_BYTES):
+    def __init__(self, max_bytes: int = MAX_CHECKED_BYTES, owner_bytes: int | None = None):
         self.max_bytes = max_bytes
+        self.owner_bytes = owner_bytes if owner_bytes is not None else max_bytes // OWNER_SHARE
         self.bytes = 0
-        self._items: OrderedDict[str, tuple[GrammarSpec, dict, int]] = OrderedDict()
+        self.evictions = 0
+        self._owners: OrderedDict[str, OrderedDict[str, bytes]] = OrderedDict()
+        self._held: dict[str, int] = {}  # owner -> bytes
 
-    def put(self, grammar_id: str, spec: GrammarSpec, report: dict) -> None:
-        """Keeps (or refreshes) ``grammar_id``; the least recently used go past the bound
-        (the newest always stays)."""
-        size = len(spec.source.encode("utf-8", "surrogatepass")) + len(
-            json.dumps(report, default=str))
-        old = self._items.pop(grammar_id, None)
+    def put(self, owner: str | None, grammar_id: str, spec: GrammarSpec, report: dict) -> None:
+        """Keeps (or refreshes) ``grammar_id`` for ``owner`` (None: the owner of callers
+        without an identity); then evicts past the bounds (see the module doc)."""
+        owner = owner or ""
+        blob = pickle.dumps((spec, report), protocol=pickle.HIGHEST_PROTOCOL)
+        items = self._owners.setdefault(owner, OrderedDict())
+        self._owners.move_to_end(owner)
+        old = items.pop(grammar_id, None)
         if old is not None:
-            self.bytes -= old[2]
-        self._items[grammar_id] = (spec, report, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes and len(self._items) > 1:
-            _, (_, _, gone) = self._items.popitem(last=False)
-            self.bytes -= gone
+            self._account(owner, -_size(old))
+        items[grammar_id] = blob
+        self._account(owner, _size(blob))
+        newest = (owner, grammar_id)
+        while self._held[owner] > self.owner_bytes and self._evict(owner, newest):
+            pass
+        while self.bytes > self.max_bytes:
+            heaviest = sorted(self._held, key=self._held.__getitem__, reverse=True)
+            if not any(self._evict(victim, newest) for victim in heaviest):
+                break
 
-    def get(self, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
-        item = self._items.get(grammar_id)
-        if item is None:
+    def get(self, owner: str | None, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
+        """``owner``'s spec and report under ``grammar_id``; None when it has none."""
+        owner = owner or ""
+        items = self._owners.get(owner)
+        blob = items.get(grammar_id) if items is not None else None
+        if blob is None:
             return None
-        self._items.move_to_end(grammar_id)
-        return item[0], item[1]
+        items.move_to_end(grammar_id)
+        spec, report = pickle.loads(blob)
+        return spec, report
+
+    def held(self, owner: str | None) -> int:
+        """The bytes ``owner``'s entries count."""
+        return self._held.get(owner or "", 0)
+
+    def stats(self) -> dict:
+        return {"checked_entries": len(self), "checked_bytes": self.bytes,
+                "checked_max_bytes": self.max_bytes, "checked_owners": len(self._owners),
+                "checked_evictions": self.evictions}
 
     def __len__(self) -> int:
-        return len(self._items)
+        return sum(len(items) for items in self._owners.values())
+
+    def _account(self, owner: str, delta: int) -> None:
+        self.bytes += delta
+        self._held[owner] = self._held.get(owner, 0) + delta
+
+    def _evict(self, owner: str, keep: tuple[str, str]) -> bool:
+        """Drops ``owner``'s least recently used entry, never ``keep``; False when that
+        is all it holds."""
+        items = self._owners[owner]
+        gone = next(iter(items))
+        if (owner, gone) == keep:
+            return False
+        self._account(owner, -_size(items.pop(gone)))
+        self.evictions += 1
+        if not items:
+            del self._owners[owner]
+            del self._held[owner]
+        return True
+
+
+def _size(blob: bytes) -> int:
+    return len(blob) + ENTRY_OVERHEAD

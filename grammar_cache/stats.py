@@ -8,8 +8,10 @@ silent zero, and a new field that /metrics does not export fails tests/unit/test
 - ``ClientStats``: a worker's cache client (``GrammarCacheClient``).
 - ``ReplicationStats``: a worker's warm replication (``Replicator``).
 - ``GrammarRequestStats``: a worker's guided requests and their waits for a grammar.
+- ``CheckStats``: a worker's grammar-check reports (worker/guided/check_reports.py) and
+  its own compile queue (worker/guided/compile_queue.py).
 
-The worker reports the last three as one flat group (``rayguide_worker_grammar_client_*``);
+The worker reports the last four as one flat group (``rayguide_worker_grammar_client_*``);
 their field names are distinct for that reason.
 """
 
@@ -105,3 +107,19 @@ class GrammarRequestStats(_Stats):
     grammar_request_waits: int = 0  # ... whose grammar had to be fetched or compiled
     grammar_request_wait_s: float = 0.0
     grammar_request_wait_max_s: float = 0.0
+
+
+@dataclass
+class CheckStats(_Stats):
+    reports: int = 0  # grammar-check reports built (each a grammar's closing searches)
+    report_hits: int = 0  # checks answered from a kept report
+    reports_overloaded: int = 0  # checks refused: the report queue was full
+    report_cpu_s: float = 0.0  # CPU the reports took on their own thread
+    reports_kept: int = 0
+    report_bytes: int = 0  # what the kept reports hold, as JSON
+    reports_waiting: int = 0
+    reports_running: int = 0
+    compiles_waiting: int = 0  # the worker's own compile queue (FairQueue)
+    compiles_running: int = 0
+    compiles_refused: int = 0  # new grammars refused at once (queue full: OVERLOADED)
+    compiles_displaced: int = 0  # waiting compiles that gave their place to a lighter client

@@ -12,6 +12,9 @@ worker it is NoWorkers (503).
 Live sessions are capped per worker and in total (each holds KV on its worker and rides
 every load report): a new session over a cap is TooManySessions (an Overloaded: 429).
 
+A grammar check is routed as a request of ``CHECK_COST_TOKENS`` tokens, and the checks a
+worker reports queued count as that many each.
+
 Grammar affinity: a new guided request names its grammar's family (the tokenizer-independent
 part of its key). After session stickiness, a worker that holds that grammar (it reports its
 families in its load; the table also remembers where it sent a family since that report) is
@@ -28,6 +31,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from core.errors import NoWorkers, Overloaded, TooManySessions
+
+# what one grammar check (POST /v1/grammars) counts as, in queued tokens: its report's
+# closing searches (REPORT_CPU_S, worker/guided/check_reports.py) cost about what decoding
+# this many tokens costs a small model, so checks count against a worker's queue limit
+# (a flood of them is Overloaded) and spread over workers as requests do
+CHECK_COST_TOKENS = 512
 
 
 @dataclass
@@ -50,6 +59,7 @@ class WorkerEntry:
     @property
     def queued_tokens(self) -> int:
         return (self.load.get("running_tokens", 0) + self.load.get("waiting_tokens", 0)
+                + CHECK_COST_TOKENS * self.load.get("checks_queued", 0)
                 + self.routed_since_report)
 
 
@@ -141,7 +151,8 @@ class RoutingTable:
         if grammar_family is not None and not best.holds(grammar_family) \
                 and not self._cheap(grammar_family, live):
             holders = [w for w in live if w.holds(grammar_family)
-                       and w.queued_tokens <= best.queued_tokens + self.affinity_margin_tokens]
+                       and w.queued_tokens <= best.queued_tokens + self.affinity_margin_tokens
+                       and not self._over_limit(w, expected_tokens)]
             if holders:
                 best = min(holders, key=lambda w: (w.queued_tokens, w.worker_id))
                 self.affinity_routes += 1

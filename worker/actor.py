@@ -22,7 +22,8 @@ import ray
 # light at import: Ray imports this module wherever a worker handle is unpickled (the
 # scheduler, every front end), so the engine (torch, transformers, xgrammar) is imported
 # in __init__, in the worker's own process only
-from grammar_cache.stats import ClientStats, GrammarRequestStats, ReplicationStats
+from grammar_cache.stats import (CheckStats, ClientStats, GrammarRequestStats,
+                                 ReplicationStats)
 from core.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -33,13 +34,16 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
 
 
-def grammar_report(client: dict | None, replication: dict | None, requests: dict) -> dict:
+def grammar_report(client: dict | None, replication: dict | None, requests: dict,
+                   checks: dict | None = None) -> dict:
     """The grammar group of ``load()`` (rendered by /metrics as
-    ``rayguide_worker_grammar_client_<name>``): the cache client's counters, replication's
-    and this worker's guided requests' (grammar_cache/stats.py); zeros for a part this
-    worker does not run (no shared cache), so every series is always there."""
+    ``rayguide_worker_grammar_client_<name>``): the cache client's counters, replication's,
+    this worker's guided requests' and its grammar checks' and compile queue's
+    (grammar_cache/stats.py); zeros for a part this worker does not run (no shared
+    cache), so every series is always there."""
     return {**(client or ClientStats().as_dict()),
-            **(replication or ReplicationStats().as_dict()), **requests}
+            **(replication or ReplicationStats().as_dict()), **requests,
+            **(checks or CheckStats().as_dict())}
 
 
 def served_model_name(model: str | None) -> str:
@@ -97,7 +101,7 @@ class WorkerActor:
         self._grammar_counts = GrammarRequestStats()
         self._grammar_lock = threading.Lock()
         self._grammar_log: deque = deque(maxlen=8192)
-        self._checker = None  # the grammar check (built on first use)
+        self._checks = None  # the grammar check's reports (built on first use)
         if self.grammar_client is not None and grammar_cache is not None:
             self._start_replicator(*grammar_cache)
         if scheduler is not None:
@@ -203,37 +207,44 @@ class WorkerActor:
                             wait_s: float | None = None) -> dict:
         """The grammar check (worker/guided/grammar_check.py) on this worker's own compile
         path, so a request for ``spec`` that follows finds it compiled here (and, for
-        xgrammar, in the shared cache); the report as a dict. A grammar error is part of
-        the report; a transient failure (GrammarUnavailable) is raised. ``wait_s``: how
-        long to wait for the compile (default, and at most, the engine's
-        ``grammar_timeout_s``); past it the report says "compiling" and the compile goes
-        on, for the next check (or request) of the spec to find."""
+        xgrammar, in the shared cache); the report as a dict, built off the engine thread
+        and kept per grammar (worker/guided/check_reports.py). A grammar error is part of
+        the report; a transient failure (GrammarUnavailable: OVERLOADED when this
+        worker's compile or report queue is full) is raised. ``wait_s``: how long to wait
+        for the compile (default, and at most, the engine's ``grammar_timeout_s``); past
+        it the report says "compiling" and the compile goes on, for the next check (or
+        request) of the spec to find."""
         import asyncio
 
-        from worker.guided.grammar_check import GrammarChecker
-
-        guided = self.engine.engine.guided
-        if guided is None:
-            raise ValueError("guided decoding is disabled on this worker (EngineConfig.guided)")
+        reports = self._check_reports()
         self._replicating()
-        if self._checker is None:
-            self._checker = GrammarChecker(guided)
         limit = self.engine.engine.config.grammar_timeout_s
         wait_s = limit if wait_s is None else max(0.0, min(wait_s, limit))
-        future, cached, began = self._checker.start(spec, client)
+        future, cached, began = reports.start(spec, client)
         if not future.done():
             try:  # shielded: the compile is not ours to cancel when the wait runs out
                 await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), wait_s)
             except asyncio.TimeoutError:
                 self._hold(spec.family)  # routing brings the next check here
-                return self._checker.pending(spec, time.perf_counter() - began).as_dict()
-            except Exception:  # noqa: BLE001 - read off the future by report()
+                return reports.pending(spec, time.perf_counter() - began)
+            except Exception:  # noqa: BLE001 - read off the future by the report
                 pass
         waited = time.perf_counter() - began
-        report = await self.engine.call(
-            lambda _engine: self._checker.report(spec, future, cached, waited))
+        report = await asyncio.wrap_future(
+            reports.report(spec, future, cached, waited, client))
         self._note_family(spec)  # routing sends the spec's requests where it is held
-        return report.as_dict()
+        return report
+
+    def _check_reports(self):
+        """The grammar check's reports (built on first use)."""
+        from worker.guided.check_reports import CheckReports
+
+        guided = self.engine.engine.guided
+        if guided is None:
+            raise ValueError("guided decoding is disabled on this worker (EngineConfig.guided)")
+        if self._checks is None:
+            self._checks = CheckReports(guided)
+        return self._checks
 
     def _hold(self, family: str) -> None:
         _remember(self.families, family)
@@ -267,14 +278,28 @@ class WorkerActor:
                      generation_defaults=self.generation_defaults,
                      uptime_s=time.time() - self.started,
                      grammar_client=self._grammar_stats())
+        # the grammar checks queued here, which routing counts as queued tokens
+        # (scheduler/routing.py: CHECK_COST_TOKENS each)
+        checks = stats["grammar_client"]
+        stats["checks_queued"] = checks["reports_waiting"] + checks["reports_running"]
         return stats
 
     def _grammar_stats(self) -> dict:
         with self._grammar_lock:
             requests = self._grammar_counts.as_dict()
+        checks = self._checks.stats() if self._checks is not None else self._queue_stats()
         return grammar_report(
             self.grammar_client.stats() if self.grammar_client is not None else None,
-            self.replicator.stats() if self.replicator is not None else None, requests)
+            self.replicator.stats() if self.replicator is not None else None, requests,
+            checks.as_dict())
+
+    def _queue_stats(self) -> CheckStats:
+        """CheckStats before the first check: the compile queue's part alone."""
+        guided = self.engine.engine.guided
+        if guided is None:
+            return CheckStats()
+        from worker.guided.check_reports import queue_stats
+        return queue_stats(guided)
 
     async def health(self) -> bool:
         self._replicating()

@@ -157,3 +157,55 @@ def test_an_idle_worker_takes_any_budget():
     with pytest.raises(Overloaded):
         t.route(None, 10**9)  # now it has work queued
 
+
+
+# grammar checks have a cost (issue 58, item 1) ---------------------------------------------
+
+def test_a_grammar_check_counts_as_queued_tokens():
+    """Checks routed since the last report, and those a worker reports queued, count
+    CHECK_COST_TOKENS each: a flood of checks spreads over the workers and is refused
+    (Overloaded) past the queue limit, as requests are."""
+    from scheduler.routing import CHECK_COST_TOKENS
+
+    t = table(2, max_queued_tokens=4 * CHECK_COST_TOKENS)
+    routed = Counter(t.route(None, CHECK_COST_TOKENS, f"family{i}").worker_id
+                     for i in range(8))
+    assert routed == {"w0": 4, "w1": 4}
+    with pytest.raises(Overloaded):
+        t.route(None, CHECK_COST_TOKENS, "another")
+    # one grammar checked again and again: affinity keeps it where it is held while
+    # that worker has room, never past its limit while another worker has room
+    t = table(2, max_queued_tokens=4 * CHECK_COST_TOKENS,
+              affinity_margin_tokens=8 * CHECK_COST_TOKENS)
+    routed = Counter(t.route(None, CHECK_COST_TOKENS, "family").worker_id for _ in range(8))
+    assert routed == {"w0": 4, "w1": 4}
+    # a worker whose report says it has checks queued is as loaded as their cost
+    t.update_load("w0", {"running_tokens": 0, "waiting_tokens": 0, "checks_queued": 3})
+    t.update_load("w1", {"running_tokens": 0, "waiting_tokens": 0, "checks_queued": 0})
+    assert t.workers["w0"].queued_tokens == 3 * CHECK_COST_TOKENS
+    assert t.route(None).worker_id == "w1"
+
+
+def test_the_client_routes_a_check_at_its_cost():
+    import asyncio
+
+    from cluster.client import RuntimeClient
+    from core.grammar_spec import GrammarSpec
+    from scheduler.routing import CHECK_COST_TOKENS
+
+    seen = []
+
+    class Worker:
+        class check_grammar:  # noqa: N801 - a Ray method's shape
+            @staticmethod
+            async def remote(spec, client, wait_s):
+                return {"id": "g"}
+
+    async def route(session, expected, family, died_on):
+        seen.append(expected)
+        return {"worker_id": "w0", "handle": Worker}
+
+    client = RuntimeClient(scheduler=object())
+    client._route_after_deaths = route
+    asyncio.run(client.check_grammar(GrammarSpec.regex("a+"), "c", 0.0))
+    assert seen == [CHECK_COST_TOKENS]

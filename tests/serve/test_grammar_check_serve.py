@@ -22,6 +22,7 @@ from cluster import launch
 from cluster.config import ClusterConfig
 from cluster.launch import free_port
 from deploy import service
+from deploy.openai_api import client_identity
 
 pytestmark = pytest.mark.integration
 
@@ -195,7 +196,11 @@ def test_grammar_id_get_and_requests(svc, client):
     assert got.status_code == 200 and got.json() == report
     # the cluster's copy is in the grammar cache actor, for every front end
     cache = ray.get_actor(launch.CACHE_NAME, namespace=launch.NAMESPACE)
-    assert ray.get(cache.checked.remote(gid))[1]["id"] == gid
+    owner = client_identity(None, "127.0.0.1", KEY)  # this test's client: no user
+    assert ray.get(cache.checked.remote(owner, gid))[1]["id"] == gid
+    # the id is this client's: another (here another user) finds nothing under it
+    other = http(svc, "GET", f"/v1/grammars/{gid}", params={"user": "someone-else"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "grammar_not_found"
     # a request names the checked grammar instead of repeating it
     r = client.chat.completions.create(
         model=None, messages=[{"role": "user", "content": "A color?"}], max_tokens=16,

@@ -58,15 +58,69 @@ def test_grammar_ids_are_stable_and_tell_specs_apart():
 
 def test_checked_grammars_keep_the_newest_within_their_bytes():
     specs = [GrammarSpec.regex("a" * 100 + str(i)) for i in range(10)]
-    checked = CheckedGrammars(max_bytes=600)
+    checked = CheckedGrammars(max_bytes=2000, owner_bytes=2000)
     for spec in specs:
-        checked.put(grammar_id(spec), spec, {"id": grammar_id(spec)})
-    assert checked.get(grammar_id(specs[-1]))[0] == specs[-1]
-    assert checked.get(grammar_id(specs[0])) is None
-    assert checked.bytes <= 600 and 1 <= len(checked) < 10
+        checked.put("c", grammar_id(spec), spec, {"id": grammar_id(spec)})
+    assert checked.get("c", grammar_id(specs[-1]))[0] == specs[-1]
+    assert checked.get("c", grammar_id(specs[0])) is None
+    assert checked.bytes <= 2000 and 1 <= len(checked) < 10
     big = GrammarSpec.regex("b" * 5000)  # over the bound alone: still kept, as the newest
-    checked.put(grammar_id(big), big, {})
-    assert len(checked) == 1 and checked.get(grammar_id(big)) is not None
+    checked.put("c", grammar_id(big), big, {})
+    assert len(checked) == 1 and checked.get("c", grammar_id(big)) is not None
+
+
+def test_a_checked_grammar_is_its_owner_s_alone():
+    """Another client naming the id finds nothing (it learns nothing of what was checked:
+    it checks the grammar itself), and the owner's report is unchanged by it."""
+    spec = GrammarSpec.regex("[a-z]+")
+    checked = CheckedGrammars()
+    checked.put("alice", grammar_id(spec), spec, {"id": grammar_id(spec), "status": "x"})
+    assert checked.get("mallory", grammar_id(spec)) is None
+    assert checked.get(None, grammar_id(spec)) is None
+    assert checked.get("alice", grammar_id(spec)) == (spec, {"id": grammar_id(spec),
+                                                           "status": "x"})
+
+
+def test_a_flooding_client_evicts_only_its_own_checked_grammars():
+    """One client checking grammar after grammar fills its own share (owner_bytes) and
+    then the whole store's bound, and is the one evicted every time: every other
+    client's ids stay."""
+    checked = CheckedGrammars(max_bytes=40_000, owner_bytes=10_000)
+    polite = [GrammarSpec.regex(f"polite{i}[a-z]{{{i + 1}}}") for i in range(5)]
+    for spec in polite:
+        checked.put("polite", grammar_id(spec), spec, {"id": grammar_id(spec)})
+    for i in range(2000):
+        spec = GrammarSpec.regex(f"flood{i}" + "x" * 500)
+        checked.put("flood", grammar_id(spec), spec, {"id": grammar_id(spec)})
+        assert checked.bytes <= 40_000 and checked.held("flood") <= 10_000
+    for spec in polite:
+        assert checked.get("polite", grammar_id(spec)) is not None
+    # many flooding identities at once: the store stays within its bound, the heaviest
+    # owners evicted first
+    for i in range(200):
+        spec = GrammarSpec.regex(f"many{i}" + "y" * 2000)
+        checked.put(f"user{i}", grammar_id(spec), spec, {"id": grammar_id(spec)})
+        assert checked.bytes <= 40_000
+
+
+def test_checked_grammars_count_what_they_really_hold():
+    """The bytes counted are the bytes kept: the spec's parsed schema (a Python object
+    many times its text) is not kept, and a large report counts as large."""
+    import pickle
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                               for i in range(2000)}}
+    spec = GrammarSpec.json_schema(schema)
+    assert spec.parsed is not None  # parsed at the edge, as a checked spec is
+    report = {"id": grammar_id(spec), "engines": {"xgrammar": {"keywords": [
+        {"path": f"/properties/p{i}", "keyword": "x"} for i in range(2000)]}}}
+    checked = CheckedGrammars()
+    checked.put("c", grammar_id(spec), spec, report)
+    kept = pickle.dumps((spec, report), protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(kept) <= checked.bytes <= len(kept) + 1024
+    assert checked.bytes > len(spec.source) + 2000 * 20  # the report's keywords count
+    again, report_again = checked.get("c", grammar_id(spec))
+    assert again == spec and report_again == report
 
 
 def body(**fields):

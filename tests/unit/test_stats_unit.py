@@ -19,8 +19,8 @@ from cluster.client import RuntimeClient, RuntimeClientStats
 from deploy.metrics import Metrics, ReplicaStats
 from core.backoff import backoff
 from core.percentile import percentile
-from grammar_cache.stats import (CacheStats, ClientStats, DiskStats, GrammarRequestStats,
-                                 ReplicationStats)
+from grammar_cache.stats import (CacheStats, CheckStats, ClientStats, DiskStats,
+                                 GrammarRequestStats, ReplicationStats)
 from scheduler.actor import SchedulerStats, _shown
 from worker.actor import grammar_report
 from worker.engine.engine import EngineStats
@@ -60,11 +60,12 @@ def sample(text: str, name: str, value, worker: str | None = None) -> bool:
 def rendered():
     engine = made_up(EngineStats, skip=ENGINE_NOT_GAUGES)
     engine = dataclasses.replace(engine, grammar_cache={"hits": 5}, session_ids=["s"])
-    client, replication, requests = (made_up(ClientStats), made_up(ReplicationStats),
-                                     made_up(GrammarRequestStats))
+    client, replication, requests, checks = (
+        made_up(ClientStats), made_up(ReplicationStats), made_up(GrammarRequestStats),
+        made_up(CheckStats))
     load = {**dataclasses.asdict(engine), "worker_id": "w0", "grammar_families": ["f"],
             "grammar_client": grammar_report(client.as_dict(), replication.as_dict(),
-                                             requests.as_dict())}
+                                             requests.as_dict(), checks.as_dict())}
     entry = SimpleNamespace(node_id="n", suspect=False, load=load)
     scheduler = made_up(SchedulerStats)
     status = {**dataclasses.asdict(scheduler), "rebuild_s": None, "config": {},
@@ -76,7 +77,7 @@ def rendered():
     runtime.failover_pauses.extend([0.25, 0.75])
     text = metrics().render(status, runtime.stats(), cache_stats)
     return SimpleNamespace(text=text, engine=engine, client=client, replication=replication,
-                           requests=requests, scheduler=scheduler, cache=cache, disk=disk,
+                           requests=requests, checks=checks, scheduler=scheduler, cache=cache, disk=disk,
                            runtime=runtime.stats())
 
 
@@ -88,7 +89,7 @@ def test_every_engine_field_is_a_worker_gauge(rendered):
     assert sample(rendered.text, "rayguide_worker_grammar_local_hits", 5, "w0")
 
 
-@pytest.mark.parametrize("part", ["client", "replication", "requests"])
+@pytest.mark.parametrize("part", ["client", "replication", "requests", "checks"])
 def test_every_grammar_client_field_is_a_worker_gauge(rendered, part):
     stats = getattr(rendered, part)
     for name, value in stats.as_dict().items():
@@ -99,7 +100,7 @@ def test_every_grammar_client_field_is_a_worker_gauge(rendered, part):
 def test_the_grammar_group_has_every_series_without_a_shared_cache():
     report = grammar_report(None, None, GrammarRequestStats().as_dict())
     assert set(report) == (set(ClientStats.names()) | set(ReplicationStats.names())
-                           | set(GrammarRequestStats.names()))
+                           | set(GrammarRequestStats.names()) | set(CheckStats.names()))
 
 
 def test_every_scheduler_field_is_exported(rendered):

@@ -4,7 +4,8 @@
     checker = GrammarChecker(guided)            # one per engine (the worker's manager)
     future, cached = checker.start(spec, client)  # the request path's own compile: same
                                                  # local LRU, shared cache and auto rule
-    report = checker.report(spec, future, ...)   # on the engine thread (its closing search)
+    report = checker.report(spec, future, ...)   # on the thread that owns its closing
+                                                 # search (a worker: check_reports.py)
 
 A request for the spec afterwards finds the grammar compiled (``start`` is
 ``GuidedDecodingManager.get_grammar``, which every request calls), and what the report
@@ -51,6 +52,7 @@ from core.grammar_spec import GrammarSpec
 from core.json_schema import pointer, walk
 from worker.guided.backend import (LLGUIDANCE, LLGUIDANCE_KINDS, XGRAMMAR, CompiledGrammar,
                                    EngineRefused)
+from worker.guided.closing import CLOCK, CompletionSearch
 from worker.guided.output_policy import remember_start_path, start_witness
 from worker.guided.shortest_bound import TokenCapacity
 from worker.guided.validation import approximated_keywords, node_approximated, not_checked
@@ -98,11 +100,18 @@ class GrammarReport:
 
 class GrammarChecker:
     """The check over one engine's GuidedDecodingManager (see the module doc). ``start``
-    may run on any thread; ``report`` on the thread that owns the manager's closing
-    search (the engine thread: ``CompletionSearch`` is not thread-safe)."""
+    may run on any thread; ``report`` on the thread that owns ``closer`` (a
+    ``CompletionSearch`` is not thread-safe): the manager's own by default (the command
+    line), a search of the checker's own on a worker (check_reports.py: off the engine
+    thread). ``budget_s``: the report's CPU time past which its shortest-output search is
+    not refined further (None: no limit)."""
 
-    def __init__(self, guided):
+    def __init__(self, guided, closer: CompletionSearch | None = None,
+                 budget_s: float | None = None):
         self.guided = guided
+        self.closer = closer if closer is not None else guided.closer
+        self.budget_s = budget_s
+        self._began = 0.0
         self._capacity: TokenCapacity | None = None
 
     def start(self, spec: GrammarSpec, client: str | None = None) -> tuple[Future, bool, float]:
@@ -128,6 +137,7 @@ class GrammarChecker:
         error = future.exception()
         if error is not None and not isinstance(error, GrammarError):
             raise error
+        self._began = CLOCK()
         compiled: CompiledGrammar | None = None if error is not None else future.result()
         schema = _schema(spec)
         approximated = (approximated_keywords(schema)
@@ -154,7 +164,8 @@ class GrammarChecker:
             error=None if error is None else {"message": str(error),
                                               "code": ErrorKind(error.kind).value})
 
-    def pending(self, spec: GrammarSpec, waited_s: float) -> GrammarReport:
+    @staticmethod
+    def pending(spec: GrammarSpec, waited_s: float) -> GrammarReport:
         """The report while ``spec``'s compile still runs after ``waited_s``: status
         "compiling", nothing known of the grammar yet; ``compile_ms`` is the wait so far."""
         return GrammarReport(
@@ -182,6 +193,8 @@ class GrammarChecker:
             refusal = None
         elif isinstance(error, EngineRefused) and error.engine == LLGUIDANCE:
             refusal = error
+        elif compiled is not None and LLGUIDANCE in compiled.facts.get("refusals", {}):
+            refusal = compiled.facts["refusals"][LLGUIDANCE]  # auto asked it already
         else:
             refusal = self.guided.llguidance_refusal(spec)
         if refusal is not None:
@@ -200,7 +213,7 @@ class GrammarChecker:
         at_least = self.bound(spec)
         if compiled is None:
             return {"tokens": None, "at_least": at_least, "exhausted": False}
-        closer = self.guided.closer
+        closer = self.closer
         matcher = self.guided.new_matcher(compiled)
         found = closer.shortest(matcher, SEARCH_LIMIT)  # the dive admission tries first
         exact = closer.shortest(matcher, SEARCH_LIMIT, exact=True)
@@ -227,6 +240,8 @@ class GrammarChecker:
         # when a busy engine cuts its exact search short
         budget = len(best)
         for _ in range(4):
+            if self.budget_s is not None and CLOCK() - self._began > self.budget_s:
+                break  # the report's CPU is spent: the budget found so far stands
             dive = closer.shortest(matcher, 4 * budget + 16)
             if dive.tokens is not None and len(dive.tokens) <= budget:
                 break
@@ -249,7 +264,7 @@ class GrammarChecker:
         if spec.kind != "json_schema":
             return 0
         if self._capacity is None:
-            self._capacity = TokenCapacity(self.guided.closer.vocab)
+            self._capacity = TokenCapacity(self.closer.vocab)
         return self._capacity.bound(spec.parsed)
 
 

@@ -23,6 +23,10 @@ always compile here: compiling one costs less than an actor round trip, and llgu
 own limits bound it (worker/guided/llguidance_backend.py). The manager's cache is the worker's local LRU
 of both, and of their errors.
 
+Every compile waits in one bounded queue, shared fairly between clients (compile_queue.py
+``FairQueue``, at most ``max_queued_compiles`` waiting, as the cache actor's): past it a new
+grammar's future fails at once with GrammarUnavailable OVERLOADED (a 429), never queued.
+
 A compile nobody waits for stops: a caller that waits (``get_grammar(..., waiter=True)``,
 the engine's requests) calls ``give_up`` when it stops waiting (its grammar wait ran out,
 it was aborted); when the last waiter of a compile gives up, the compile is cancelled (a
@@ -41,7 +45,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,10 +57,11 @@ from grammar_cache import envelope
 from grammar_cache.compile import GrammarError, tokenizer_fingerprint
 from grammar_cache.compile_pool import CompilePool
 from grammar_cache.config import MAX_REPETITION, GrammarCacheConfig
-from core.errors import GrammarUnavailable
+from core.errors import ErrorKind, GrammarUnavailable
 from core.grammar_spec import GrammarSpec
 from worker.guided.bitmask import apply_token_bitmask_inplace
 from worker.guided.closing import NEXT_BYTE, CompletionSearch
+from worker.guided.compile_queue import FairQueue, QueueFull
 from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR, CompiledGrammar,
                                    EngineRefused, GrammarBackend, GrammarMatcher,
                                    backend_order)
@@ -88,6 +93,7 @@ class GuidedStats:
     llguidance_requests: int = 0
     llguidance_refusals: int = 0  # auto: grammars llguidance refused, served by xgrammar
     cancelled: int = 0  # compiles stopped because their last waiter gave up
+    overloaded: int = 0  # new grammars refused: the compile queue was full (OVERLOADED)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -154,8 +160,13 @@ class GuidedDecodingManager:
         # with a remote fetch or child processes the threads mostly wait: several, so one
         # slow compile does not hold every other new grammar behind it
         waits = fetch is not None or self.compile_pool is not None
-        self._pool = ThreadPoolExecutor(max_workers=8 if waits else compile_threads,
-                                        thread_name_prefix="grammar-compile")
+        # every compile of this manager waits in a bounded queue, fair between clients
+        # (compile_queue.py); past its bound a new grammar is OVERLOADED at once. Builds in
+        # this process (llguidance's: this CPU, the engine's interpreter) have a queue of
+        # their own, on ``compile_threads``, so a flood of them never runs eight at a time
+        limit = self.compile_limits.max_queued_compiles
+        self.queue = FairQueue(8 if waits else compile_threads, limit, "grammar-compile")
+        self.build_queue = FairQueue(compile_threads, limit, "grammar-build")
         # the backends by name; the others' factories, built on first use (llguidance's
         # takes about half a second)
         xgrammar = XGrammarBackend(tokenizer_info, compile_threads=compile_threads,
@@ -265,12 +276,44 @@ class GuidedDecodingManager:
             running = self._inflight.get(key)
             if running is not None:
                 self.stats.hits += 1
-            else:
-                self.stats.misses += 1
-                running = self._inflight[key] = _Inflight()
-                running.future = self._pool.submit(self._compile, key, spec, client, running)
-            running.waiters += waiter
-            return running.future
+                running.waiters += waiter
+                return running.future
+            self.stats.misses += 1
+            running = self._inflight[key] = _Inflight(Future(), waiters=int(waiter))
+        try:  # outside the lock: a displaced compile's refusal takes it
+            self._queue_for(spec).submit(client, running.future,
+                                         lambda: self._compile(key, spec, client, running),
+                                         lambda: self._overloaded(key, spec, running))
+        except QueueFull:
+            self._overloaded(key, spec, running)
+        return running.future
+
+    def _queue_for(self, spec: GrammarSpec) -> FairQueue:
+        """``build_queue`` when the first backend to try ``spec`` compiles in this process,
+        else ``queue``."""
+        first = backend_order(spec, self.default_engine, llguidance=self.has(LLGUIDANCE))[0]
+        built = self._backends.get(first)
+        # (a backend not built yet comes from a factory: llguidance's, which builds here)
+        return self.build_queue if built is None or built.compiles_locally else self.queue
+
+    @property
+    def queues(self) -> tuple[FairQueue, FairQueue]:
+        """The compile queues: (remote or child-process compiles, builds in this process)."""
+        return self.queue, self.build_queue
+
+    def _overloaded(self, key: str, spec: GrammarSpec, running: _Inflight) -> None:
+        """``running``'s compile was refused a place in the queue (or gave its place to a
+        lighter client's): its askers get OVERLOADED (429, retry), nothing is cached."""
+        with self._lock:
+            self._forget(key, running)
+            self.stats.overloaded += 1
+            waiting = self.queue.waiting + self.build_queue.waiting
+        if not running.future.done():
+            running.future.set_exception(GrammarUnavailable(
+                f"this worker has {waiting} grammar compiles waiting (the limit is "
+                f"{self.queue.limit} a queue: grammar_cache.max_queued_compiles) and this client "
+                f"has its share of them; this new {spec.kind} grammar was not queued: retry "
+                "in a few seconds", ErrorKind.OVERLOADED))
 
     def give_up(self, spec: GrammarSpec, future: Future) -> None:
         """A waiter of ``future`` (``get_grammar(..., waiter=True)``) stopped waiting for
@@ -286,6 +329,10 @@ class GuidedDecodingManager:
             running.cancel.set()
             del self._inflight[key]  # the next ask starts a compile of its own
             self.stats.cancelled += 1
+        if any(q.drop(future) for q in self.queues):  # still queued: it never starts
+            future.set_exception(GrammarUnavailable(
+                f"the compile of this {spec.kind} grammar was cancelled (nobody waits for "
+                "it any more); retry"))
         logger.info("cancelled the compile of %s: nobody waits for it any more",
                     spec.describe())
 
@@ -353,18 +400,22 @@ class GuidedDecodingManager:
         """Compiles ``spec`` on the backends ``backend_order`` names, the first that takes
         it; raises GrammarError (GrammarUnavailable once ``cancel`` is set)."""
         order = backend_order(spec, self.default_engine, llguidance=self.has(LLGUIDANCE))
+        refusals: dict[str, EngineRefused] = {}
         for name in order:
             backend = self.backend(name)
             try:
                 if backend.compiles_locally:  # the cache's limit, as the cache applies it
                     spec.check_repetitions(self.max_repetition)
                 compiled = backend.compile(spec, client=client, cancel=cancel)
-            except EngineRefused:
+            except EngineRefused as exc:
                 if name == order[-1]:
                     raise
                 self.stats.count(name, "refusals")  # auto: served by the next backend
+                refusals[name] = exc
                 continue
             self.stats.count(name, "grammars")
+            # the grammar check reports them without compiling the spec again there
+            compiled.facts["refusals"] = refusals
             return compiled
         raise AssertionError("unreachable: the last backend's refusal is raised")
 
@@ -530,6 +581,8 @@ class GuidedDecodingManager:
         with self._lock:
             for running in self._inflight.values():
                 running.cancel.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for future in self.queue.close() + self.build_queue.close():
+            if not future.done():
+                future.set_exception(GrammarUnavailable("the engine is shutting down"))
         if self.compile_pool is not None:
             self.compile_pool.close()
