@@ -14,7 +14,8 @@ injects how grammars are fetched (``grammar_fetch``).
 
 What a request's grammar or thought changes is its guided part's (``Sequence.guide``,
 worker/guided/request.py): the engine calls its hooks (``attach`` on arrival, ``admit``
-when the grammar is ready, ``steer`` and ``after_sample`` after the draw, ``releasable``
+when the grammar is ready, ``begin_step`` first in a step, ``steer`` and ``after_sample``
+after the draw, ``resume`` for a row parked while its closing searched, ``releasable``
 for the stream, ``finish`` at the end) and knows nothing of closing, the loop guard,
 thoughts or the grammar libraries.
 

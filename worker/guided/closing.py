@@ -15,11 +15,13 @@ The search works for every grammar kind because it only uses the matcher:
     search  = uniform-cost (Dijkstra) up to ``limit`` tokens and ``max_expansions`` nodes
 
 Every search is bounded twice: by ``max_expansions`` nodes and by ``time_limit_s`` of the
-searching thread's CPU time (``CLOCK``), since it runs on the engine thread and stalls the
-whole batch, and a mask fill that is cheap in most states is costly deep inside free-form
-JSON, so a node cap alone does not bound the time. CPU time, not wall time: the same search
-gets the same answer however busy the machine is (with a wall-clock limit, a starved
-engine thread searched less and closed outputs differently). A search cut short answers
+searching thread's CPU time (``CLOCK``), since a mask fill that is cheap in most states is
+costly deep inside free-form JSON, so a node cap alone does not bound the time. CPU time,
+not wall time: the same search gets the same answer however busy the machine is (with a
+wall-clock limit, a starved engine thread searched less and closed outputs differently).
+The engine runs each search in slices (search_slices.py): where ``_late`` checks the
+clock, a search whose slice of the step is spent is suspended until the next step, and
+the time it was away does not count against its limit. A search cut short answers
 "not found, not exhausted", which the output policy treats as "do not know" (it retries a
 few tokens later, a few times).
 
@@ -83,8 +85,8 @@ class Completion:
 
 
 class CompletionSearch:
-    """Shortest grammar completion over one tokenizer (see module doc). Not thread-safe:
-    one instance serves the engine thread."""
+    """Shortest grammar completion over one tokenizer (see module doc). Not thread-safe,
+    and one search at a time: searches suspended in turn each run on a ``clone``."""
 
     def __init__(self, tokenizer_info: "xgr.TokenizerInfo",
                  encode: Callable[[str], list[int]] | None = None, *,

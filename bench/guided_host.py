@@ -1,0 +1,246 @@
+"""The guided stage's host cost, on what users send (issue 56).
+
+    python bench/guided_host.py [--quick | --smoke] [--json] [--no-record]
+
+(b) first, since it records what (a) replays: the default model, greedy, rows cycling
+through one mix of grammars (the client bench's models, a tool call's arguments, a regex,
+a choice, and two schemas with long required answers at budgets near their shortest
+output), guided against unguided (the same prompts, no grammar, EOS ignored, each row as
+many tokens as its guided answer had), at batch 8 and 32: output tokens a second, and the
+longest step over the median step. Every guided answer's validity is counted.
+
+(a) the tiny random-weight model (its forward nearly free, so the host is what is
+measured) at batch 64 and 256, each row replaying one of (b)'s recorded answers (its
+logits lean on the recorded token; where the output leaves the record, the model's own
+choice): host microseconds per row per decode step, guided and unguided (the same tokens,
+no grammar), the guided mask's parts per row (fill, apply, accept: ``StepTimings``), the
+searches' share (``search_cpu_ms``), and the longest step over the median.
+
+Keys: host_us_per_row_b64_guided, host_us_per_row_b64_unguided, host_us_per_row_b256_guided,
+host_us_per_row_b256_unguided, host_us_per_row_b64_<fill|apply|accept|search>,
+max_step_over_median_b64, ratio_guided_unguided_cpu_b8, ratio_guided_unguided_cpu_b32,
+ratio_long_answers_cpu_b8, max_step_over_median_cpu_b8, valid_share_cpu.
+--quick: batch 8 only in (b) and 64 only in (a); --smoke: the tiny model for both, small.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.clients import PROMPTS, Book, City, Order, Ticket  # noqa: E402
+from bench.report import finish, parser, smoke_model, table  # noqa: E402
+from core.grammar_spec import GrammarSpec  # noqa: E402
+from core.request import GenerationRequest, RequestOutput  # noqa: E402
+from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine.engine import LLMEngine  # noqa: E402
+from worker.engine.sampling import SamplingParams  # noqa: E402
+from worker.guided.output_policy import start_witness  # noqa: E402
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
+           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+LONG_OBJECTS = {"type": "object", "properties": {"items": {
+    "type": "array", "minItems": 12, "items": {
+        "type": "object", "properties": {k: {"type": "string", "minLength": 24}
+                                         for k in ("name", "detail", "source")},
+        "required": ["name", "detail", "source"]}}}, "required": ["items"]}
+LONG_STRINGS = {"type": "object", "properties": {"lines": {
+    "type": "array", "minItems": 16, "items": {"type": "string", "minLength": 24}}},
+    "required": ["lines"]}
+LONG = ("long_objects", "long_strings")
+
+
+def mix() -> list[tuple[str, GrammarSpec, str, int | None]]:
+    """(name, grammar, prompt, budget: None = 160, or near the shortest output)."""
+    rows = [(m.__name__.lower(), GrammarSpec.json_schema(m.model_json_schema()),
+             PROMPTS[m][0], None) for m in (City, Book, Ticket, Order)]
+    rows += [
+        ("tool_args", GrammarSpec.json_schema(WEATHER), "What is the weather in Oslo?", None),
+        ("regex", GrammarSpec.regex(r"\(\d{3}\) \d{3}-\d{4}"), "A phone number?", None),
+        ("choice", GrammarSpec.choice(["positive", "negative", "neutral"]),
+         "Is 'I love it' positive, negative or neutral?", None),
+        ("long_objects", GrammarSpec.json_schema(LONG_OBJECTS),
+         "List twelve museums with a detail and a source each.", 0),
+        ("long_strings", GrammarSpec.json_schema(LONG_STRINGS),
+         "Write sixteen lines about the sea.", 0)]
+    return rows
+
+
+def engine_of(model_dir, **cfg) -> LLMEngine:
+    return LLMEngine(EngineConfig(progress=False, **cfg), model_dir=model_dir)
+
+
+def budgets(engine, rows, default: int) -> list[int]:
+    """Each row's budget: ``default``, or for the long answers a fifth over the shortest
+    output known from the grammar's start (the schema's witness)."""
+    out = []
+    for name, spec, _, budget in rows:
+        if budget is None:
+            out.append(default)
+            continue
+        compiled = engine.guided.get_grammar(spec).result(timeout=600)
+        short = start_witness(spec, engine.guided.new_matcher(compiled), engine.guided.closer)
+        out.append(int(len(short) * 1.2) + 8 if short else default)
+    return out
+
+
+def run(engine, requests) -> tuple[dict, list[float], float]:
+    """Runs requests to the end: (outputs by id, decode step times, wall seconds)."""
+    for r in requests:
+        engine.add_request(r)
+    merged = {r.request_id: RequestOutput(r.request_id, logprobs=[]) for r in requests}
+    steps, began = [], time.perf_counter()
+    while engine.has_work():
+        t = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - t)
+        for o in outs:
+            merged[o.request_id].merge(o)
+    return merged, steps, time.perf_counter() - began
+
+
+def real_model(model_dir, batch: int, rows, record: dict, default: int = 160) -> dict:
+    """(b): guided, then unguided with each row's guided length; records the answers."""
+    engine = engine_of(model_dir, max_num_seqs=batch, num_kv_blocks=4096)
+    limits = budgets(engine, rows, default)
+    picks = [i % len(rows) for i in range(batch)]
+    guided = [GenerationRequest([{"role": "user", "content": rows[k][2]}],
+                                SamplingParams(max_new_tokens=limits[k], temperature=0.0),
+                                grammar=rows[k][1]) for k in picks]
+    outs, steps, wall = run(engine, guided)
+    for k, r in zip(picks, guided):
+        record.setdefault(rows[k][0], outs[r.request_id].token_ids)
+    valid = [outs[r.request_id].validation for r in guided
+             if outs[r.request_id].validation is not None]
+    lengths = [len(outs[r.request_id].token_ids) for r in guided]
+    plain = [GenerationRequest([{"role": "user", "content": rows[k][2]}],
+                               SamplingParams(max_new_tokens=max(n, 1), temperature=0.0,
+                                              ignore_eos=True))
+             for k, n in zip(picks, lengths)]
+    _, psteps, pwall = run(engine, plain)
+    long_rows = [i for i, k in enumerate(picks) if rows[k][0] in LONG]
+    return {"guided_tok_s": sum(lengths) / wall, "plain_tok_s": sum(lengths) / pwall,
+            "max_over_median": max(steps) / statistics.median(steps),
+            "max_step_ms": max(steps) * 1000, "valid": valid.count("valid"),
+            "judged": len(valid), "long_tokens": sum(lengths[i] for i in long_rows),
+            "search_ms": engine.stats().search_cpu_ms}
+
+
+def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
+    """(a): the tiny model at ``batch`` rows replaying recorded answers."""
+    engine = engine_of(model_dir, max_num_seqs=batch, num_kv_blocks=8 * batch + 256,
+                       max_num_batched_tokens=max(2048, 8 * batch))
+    names = [n for n, *_ in rows if record.get(n)]
+    by_name = {n: (spec, prompt) for n, spec, prompt, _ in rows}
+    script: dict[str, list[int]] = {}
+    reqs = []
+    for i in range(batch):
+        name = names[i % len(names)]
+        spec, prompt = by_name[name]
+        tokens = record[name]
+        r = GenerationRequest([{"role": "user", "content": prompt}],
+                              SamplingParams(max_new_tokens=len(tokens) + (8 if guided else 0),
+                                             temperature=0.0, ignore_eos=not guided),
+                              grammar=spec if guided else None)
+        script[r.request_id] = tokens
+        reqs.append(r)
+    forward = engine.runner.run
+
+    def scripted(scheduled):
+        logits, rows_ = forward(scheduled)
+        idx, want = [], []
+        for i, s in enumerate([s for s in scheduled if s.samples]):
+            rec, out = script[s.seq.request_id], s.seq.output_ids
+            if len(out) < len(rec) and out == rec[:len(out)]:
+                idx.append(i)
+                want.append(rec[len(out)])
+        if idx:
+            with torch.inference_mode():  # (the logits are an inference tensor)
+                logits[torch.tensor(idx), torch.tensor(want)] += 1e4
+        return logits, rows_
+
+    engine.runner.run = scripted
+    for r in reqs:
+        engine.add_request(r)
+    per_row, parts, steps = [], {"fill": [], "apply": [], "accept": []}, []
+    while engine.has_work():
+        t = time.perf_counter()
+        engine.step()
+        took = time.perf_counter() - t
+        n = len(engine.scheduler.running)
+        if n >= batch * 3 // 4 and engine.num_steps > 2:  # decode steps of a full batch
+            per_row.append(took / n * 1e6)
+            steps.append(took)
+            tm = engine.last_timings
+            if tm is not None and tm.guided_rows:
+                parts["fill"].append(tm.fill_wait_us / n)
+                parts["apply"].append(tm.apply_us / n)
+                parts["accept"].append(tm.accept_us / n)
+    stats = engine.stats()
+    out = {"us_per_row": statistics.median(per_row) if per_row else 0.0,
+           "max_over_median": max(steps) / statistics.median(steps) if steps else 0.0,
+           "search_us_per_row": stats.search_cpu_ms * 1000 / max(1, sum(
+               len(v) for v in script.values()))}
+    out.update({k: statistics.median(v) if v else 0.0 for k, v in parts.items()})
+    return out
+
+
+def main(argv=None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    torch.set_num_threads(1)
+    from worker.models.gguf_convert import ensure_converted
+    tiny = smoke_model()
+    real = tiny if args.smoke else ensure_converted(None, progress=False)
+    rows = mix()
+    record: dict[str, list[int]] = {}
+    figures, lines = {}, []
+    for b in ([4] if args.smoke else [8] if args.quick else [8, 32]):
+        res = real_model(real, b, rows, record, 48 if args.smoke else 160)
+        figures[f"ratio_guided_unguided_cpu_b{b}"] = res["guided_tok_s"] / res["plain_tok_s"]
+        figures[f"max_step_over_median_cpu_b{b}"] = res["max_over_median"]
+        lines.append([f"(b) batch {b}", f"{res['guided_tok_s']:.1f}", f"{res['plain_tok_s']:.1f}",
+                      res["guided_tok_s"] / res["plain_tok_s"], res["max_over_median"],
+                      f"{res['max_step_ms']:.0f}", f"{res['valid']}/{res['judged']}",
+                      res["search_ms"]])
+        figures.setdefault("valid_share_cpu", res["valid"] / max(1, res["judged"]))
+    if not args.smoke:  # the long answers alone, batch 8
+        longs = [r for r in rows if r[0] in LONG]
+        res = real_model(real, 8, longs, record)
+        figures["ratio_long_answers_cpu_b8"] = res["guided_tok_s"] / res["plain_tok_s"]
+        lines.append(["(b) long answers, batch 8", f"{res['guided_tok_s']:.1f}",
+                      f"{res['plain_tok_s']:.1f}", res["guided_tok_s"] / res["plain_tok_s"],
+                      res["max_over_median"], f"{res['max_step_ms']:.0f}",
+                      f"{res['valid']}/{res['judged']}", res["search_ms"]])
+    host = []
+    for b in ([16] if args.smoke else [64] if args.quick else [64, 256]):
+        g = replay(tiny, b, rows, record, guided=True)
+        u = replay(tiny, b, rows, record, guided=False)
+        figures[f"host_us_per_row_b{b}_guided"] = g["us_per_row"]
+        figures[f"host_us_per_row_b{b}_unguided"] = u["us_per_row"]
+        if b == 64 or args.smoke:
+            figures[f"max_step_over_median_b{b}"] = g["max_over_median"]
+            for part in ("fill", "apply", "accept"):
+                figures[f"host_us_per_row_b{b}_{part}"] = g[part]
+            figures[f"host_us_per_row_b{b}_search"] = g["search_us_per_row"]
+        host.append([f"(a) batch {b}", g["us_per_row"], u["us_per_row"], g["fill"],
+                     g["apply"], g["accept"], g["search_us_per_row"], g["max_over_median"]])
+    body = ("(b) the default model (tiny in --smoke), greedy, guided vs unguided:\n\n"
+            + table(["run", "guided tok/s", "unguided tok/s", "ratio", "max/median step",
+                     "max step ms", "valid", "search ms"], lines)
+            + "\n\n(a) the tiny model replaying (b)'s answers, host us per row per decode "
+            "step (fill: the wait for the mask after the forward; search: the searches' "
+            "CPU per output token):\n\n"
+            + table(["run", "guided", "unguided", "fill", "apply", "accept", "search",
+                     "max/median step"], host))
+    finish("guided_host", body, figures, args)
+
+
+if __name__ == "__main__":
+    main()
