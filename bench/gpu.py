@@ -80,6 +80,11 @@ def guided_schema(new: int) -> dict:
 ENGINES = ("auto", "xgrammar", "llguidance")
 
 
+def live(engine) -> int:
+    """Rows in the batch: running, or parked while their closing search goes on."""
+    return len(engine.scheduler.running) + len(engine.scheduler.parked)
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -143,7 +148,7 @@ def decode_tok_s(engine, batch: int, new: int, plen: int, params: dict | None = 
             for i, p in enumerate(prompts(engine.tokenizer, batch, plen, seed=batch))]
     for r in reqs:
         engine.add_request(r)
-    while engine.waiting_for_grammar or engine.scheduler.waiting or any(
+    while engine.waiting_for_grammar or engine.scheduler.waiting or engine.scheduler.parked or any(
             s.num_pending > 1 or s.num_computed < s.num_prompt
             for s in engine.scheduler.running):
         engine.step()
@@ -151,7 +156,8 @@ def decode_tok_s(engine, batch: int, new: int, plen: int, params: dict | None = 
     times = []
     seqs = list(engine.scheduler.running)
     first = 0
-    while len(engine.scheduler.running) == batch and len(times) < new:
+    # a row parked on its closing search (search_slices) is still in the batch
+    while live(engine) == batch and len(times) < new:
         sync(dev)
         t = time.perf_counter()
         engine.step()

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu import SHAPES, guided_schema, prompts, random_model, sync  # noqa: E402
+from bench.gpu import SHAPES, guided_schema, live, prompts, random_model, sync  # noqa: E402
 from core.grammar_spec import GrammarSpec  # noqa: E402
 from core.request import GenerationRequest  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
@@ -38,7 +38,7 @@ def run(engine, batch: int, new: int, grammar, top: int) -> str:
             for i, p in enumerate(prompts(engine.tokenizer, batch, 128, seed=batch))]
     for r in reqs:
         engine.add_request(r)
-    while engine.waiting_for_grammar or engine.scheduler.waiting or any(
+    while engine.waiting_for_grammar or engine.scheduler.waiting or engine.scheduler.parked or any(
             s.num_pending > 1 for s in engine.scheduler.running):
         engine.step()
     dev = engine.runner.device
@@ -46,7 +46,8 @@ def run(engine, batch: int, new: int, grammar, top: int) -> str:
         engine.step()
     times, parts = [], []
     prof = cProfile.Profile()
-    while len(engine.scheduler.running) == batch and len(times) < new:
+    # a row parked on its closing search (search_slices) is still in the batch
+    while live(engine) == batch and len(times) < new:
         sync(dev)
         t = time.perf_counter()
         prof.enable()
@@ -59,6 +60,8 @@ def run(engine, batch: int, new: int, grammar, top: int) -> str:
         engine.abort(r.request_id)
     while engine.has_work():
         engine.step()
+    if not times:
+        raise RuntimeError(f"no step ran the whole batch of {batch}")
     out = io.StringIO()
     med = statistics.median(times) * 1e3
     out.write(f"batch {batch} {'guided' if grammar else 'unguided'}: {len(times)} steps, "
