@@ -171,15 +171,17 @@ async def http_round(session: aiohttp.ClientSession, url: str, model: str, n_req
 
 def row(name: str, rounds: list[Round], engine_rate: float) -> tuple[list, float]:
     rate = statistics.median(r.tok_s for r in rounds)
-    tpot = [t for r in rounds for t in r.tpot()]
+    tpot = [t for r in rounds for t in r.tpot() if r.tokens_per_chunk < max(r.tokens.values())]
     per_chunk = statistics.median(r.tokens_per_chunk for r in rounds)
-    return [name, f"{rate:.0f}", f"{rate / engine_rate:.2f}",
-            f"{pct(tpot, 50) * 1e3:.1f} / {pct(tpot, 99) * 1e3:.1f}",
+    return [name, f"{rate:.0f}", f"{rate / engine_rate:.2f}" if engine_rate else "1.00",
+            f"{pct(tpot, 50) * 1e3:.1f} / {pct(tpot, 99) * 1e3:.1f}" if tpot else "-",
             f"{per_chunk:.1f}"], rate
 
 
 def main() -> None:
-    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    ap = parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64,256", help="concurrent requests, comma-separated")
+    args = ap.parse_args()
     import ray
 
     from cluster.launch import free_port
@@ -189,7 +191,7 @@ def main() -> None:
 
     model = tiny_model()
     n_tok = 8 if args.smoke else 256
-    sizes = (4,) if args.smoke else (64, 256)
+    sizes = (4,) if args.smoke else tuple(int(n) for n in args.sizes.split(","))
     rounds = 1 if args.quick or args.smoke else 3
     engine = LLMEngine(EngineConfig(**engine_config(model)))
     cfg = engine_config(model)
@@ -224,7 +226,7 @@ def main() -> None:
                                        ("ray", "through Ray (RuntimeClient)"),
                                        ("http", "through HTTP, not streamed"),
                                        ("http_stream", "through HTTP, streamed")):
-                        cells, rate = row(label, ways[way], base or 1.0)
+                        cells, rate = row(label, ways[way], base)
                         if base is None:
                             base = rate
                             figs[f"engine_tok_s_{n}"] = round(rate, 1)

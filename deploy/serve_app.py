@@ -618,12 +618,16 @@ class OpenAIServer:
             for event in assembler.start():
                 yield event
             while assembler.remaining:
-                i, chunk = await queue.get()
-                if not first_token_seen and chunk.token_ids:
+                gained = _drain(await queue.get(), queue)
+                if not first_token_seen and any(c.token_ids for c in gained.values()):
                     first_token_seen = True
                     self._metrics.ttft(time.monotonic() - started)
-                for event in assembler.feed(i, chunk):
-                    yield event
+                # one write for everything that came while the last one was sent: a
+                # client that keeps up gets each chunk as it comes, a slow one fewer,
+                # larger events instead of a backlog of one-token events
+                events = [e for i, chunk in gained.items() for e in assembler.feed(i, chunk)]
+                if events:
+                    yield "".join(events)
             self._metrics.tokens(assembler.completion_tokens)
             for event in assembler.finish():
                 yield event
@@ -632,6 +636,21 @@ class OpenAIServer:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._end_temp_session(plan)
+
+
+def _drain(item: tuple, queue: asyncio.Queue) -> dict:
+    """``item`` and whatever else ``queue`` holds now, as one merged chunk per choice (in
+    the order the choices first came)."""
+    gained: dict[int, RequestOutput] = {}
+    while True:
+        i, chunk = item
+        if i in gained:
+            gained[i].merge(chunk)
+        else:
+            gained[i] = chunk
+        if queue.empty():
+            return gained
+        item = queue.get_nowait()
 
 
 def build_app(args: dict[str, Any] | None = None):
