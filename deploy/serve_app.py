@@ -106,6 +106,21 @@ def _refuse_open(settings: AppSettings, host: str | None) -> None:
                        "this address can use the endpoint", host)
 
 
+def _drain(item: tuple, queue: asyncio.Queue) -> dict:
+    """``item`` and whatever else ``queue`` holds now, as one merged chunk per choice (in
+    the order the choices first came)."""
+    gained: dict[int, RequestOutput] = {}
+    while True:
+        i, chunk = item
+        if i in gained:
+            gained[i].merge(chunk)
+        else:
+            gained[i] = chunk
+        if queue.empty():
+            return gained
+        item = queue.get_nowait()
+
+
 # the docs routes are ours (below), so they follow the API key like every other route
 fastapi_app = FastAPI(title="rayguide", version="0.1.0", docs_url=None, redoc_url=None,
                       openapi_url=None,
@@ -636,21 +651,6 @@ class OpenAIServer:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._end_temp_session(plan)
-
-
-def _drain(item: tuple, queue: asyncio.Queue) -> dict:
-    """``item`` and whatever else ``queue`` holds now, as one merged chunk per choice (in
-    the order the choices first came)."""
-    gained: dict[int, RequestOutput] = {}
-    while True:
-        i, chunk = item
-        if i in gained:
-            gained[i].merge(chunk)
-        else:
-            gained[i] = chunk
-        if queue.empty():
-            return gained
-        item = queue.get_nowait()
 
 
 def build_app(args: dict[str, Any] | None = None):

@@ -1,0 +1,86 @@
+"""The replica's SSE writer (deploy/serve_app.py ``_sse``) without Ray: what came from the
+runtime while the last write was sent goes out as one write, each choice's chunks merged,
+so a slow client gets fewer, larger events and the same text, finish and usage."""
+
+import asyncio
+import json
+
+import pytest
+
+import deploy.serve_app as serve_app
+from core.request import RequestOutput
+from deploy import openai_api as api
+from deploy.metrics import Metrics
+from deploy.settings import Limits
+
+pytestmark = pytest.mark.unit
+
+SERVER = getattr(serve_app.OpenAIServer, "func_or_class", serve_app.OpenAIServer)
+
+
+def plan(n):
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": n, "stream": True,
+            "stream_options": {"include_usage": True}}
+    return api.plan_chat(api.parse_request(api.ChatCompletionRequest, body), Limits(),
+                         api.Served(None, {}))
+
+
+def server():
+    s = SERVER.__new__(SERVER)
+    s._metrics, s._models = Metrics(), ["m"]
+
+    async def no_session(_plan):
+        return None
+
+    s._end_temp_session = no_session
+    return s
+
+
+async def stream_of(chunks):
+    for c in chunks:
+        yield c
+
+
+def choice_chunks(rid, words):
+    return [RequestOutput(rid, w, [k], finished=k == len(words) - 1,
+                          finish_reason="length" if k == len(words) - 1 else None,
+                          prompt_tokens=3, completion_tokens=k + 1)
+            for k, w in enumerate(words)]
+
+
+def test_what_waited_goes_out_as_one_write_per_round():
+    p = plan(2)
+    words = [["a", "b", "c", "d"], ["x", "y", "z"]]
+    chunks = [choice_chunks(r.request_id, w) for r, w in zip(p.requests, words)]
+    opened = [(stream_of(c[1:]), c[0]) for c in chunks]
+
+    async def main():
+        writes = []
+        async for write in server()._sse(p, opened, 0.0):
+            writes.append(write)
+            await asyncio.sleep(0)  # the client takes its time: the chunks wait meanwhile
+        return writes
+
+    writes = asyncio.run(main())
+    events = [json.loads(e[len("data: "):]) for w in writes
+              for e in w.split("\n\n") if e.startswith("data: {")]
+    content_events = [e for e in events if e["choices"] and e["choices"][0]["delta"].get(
+        "content")]
+    assert len(content_events) < sum(map(len, words))  # merged, not one event a chunk
+    for i, w in enumerate(words):
+        mine = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["index"] == i]
+        assert "".join(c["delta"].get("content", "") for c in mine) == "".join(w)
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
+    assert events[-1]["usage"]["completion_tokens"] == 7
+    assert writes[-1].endswith("data: [DONE]\n\n")
+
+
+def test_drain_merges_each_choice_in_the_order_it_came():
+    queue = asyncio.Queue()
+    for item in [(1, RequestOutput("b", "y", [2])), (0, RequestOutput("a", "q", [3])),
+                 (1, RequestOutput("b", "z", [4], finished=True))]:
+        queue.put_nowait(item)
+    gained = serve_app._drain((0, RequestOutput("a", "p", [1])), queue)
+    assert list(gained) == [0, 1] and queue.empty()
+    assert (gained[0].text, gained[0].token_ids) == ("pq", [1, 3])
+    assert (gained[1].text, gained[1].token_ids, gained[1].finished) == ("yz", [2, 4], True)
