@@ -87,14 +87,14 @@ class WorkerChannel:
                         inbox.put(out)
             error: BaseException = ConnectionError(
                 f"worker {self.worker_id} ended its channel")
-        except asyncio.CancelledError:
-            error = ConnectionError(f"the channel to worker {self.worker_id} was closed")
+        except asyncio.CancelledError:  # the event loop ends
+            self._fail(ConnectionError(f"the channel to worker {self.worker_id} was closed"))
+            raise
         except Exception as exc:  # noqa: BLE001 - each request decides (failover, error)
             error = exc
+        self._fail(error)
+
+    def _fail(self, error: BaseException) -> None:
         self.failed = error
         for inbox in list(self.inboxes.values()):
             inbox.fail(error)
-
-    def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()

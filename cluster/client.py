@@ -208,9 +208,9 @@ class RuntimeClient:
 
     def _forget_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
-        channel = self._channels.pop(worker_id, None)
-        if channel is not None:
-            channel.stop()
+        # its channel fails on its own with the worker's death, and its other requests
+        # continue elsewhere from that; the next request to this worker opens a new one
+        self._channels.pop(worker_id, None)
         for sid in [s for s, w in self._sessions.items() if w == worker_id]:
             del self._sessions[sid]
 
