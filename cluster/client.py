@@ -42,6 +42,12 @@ _WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 INFRASTRUCTURE_ERRORS = (*_WORKER_GONE, GetTimeoutError)
 
 
+def _actor_id(handle):
+    """Which actor a handle reaches (each route brings a new handle object; a worker
+    rebuilt under the same name is another actor)."""
+    return getattr(handle, "_actor_id", handle)
+
+
 @dataclasses.dataclass
 class RuntimeClientStats:
     """A front end's runtime client: counters, and gauges filled in by ``stats()``
@@ -326,7 +332,7 @@ class RuntimeClient:
         worker_id, loop = route["worker_id"], asyncio.get_running_loop()
         channel = self._channels.get(worker_id)
         if (channel is None or channel.failed is not None or channel.loop is not loop
-                or channel.handle is not route["handle"]):
+                or _actor_id(channel.handle) != _actor_id(route["handle"])):
             channel = self._channels[worker_id] = WorkerChannel(route["handle"], worker_id)
         return channel
 

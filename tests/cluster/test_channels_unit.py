@@ -4,6 +4,7 @@ a bad request fails at submit, and a channel that fails mid-stream (the worker d
 continues its requests on another worker from exactly the tokens they streamed."""
 
 import asyncio
+import copy
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -26,6 +27,7 @@ class _ChannelWorker:
 
     def __init__(self, worker_id, script):
         self.worker_id, self.script = worker_id, script
+        self._actor_id = f"actor-{worker_id}"
         self.requests, self.channels, self.aborted = [], [], []
         self.queue = asyncio.Queue()
         self.submit = _Method(self._submit)
@@ -65,7 +67,8 @@ def client_over(*workers):
 
     async def route(session_id, expected, family, died_on):
         live = [w for w in workers if w.worker_id not in died_on]
-        return {"worker_id": live[0].worker_id, "handle": live[0]}
+        # each route brings its own handle object for the same actor, as Ray's do
+        return {"worker_id": live[0].worker_id, "handle": copy.copy(live[0])}
 
     async def reported(worker_id):
         return None
