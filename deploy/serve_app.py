@@ -191,6 +191,7 @@ class OpenAIServer:
         self._served = api.Served()
         self._metrics = Metrics()
         self._cache = None  # the grammar cache actor's handle, for /metrics
+        self._open_streams = 0  # SSE streams writing now (they share stream_events_per_s)
 
     # endpoints --------------------------------------------------------------------------
 
@@ -605,9 +606,18 @@ class OpenAIServer:
         return StreamingResponse(self._sse(plan, opened, started),
                                  media_type="text/event-stream")
 
+    def _write_gap(self) -> float:
+        """Seconds a stream lets pass between two writes: its share of the replica's
+        ``stream_events_per_s``, at most ``stream_interval_ms``. What a stream gains
+        meanwhile goes out in its next write (each SSE event costs the replica, Serve's
+        proxy and the client about the same whatever it holds)."""
+        s = self.settings
+        return min(s.stream_interval_ms / 1e3, self._open_streams / s.stream_events_per_s)
+
     async def _sse(self, plan: Plan, opened: list, started: float) -> AsyncIterator[str]:
         """Pumps every choice's stream into one queue and writes what StreamAssembler
-        makes of each chunk; samples interleave as they are produced."""
+        makes of it: all that came since the last write, one event per choice, at most
+        every ``_write_gap()``; samples interleave as they are produced."""
         assembler = responses.StreamAssembler(plan, self._model(plan))
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -629,11 +639,17 @@ class OpenAIServer:
 
         tasks = [asyncio.ensure_future(pump(i)) for i in range(len(opened))]
         first_token_seen = False
+        last_write = None
+        self._open_streams += 1
         try:
             for event in assembler.start():
                 yield event
             while assembler.remaining:
-                gained = _drain(await queue.get(), queue)
+                item = await queue.get()
+                if last_write is not None:
+                    await asyncio.sleep(max(0.0, last_write + self._write_gap()
+                                            - time.monotonic()))
+                gained = _drain(item, queue)
                 if not first_token_seen and any(c.token_ids for c in gained.values()):
                     first_token_seen = True
                     self._metrics.ttft(time.monotonic() - started)
@@ -643,10 +659,12 @@ class OpenAIServer:
                 events = [e for i, chunk in gained.items() for e in assembler.feed(i, chunk)]
                 if events:
                     yield "".join(events)
+                    last_write = time.monotonic()
             self._metrics.tokens(assembler.completion_tokens)
             for event in assembler.finish():
                 yield event
         finally:  # normal end, or the client disconnected and Serve cancelled us
+            self._open_streams -= 1
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

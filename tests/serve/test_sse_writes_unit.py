@@ -11,7 +11,7 @@ import deploy.serve_app as serve_app
 from core.request import RequestOutput
 from deploy import openai_api as api
 from deploy.metrics import Metrics
-from deploy.settings import Limits
+from deploy.settings import AppSettings, Limits
 
 pytestmark = pytest.mark.unit
 
@@ -25,9 +25,10 @@ def plan(n):
                          api.Served(None, {}))
 
 
-def server():
+def server(**settings):
     s = SERVER.__new__(SERVER)
-    s._metrics, s._models = Metrics(), ["m"]
+    s._metrics, s._models, s._open_streams = Metrics(), ["m"], 0
+    s.settings = AppSettings(**settings)
 
     async def no_session(_plan):
         return None
@@ -84,3 +85,34 @@ def test_drain_merges_each_choice_in_the_order_it_came():
     assert list(gained) == [0, 1] and queue.empty()
     assert (gained[0].text, gained[0].token_ids) == ("pq", [1, 3])
     assert (gained[1].text, gained[1].token_ids, gained[1].finished) == ("yz", [2, 4], True)
+
+
+def test_the_write_gap_is_a_share_of_the_replicas_events_capped_by_the_interval():
+    s = server(stream_events_per_s=1000, stream_interval_ms=50)
+    s._open_streams = 1
+    assert s._write_gap() == pytest.approx(0.001)  # a lone stream: every step's token
+    s._open_streams = 20
+    assert s._write_gap() == pytest.approx(0.02)
+    s._open_streams = 256
+    assert s._write_gap() == pytest.approx(0.05)  # never longer than the interval
+
+
+def test_a_stream_that_waits_for_its_gap_sends_its_gain_in_one_write():
+    """With a gap of the whole interval, everything after the first write comes in one."""
+    p = plan(1)
+    words = ["a", "b", "c", "d", "e"]
+    (req,) = p.requests
+    chunks = choice_chunks(req.request_id, words)
+
+    async def slow(rest):
+        for c in rest:
+            await asyncio.sleep(0)
+            yield c
+
+    async def main():
+        s = server(stream_events_per_s=1e-3, stream_interval_ms=200)
+        return [w async for w in s._sse(p, [(slow(chunks[1:]), chunks[0])], 0.0)]
+
+    writes = asyncio.run(main())
+    content = [w for w in writes if '"content": "' in w and '"content": ""' not in w]
+    assert len(content) == 2 and '"a"' in content[0] and '"bcde"' in content[1]
