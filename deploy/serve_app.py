@@ -607,19 +607,22 @@ class OpenAIServer:
                                  media_type="text/event-stream")
 
     def _write_gap(self) -> float:
-        """Seconds a stream lets pass between two writes: its share of the replica's
-        ``stream_events_per_s``, at most ``stream_interval_ms``. What a stream gains
+        """Seconds a stream lets pass between two writes: the other open streams' share of
+        the replica's ``stream_events_per_s``, at most ``stream_interval_ms``. What a stream gains
         meanwhile goes out in its next write (each SSE event costs the replica, Serve's
         proxy and the client about the same whatever it holds)."""
         s = self.settings
-        return min(s.stream_interval_ms / 1e3, self._open_streams / s.stream_events_per_s)
+        others = max(0, self._open_streams - 1)  # a lone stream writes every token at once
+        return min(s.stream_interval_ms / 1e3, others / s.stream_events_per_s)
 
     async def _sse(self, plan: Plan, opened: list, started: float) -> AsyncIterator[str]:
         """Pumps every choice's stream into one queue and writes what StreamAssembler
         makes of it: all that came since the last write, one event per choice, at most
         every ``_write_gap()``; samples interleave as they are produced."""
         assembler = responses.StreamAssembler(plan, self._model(plan))
-        queue: asyncio.Queue = asyncio.Queue()
+        # bounded: while the writer waits for its gap, a choice's chunks gather (merged)
+        # in the runtime client's inbox instead of passing through here one by one
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(opened))
 
         async def pump(i: int) -> None:
             stream, first = opened[i]
