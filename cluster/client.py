@@ -14,6 +14,7 @@ one door into the runtime, so deploy/ imports nothing below cluster/ but core/.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -24,6 +25,7 @@ import ray
 from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError,
                             RayActorError)
 
+from cluster.channels import WorkerChannel
 from core.backoff import backoff
 from core.errors import ErrorKind, GrammarUnavailable, NoWorkers
 from core.grammar_spec import GrammarSpec, grammar_id, is_grammar_id
@@ -39,6 +41,12 @@ logger = logging.getLogger(__name__)
 _WORKER_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 # what a front end sees when the runtime underneath fails (not a bug, not the client's)
 INFRASTRUCTURE_ERRORS = (*_WORKER_GONE, GetTimeoutError)
+
+
+def _actor_id(handle):
+    """Which actor a handle reaches (each route brings a new handle object; a worker
+    rebuilt under the same name is another actor)."""
+    return getattr(handle, "_actor_id", handle)
 
 
 @dataclasses.dataclass
@@ -98,6 +106,7 @@ class RuntimeClient:
         # actor holds the cluster's
         self._checked = CheckedGrammars(max_bytes=16 * 2**20)
         self._cache = None
+        self._channels: dict[str, WorkerChannel] = {}  # worker id -> this client's channel
 
     async def _call_scheduler(self, method: str, *args):
         """A scheduler call that rides out a scheduler restart: Ray restarts the actor
@@ -206,6 +215,9 @@ class RuntimeClient:
 
     def _forget_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        # its channel fails on its own with the worker's death, and its other requests
+        # continue elsewhere from that; the next request to this worker opens a new one
+        self._channels.pop(worker_id, None)
         for sid in [s for s, w in self._sessions.items() if w == worker_id]:
             del self._sessions[sid]
 
@@ -232,14 +244,14 @@ class RuntimeClient:
             self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
             finished = False
             try:
-                async for ref in route["handle"].generate.remote(current):
-                    chunk = await ref
-                    finished = chunk.finished
-                    if current is not request:  # a continuation speaks for the original
-                        chunk.request_id = request.request_id
-                    emitted.extend(chunk.token_ids)
-                    emitted_text.append(chunk.text)
-                    yield chunk
+                async with contextlib.aclosing(self._chunks(route, current)) as chunks:
+                    async for chunk in chunks:
+                        finished = chunk.finished
+                        if current is not request:  # a continuation speaks for the original
+                            chunk.request_id = request.request_id
+                        emitted.extend(chunk.token_ids)
+                        emitted_text.append(chunk.text)
+                        yield chunk
                 return
             except _WORKER_GONE as exc:
                 finished = True  # nothing left to abort there
@@ -293,6 +305,37 @@ class RuntimeClient:
                         pass
         raise NoWorkers(f"the request failed on {self.max_attempts} workers in a row "
                         "(each died before answering)")
+
+    async def _chunks(self, route: dict, request: GenerationRequest
+                      ) -> AsyncIterator[RequestOutput]:
+        """The request's chunks from its worker: through this client's channel to the
+        worker (cluster/channels.py), or, from a worker without one, its own stream."""
+        handle = route["handle"]
+        if not hasattr(handle, "submit"):
+            async for ref in handle.generate.remote(request):
+                yield await ref
+            return
+        channel = self._channel(route)
+        inbox = channel.open(request.request_id)
+        try:
+            await handle.submit.remote(request, channel.channel_id)
+            while True:
+                chunk = await inbox.take()
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            channel.close(request.request_id)
+
+    def _channel(self, route: dict) -> WorkerChannel:
+        """This event loop's open channel to the route's worker (a new one after the
+        last failed)."""
+        worker_id, loop = route["worker_id"], asyncio.get_running_loop()
+        channel = self._channels.get(worker_id)
+        if (channel is None or channel.failed is not None or channel.loop is not loop
+                or _actor_id(channel.handle) != _actor_id(route["handle"])):
+            channel = self._channels[worker_id] = WorkerChannel(route["handle"], worker_id)
+        return channel
 
     async def _route_after_deaths(self, session_id, expected: int, family,
                                   died_on: set[str]) -> dict:

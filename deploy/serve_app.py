@@ -106,6 +106,21 @@ def _refuse_open(settings: AppSettings, host: str | None) -> None:
                        "this address can use the endpoint", host)
 
 
+def _drain(item: tuple, queue: asyncio.Queue) -> dict:
+    """``item`` and whatever else ``queue`` holds now, as one merged chunk per choice (in
+    the order the choices first came)."""
+    gained: dict[int, RequestOutput] = {}
+    while True:
+        i, chunk = item
+        if i in gained:
+            gained[i].merge(chunk)
+        else:
+            gained[i] = chunk
+        if queue.empty():
+            return gained
+        item = queue.get_nowait()
+
+
 # the docs routes are ours (below), so they follow the API key like every other route
 fastapi_app = FastAPI(title="rayguide", version="0.1.0", docs_url=None, redoc_url=None,
                       openapi_url=None,
@@ -176,6 +191,7 @@ class OpenAIServer:
         self._served = api.Served()
         self._metrics = Metrics()
         self._cache = None  # the grammar cache actor's handle, for /metrics
+        self._open_streams = 0  # SSE streams writing now (they share stream_events_per_s)
 
     # endpoints --------------------------------------------------------------------------
 
@@ -595,11 +611,23 @@ class OpenAIServer:
         return StreamingResponse(self._sse(plan, opened, started),
                                  media_type="text/event-stream")
 
+    def _write_gap(self) -> float:
+        """Seconds a stream lets pass between two writes: the other open streams' share of
+        the replica's ``stream_events_per_s``, at most ``stream_interval_ms``. What a stream gains
+        meanwhile goes out in its next write (each SSE event costs the replica, Serve's
+        proxy and the client about the same whatever it holds)."""
+        s = self.settings
+        others = max(0, self._open_streams - 1)  # a lone stream writes every token at once
+        return min(s.stream_interval_ms / 1e3, others / s.stream_events_per_s)
+
     async def _sse(self, plan: Plan, opened: list, started: float) -> AsyncIterator[str]:
         """Pumps every choice's stream into one queue and writes what StreamAssembler
-        makes of each chunk; samples interleave as they are produced."""
+        makes of it: all that came since the last write, one event per choice, at most
+        every ``_write_gap()``; samples interleave as they are produced."""
         assembler = responses.StreamAssembler(plan, self._model(plan))
-        queue: asyncio.Queue = asyncio.Queue()
+        # bounded: while the writer waits for its gap, a choice's chunks gather (merged)
+        # in the runtime client's inbox instead of passing through here one by one
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(opened))
 
         async def pump(i: int) -> None:
             stream, first = opened[i]
@@ -619,20 +647,32 @@ class OpenAIServer:
 
         tasks = [asyncio.ensure_future(pump(i)) for i in range(len(opened))]
         first_token_seen = False
+        last_write = None
+        self._open_streams += 1
         try:
             for event in assembler.start():
                 yield event
             while assembler.remaining:
-                i, chunk = await queue.get()
-                if not first_token_seen and chunk.token_ids:
+                item = await queue.get()
+                if last_write is not None:
+                    await asyncio.sleep(max(0.0, last_write + self._write_gap()
+                                            - time.monotonic()))
+                gained = _drain(item, queue)
+                if not first_token_seen and any(c.token_ids for c in gained.values()):
                     first_token_seen = True
                     self._metrics.ttft(time.monotonic() - started)
-                for event in assembler.feed(i, chunk):
-                    yield event
+                # one write for everything that came while the last one was sent: a
+                # client that keeps up gets each chunk as it comes, a slow one fewer,
+                # larger events instead of a backlog of one-token events
+                events = [e for i, chunk in gained.items() for e in assembler.feed(i, chunk)]
+                if events:
+                    yield "".join(events)
+                    last_write = time.monotonic()
             self._metrics.tokens(assembler.completion_tokens)
             for event in assembler.finish():
                 yield event
         finally:  # normal end, or the client disconnected and Serve cancelled us
+            self._open_streams -= 1
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

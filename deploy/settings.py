@@ -59,6 +59,13 @@ class AppSettings(BaseModel):
     # (Serve's backpressure) instead of waiting in an unbounded queue; -1: unbounded
     max_queued_requests: int = Field(512, ge=-1)
     backpressure_retry_after_s: float = Field(1.0, ge=0, allow_inf_nan=False)
+    # SSE writes: each costs the replica, Serve's proxy and the client about the same
+    # whatever it holds, so a replica's open streams share about stream_events_per_s
+    # writes a second: a stream writes what it gained at most every (other open streams /
+    # stream_events_per_s) seconds, and never waits longer than stream_interval_ms. A
+    # stream's first write and a lone stream's every token go out at once
+    stream_interval_ms: float = Field(200.0, ge=0, allow_inf_nan=False)
+    stream_events_per_s: float = Field(300.0, gt=0, allow_inf_nan=False)
     # the whole request body must arrive within this (Serve streams it to the replica, so
     # a connection that trickles it holds one of max_ongoing_requests): past it a 408
     body_timeout_s: float = Field(30.0, gt=0, allow_inf_nan=False)

@@ -2,7 +2,9 @@
 
 The actor owns an AsyncEngine. ``generate`` is an async generator, so Ray turns a call into
 a streaming generator: the caller iterates object refs, one per output chunk, as they are
-produced; tokens never pass through anyone else. ``end_sessions`` takes a batch of session
+produced; tokens never pass through anyone else. A front end streams all its requests
+on this worker through one ``channel`` instead (``submit`` starts each): one Ray item per
+batch of requests, not per request (worker/channel.py). ``end_sessions`` takes a batch of session
 ids (the scheduler's broadcast), ``abort`` stops one request, ``load`` reports what the
 scheduler routes on, ``health`` answers when the engine loop is alive.
 """
@@ -102,6 +104,7 @@ class WorkerActor:
         self._grammar_lock = threading.Lock()
         self._grammar_log: deque = deque(maxlen=8192)
         self._checks = None  # the grammar check's reports (built on first use)
+        self._channels: dict = {}  # channel id -> worker.channel.Channel (front ends')
         if self.grammar_client is not None and grammar_cache is not None:
             self._start_replicator(*grammar_cache)
         if scheduler is not None:
@@ -182,26 +185,65 @@ class WorkerActor:
             return [list(e) for e in self._grammar_log]
 
     async def generate(self, request: GenerationRequest):
-        """Streams the request's RequestOutput chunks; a bad request raises ValueError
-        before the first chunk."""
+        """Streams the request's RequestOutput chunks, each what it gained since the
+        caller took the last; a bad request raises ValueError before the first chunk."""
+        self._arrived(request)
+        async for out in self.engine.generate(request):
+            yield self._outgoing(request, out)
+
+    async def submit(self, request: GenerationRequest, channel_id: str) -> None:
+        """Starts a request whose chunks go out through the caller's channel
+        ``channel_id`` (``channel``; worker/channel.py). A bad request raises ValueError
+        and starts nothing."""
+        self._arrived(request)
+        stream = await self.engine.open(request)
+        self._channel(channel_id).add(request, stream)
+
+    async def channel(self, channel_id: str):
+        """A streaming generator of the channel's batches: lists of chunks, one per
+        request that gained output since the last list, for as long as the caller reads.
+        When it ends (the caller gone), its requests still running are aborted."""
+        channel = self._channel(channel_id)
+        try:
+            async for batch in channel.batches(self.engine.close):
+                yield [self._outgoing(request, out) for request, out in batch]
+        finally:
+            self._channels.pop(channel_id, None)
+            for rid in channel.request_ids():
+                self.engine.close(rid)
+                self.engine.abort(rid)
+
+    def _channel(self, channel_id: str):
+        from worker.channel import Channel
+        if not isinstance(channel_id, str) or not channel_id:
+            raise ValueError(f"channel_id must be a non-empty string, got {channel_id!r}")
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            channel = self._channels[channel_id] = Channel(channel_id)
+        return channel
+
+    def _arrived(self, request) -> None:
         if not isinstance(request, GenerationRequest):
             raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
-        tokenizer = self.engine.engine.tokenizer
         self._replicating()
         if request.grammar is not None:
             self._note_family(request.grammar)
             self._count_grammar_request(request)
-        async for out in self.engine.generate(request):
-            if request.grammar is not None and out.finished:
-                self._note_family(request.grammar)  # its engine is known by now
-            out.worker_id = self.worker_id
-            if out.logprobs:  # front ends show tokens as text; only the worker has the vocab
-                # a token the engine forced to close the output early has no logprobs
-                out.logprob_tokens = [
-                    [tokenizer.decode([tid]),
-                     [tokenizer.decode([alt]) for alt, _ in (lp[1] if lp else ())]]
-                    for tid, lp in zip(out.token_ids, out.logprobs)]
-            yield out
+
+    def _outgoing(self, request: GenerationRequest, out):
+        """A chunk as it leaves the worker: who made it, and its tokens' texts when
+        logprobs were asked for (only the worker has the vocabulary)."""
+        if request.grammar is not None and out.finished:
+            self._note_family(request.grammar)  # its engine is known by now
+        out.worker_id = self.worker_id
+        if out.logprobs:
+            tokenizer = self.engine.engine.tokenizer
+            # a token the engine forced to close the output early has no logprobs
+            out.logprob_tokens = [
+                [tokenizer.decode([tid]),
+                 [tokenizer.decode([alt]) for alt, _ in (lp[1] if lp else ())]]
+                for tid, lp in zip(out.token_ids, out.logprobs)]
+        return out
 
     async def check_grammar(self, spec, client: str | None = None,
                             wait_s: float | None = None) -> dict:

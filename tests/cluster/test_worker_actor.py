@@ -129,3 +129,43 @@ def test_forgotten_sessions_end_after_the_idle_timeout(runtime):
     load = ray.get(worker.load.remote())
     assert load["free_blocks"] == load["total_blocks"]
 
+
+
+def test_a_channel_carries_several_requests_in_batches(worker):
+    """A front end's requests share one channel (WorkerActor.submit / channel): each item
+    is a batch with a chunk for every request that gained output, and every request
+    arrives whole; a bad request fails at submit; an aborted one ends "abort"."""
+    async def main():
+        channel_id = "test-channel"
+        batches = worker.channel.remote(channel_id)
+        reqs = [req(chat(f"Count to {k}."), 12, temperature=0.0, ignore_eos=True)
+                for k in (3, 4, 5)]
+        for r in reqs:
+            await worker.submit.remote(r, channel_id)
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await worker.submit.remote(req(""), channel_id)
+        long = req(chat("Write a long essay."), 200, ignore_eos=True)
+        await worker.submit.remote(long, channel_id)
+        got = {r.request_id: [] for r in reqs + [long]}
+        sizes = []
+        async for ref in batches:
+            batch = await ref
+            sizes.append(len(batch))
+            for out in batch:
+                got[out.request_id].append(out)
+                if out.request_id == long.request_id and len(got[long.request_id]) == 2:
+                    await worker.abort.remote(long.request_id)
+            if all(c and c[-1].finished for c in got.values()):
+                break
+        return got, sizes
+
+    got, sizes = asyncio.run(main())
+    assert max(sizes) > 1  # a batch held several requests' chunks
+    *whole, aborted = got.values()
+    for chunks in whole:
+        assert sum(len(c.token_ids) for c in chunks) == 12 == chunks[-1].completion_tokens
+        assert chunks[-1].finish_reason == "length" and not any(c.finished for c in chunks[:-1])
+        assert {c.worker_id for c in chunks} == {"w0"}
+    assert aborted[-1].finish_reason == "abort"
+    load = ray.get(worker.load.remote())
+    assert load["running"] == 0
