@@ -237,7 +237,8 @@ class LLMEngine:
             try:
                 outs.append(self._finish(seq, "error", error=error,
                                          error_kind=ErrorKind.INTERNAL, keep_session=False))
-            except Exception:  # its state is broken too: still tell the caller
+            except Exception:  # its state is broken too: still tell the caller (what it
+                # held went back in _finish, whatever raised)
                 logger.exception("failing request %s", seq.request_id)
                 self.seqs.pop(seq.request_id, None)
                 outs.append(RequestOutput(seq.request_id, finished=True,
@@ -459,37 +460,53 @@ class LLMEngine:
         """Ends a request: what it still held back is streamed with this last chunk (a
         stop string may still cut it), its blocks are released (or its KV kept for the
         session), and its guided part ends (``GuidedRequest.finish``: the matcher freed,
-        the report onto the chunk)."""
-        if seq.ahead is not None:  # a drawn token not handled yet (overlap): not output
-            seq.take_ahead()
+        the report onto the chunk). The release happens whatever the rest raises (the
+        error still goes to the caller: ``fail_all``, the step's handler)."""
         waiting = seq.status is SeqStatus.WAITING_FOR_GRAMMAR
-        if not waiting and reason != "abort":
-            more, more_lps, more_text = self._release(seq, final=True)
-            new_tokens = list(new_tokens) + more
-            if more_lps is not None:
-                logprobs = (logprobs or [None] * (len(new_tokens) - len(more))) + more_lps
-            text += more_text + seq.detokenizer.flush()
-            if seq.detokenizer.stopped is not None and reason == "length":
-                reason = "stop"
-        if waiting:
-            self.waiting_for_grammar.remove(seq)
-            seq.status = SeqStatus.FINISHED
-        else:
-            self.scheduler.remove(seq)
-        self.seqs.pop(seq.request_id, None)
-        sid = seq.session_id
-        if (sid is not None and keep_session and reason in ("stop", "length")
-                and seq.num_computed > 0):
-            # the last sampled token has no KV yet; the next turn recomputes it
-            self.blocks.keep_session(sid, seq.token_ids[:seq.num_computed], seq.block_table)
-        else:
-            self.blocks.free(seq.block_table)
-        out = RequestOutput(seq.request_id, text, list(new_tokens), logprobs, finished=True,
-                            finish_reason=reason, error=error, error_kind=error_kind,
-                            reasoning=reasoning, **self._usage(seq))
-        if seq.guide is not None:
-            seq.guide.finish(reason, out, waiting)
+        new_tokens = list(new_tokens)
+        try:
+            if seq.ahead is not None:  # a drawn token not handled yet (overlap): not output
+                seq.take_ahead()
+            if not waiting and reason != "abort":
+                more, more_lps, more_text = self._release(seq, final=True)
+                if more_lps is not None:
+                    logprobs = (logprobs or [None] * len(new_tokens)) + more_lps
+                new_tokens += more
+                text += more_text + seq.detokenizer.flush()
+                if seq.detokenizer.stopped is not None and reason == "length":
+                    reason = "stop"
+        finally:
+            try:
+                self._release_request(seq, reason, waiting, keep_session)
+            finally:
+                out = RequestOutput(seq.request_id, text, new_tokens, logprobs,
+                                    finished=True, finish_reason=reason, error=error,
+                                    error_kind=error_kind, reasoning=reasoning,
+                                    **self._usage(seq))
+                if seq.guide is not None:
+                    seq.guide.finish(reason, out, waiting)
         return out
+
+    def _release_request(self, seq: Sequence, reason: str, waiting: bool,
+                         keep_session: bool) -> None:
+        """Takes an ended request out of the queues and gives its blocks back (or parks
+        its KV for its session's next turn)."""
+        self.seqs.pop(seq.request_id, None)
+        try:
+            if waiting:
+                self.waiting_for_grammar.remove(seq)
+                seq.status = SeqStatus.FINISHED
+            else:
+                self.scheduler.remove(seq)
+        finally:
+            sid = seq.session_id
+            if (sid is not None and keep_session and reason in ("stop", "length")
+                    and seq.num_computed > 0):
+                # the last sampled token has no KV yet; the next turn recomputes it
+                self.blocks.keep_session(sid, seq.token_ids[:seq.num_computed],
+                                         seq.block_table)
+            else:
+                self.blocks.free(seq.block_table)
 
     def _unschedulable(self) -> list[RequestOutput]:
         """Nothing could run: the head of the queue needs more KV than the whole cache
