@@ -50,6 +50,10 @@ from worker.models import loader
 
 logger = logging.getLogger(__name__)
 
+# a request draws at most this many tokens per token of its max_new_tokens: what loop cuts
+# give back is generated again only up to there (see _remaining)
+DRAWS_PER_TOKEN = 2
+
 
 @dataclass(kw_only=True)
 class EngineStats(GuidedCounters):
@@ -135,6 +139,8 @@ class LLMEngine:
         self.num_steps = 0
         self.last_timings = StepTimings()
         self.num_sampled = 0
+        # per request: the tokens drawn for it, cut or not (see _remaining)
+        self._draws: dict[str, int] = {}
         # overlap (see _step_overlapped): on by default where the device is CUDA
         self.overlap = (config.overlap if config.overlap is not None
                         else self.runner.device.type == "cuda")
@@ -410,9 +416,12 @@ class LLMEngine:
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens the request may still generate: its max_new_tokens, or the context, less
-        what its guided part owes (a thought's end marker)."""
-        left = min(seq.params.max_new_tokens - seq.num_output,
-                   self.max_model_len - len(seq.token_ids))
+        what its guided part owes (a thought's end marker). A loop cut gives the tokens it
+        takes back to the budget, so the tokens drawn count too: at most DRAWS_PER_TOKEN
+        times max_new_tokens in all (one forward step each), whatever its loop_guard."""
+        budget = seq.params.max_new_tokens
+        left = min(budget - seq.num_output, self.max_model_len - len(seq.token_ids),
+                   DRAWS_PER_TOKEN * budget - self._draws.get(seq.request_id, 0))
         return left - self.guide.owed(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob,
@@ -420,6 +429,7 @@ class LLMEngine:
         """A row's sampled token: its guided part's (``GuidedRequest.after_sample``), or
         a plain row's: appended, stop token ids, the stream's text, stop strings, the
         budget."""
+        self._draws[seq.request_id] = self._draws.get(seq.request_id, 0) + 1
         prefix = ""
         if seq.guide is not None:
             outcome = seq.guide.after_sample(token, logprob, status)
@@ -492,6 +502,7 @@ class LLMEngine:
         """Takes an ended request out of the queues and gives its blocks back (or parks
         its KV for its session's next turn)."""
         self.seqs.pop(seq.request_id, None)
+        self._draws.pop(seq.request_id, None)
         try:
             if waiting:
                 self.waiting_for_grammar.remove(seq)
