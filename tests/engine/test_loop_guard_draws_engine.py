@@ -5,7 +5,7 @@ request, cut or not, against ``DRAWS_PER_TOKEN * max_tokens`` (engine.py ``_rema
 and the output is closed as its budget's end would close it.
 
 The tiny random-weight model, its logits replaced by a script: inside a string it writes
-``bacon, eggs, `` again and again; outside, it opens one more array item."""
+one phrase again and again; outside, it opens one more array item."""
 
 import json
 
@@ -21,15 +21,23 @@ pytestmark = pytest.mark.integration
 NOTES = {"type": "object", "properties": {"items": {"type": "array", "items": {
     "type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"],
     "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False}
-# the guard's slowest settings to find a loop (many copies, long holds) and every cut
-GREEDY_GUARD = LoopGuardParams(min_repeats=8, long_span=256, hold_tokens=256, max_cuts=64)
+# the guard at the settings that make a cut give back the most: found after the most exact
+# copies (16: progressions, which keep theirs, off), one copy kept, every cut allowed
+GREEDY_GUARD = LoopGuardParams(min_repeats=16, long_span=256, hold_tokens=256, max_cuts=64,
+                               progression_repeats=0, near_repeats=0, sentence_repeats=0)
+
+
+WORDS = ("apple river stone cloud maple ember frost grain harbor island jungle kettle "
+         "lantern meadow nectar orchid pepper quartz saddle timber velvet willow").split()
 
 
 def looping(engine):
-    """Inside a string the model goes on with ``bacon, eggs, `` (a loop), outside it opens
-    one more item: after each cut it loops again in a new item."""
+    """Inside a string the model repeats a phrase of two words, ``apple river, apple
+    river, ...`` (a loop); outside, it opens one more item, whose phrase is another (so the
+    items themselves never repeat): after each cut it loops again in a new item."""
     tok = engine.tokenizer
-    cycle = tok("bacon, eggs, ", add_special_tokens=False)["input_ids"]
+    phrases = [tok(f"{a} {b}, ", add_special_tokens=False)["input_ids"]
+               for a, b in zip(WORDS, WORDS[7:] + WORDS[:7])]
     prefer = [tok.convert_tokens_to_ids(t) for t in ("{", ",", "}", '"', "]")]
     run = engine.runner.run
 
@@ -42,6 +50,7 @@ def looping(engine):
             for rank, t in enumerate(prefer):
                 logits[i, t] = 60.0 - rank
             if text.count('"') % 2 == 1:  # in a string
+                cycle = phrases[text.count("{") % len(phrases)]
                 logits[i, cycle[len(seq.output_ids) % len(cycle)]] = 100.0
         return logits, rows
 
@@ -52,7 +61,7 @@ def test_a_request_that_loops_after_every_cut_draws_a_bounded_number_of_tokens(
         make_tiny_engine):
     engine = make_tiny_engine(max_num_seqs=2)
     looping(engine)
-    max_tokens = 96
+    max_tokens = 256
     req = GenerationRequest([{"role": "user", "content": "go"}],
                             SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
                             grammar=GrammarSpec.json_schema(NOTES), loop_guard=GREEDY_GUARD)
@@ -66,6 +75,7 @@ def test_a_request_that_loops_after_every_cut_draws_a_bounded_number_of_tokens(
     assert final is not None and final.finished
     st = engine.stats()
     assert final.loop_cuts >= 2, final  # it looped again after a cut
+    assert st.sampled_tokens > max_tokens  # the cuts gave tokens back: the bound ended it
     # every step drew one token for it but its prompt's (one chunk here)
     assert st.sampled_tokens <= DRAWS_PER_TOKEN * max_tokens, st.sampled_tokens
     assert engine.num_steps <= DRAWS_PER_TOKEN * max_tokens + 1, engine.num_steps
