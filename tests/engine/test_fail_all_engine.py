@@ -72,3 +72,17 @@ def test_a_finish_that_raises_still_releases_the_request(make_tiny_engine):
     with pytest.raises(RuntimeError, match="broken state"):
         engine._finish(seqs[0], "stop")
     assert released(engine), engine.stats()
+
+
+def test_a_session_keeps_no_kv_of_a_finish_that_raised(make_tiny_engine):
+    engine = make_tiny_engine(max_num_seqs=4)
+    seq = engine.add_request(GenerationRequest(
+        [{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=64, temperature=0.0),
+        session_id="s1"))
+    for _ in range(5):
+        engine.step()
+    assert seq.block_table
+    seq.stream = boom
+    with pytest.raises(RuntimeError, match="broken state"):
+        engine._finish(seq, "stop")
+    assert released(engine) and not engine.blocks.sessions, engine.stats()

@@ -474,6 +474,7 @@ class LLMEngine:
         error still goes to the caller: ``fail_all``, the step's handler)."""
         waiting = seq.status is SeqStatus.WAITING_FOR_GRAMMAR
         new_tokens = list(new_tokens)
+        released = False  # its held text went out: a session may keep its KV
         try:
             if seq.ahead is not None:  # a drawn token not handled yet (overlap): not output
                 seq.take_ahead()
@@ -485,9 +486,10 @@ class LLMEngine:
                 text += more_text + seq.detokenizer.flush()
                 if seq.detokenizer.stopped is not None and reason == "length":
                     reason = "stop"
+            released = True
         finally:
             try:
-                self._release_request(seq, reason, waiting, keep_session)
+                self._release_request(seq, reason, waiting, keep_session and released)
             finally:
                 out = RequestOutput(seq.request_id, text, new_tokens, logprobs,
                                     finished=True, finish_reason=reason, error=error,
