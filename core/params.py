@@ -85,6 +85,29 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
+class LoopGuardFieldError(ValueError):
+    """A ``loop_guard`` field out of its bounds; ``field`` names it (the edge's 400 says
+    which)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):  # keeps ``field`` across pickling (Ray)
+        return type(self), (self.field, str(self))
+
+
+# every loop_guard field's (lowest, highest) value. The highest keep a request's guard
+# cheap (its work per token grows with max_period, its copies' reads with the *_repeats)
+# and its cuts few (each gives tokens back; the engine bounds the draws as well)
+LOOP_GUARD_BOUNDS = {
+    "min_repeats": (2, 16), "long_span": (1, 256), "min_chars": (1, 4096),
+    "max_period": (1, 256), "hold_tokens": (0, 256), "max_cuts": (0, 64),
+    "progression_repeats": (0, 32), "number_digits": (0, 256), "near_repeats": (0, 32),
+    "sentence_repeats": (0, 32),
+}
+
+
 @dataclass(frozen=True)
 class LoopGuardParams:
     """How a request's loop guard decides (per request; the server's default otherwise).
@@ -104,19 +127,15 @@ class LoopGuardParams:
     sentence_repeats: int = 4  # sentences in a row restarting with a changed word (0: off)
 
     def __post_init__(self):
-        for name, low in (("min_repeats", 2), ("long_span", 1), ("min_chars", 1),
-                          ("max_period", 1), ("hold_tokens", 0), ("max_cuts", 0),
-                          ("progression_repeats", 0), ("number_digits", 0),
-                          ("near_repeats", 0), ("sentence_repeats", 0)):
+        for name, (low, high) in LOOP_GUARD_BOUNDS.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"invalid loop_guard.{name}={value!r}: must be an integer "
-                                 f">= {low}")
-        if self.max_period > 256 or self.hold_tokens > 256:
-            raise ValueError("loop_guard.max_period and loop_guard.hold_tokens must be <= 256")
+            if (not isinstance(value, int) or isinstance(value, bool)
+                    or not low <= value <= high):
+                raise LoopGuardFieldError(name, f"invalid loop_guard.{name}={value!r}: must "
+                                                f"be an integer from {low} to {high}")
         for name in ("progression_repeats", "near_repeats", "sentence_repeats"):
             if getattr(self, name) == 1:
-                raise ValueError(f"loop_guard.{name} must be 0 (off) or >= 2")
+                raise LoopGuardFieldError(name, f"loop_guard.{name} must be 0 (off) or >= 2")
 
     @classmethod
     def from_value(cls, value) -> "LoopGuardParams":

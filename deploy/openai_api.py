@@ -331,7 +331,8 @@ def _loop_guard(req: _Request) -> LoopGuardParams | None:
     try:
         return LoopGuardParams.from_value(req.loop_guard)
     except (TypeError, ValueError) as exc:
-        raise bad_request(str(exc), "loop_guard") from None
+        field = getattr(exc, "field", None)  # LoopGuardFieldError: the field to change
+        raise bad_request(str(exc), f"loop_guard.{field}" if field else "loop_guard") from None
 
 
 def _fields(params: SamplingParams) -> dict:

@@ -1,9 +1,11 @@
 """The loop guard at the HTTP edge (no Ray, no model): the request field, its errors,
 and the response's report."""
 
+import pickle
+
 import pytest
 
-from core.params import LoopGuardParams
+from core.params import LOOP_GUARD_BOUNDS, LoopGuardFieldError, LoopGuardParams
 from core.request import RequestOutput
 from deploy import openai_api as api
 from deploy import responses
@@ -38,6 +40,24 @@ def test_bad_loop_guard_is_a_400_naming_it(value, words):
     with pytest.raises(APIError) as err:
         plan(loop_guard=value)
     assert err.value.status == 400 and words in str(err.value)
+
+
+@pytest.mark.parametrize("field", sorted(LOOP_GUARD_BOUNDS))
+def test_every_loop_guard_field_is_capped_with_a_400_naming_it(field):
+    # a field without a cap let a request make its guard's work or its cuts unbounded
+    low, high = LOOP_GUARD_BOUNDS[field]
+    assert getattr(LoopGuardParams(), field) <= high  # the default is inside
+    assert getattr(LoopGuardParams(**{field: high}), field) == high
+    for bad in (high + 1, 10**9, low - 1, True, "3"):
+        with pytest.raises(APIError) as err:
+            plan(loop_guard={field: bad})
+        assert err.value.status == 400 and err.value.param == f"loop_guard.{field}", bad
+        assert f"loop_guard.{field}" in err.value.message
+
+
+def test_the_field_error_survives_pickling():  # Ray carries it between processes
+    err = pickle.loads(pickle.dumps(LoopGuardFieldError("max_cuts", "too many")))
+    assert err.field == "max_cuts" and str(err) == "too many"
 
 
 def test_the_guided_report_says_a_loop_was_cut():

@@ -22,18 +22,32 @@ guided batch-32 step 52 ms eager against 6.5 ms unguided with graphs). A prompt'
 The block table width is fixed at the longest context (``max_model_len`` in blocks);
 entries past a row's context are never read, so a step writes only each row's own blocks.
 
+The host side of that copy is two pinned buffers used in turn (``HostStaging``), each
+fenced: the copy is asynchronous and reads its buffer when the device reaches it, so a
+buffer is written again only once the copy that read it is done. With one buffer, the
+overlapped step (engine.py) where no row samples returns before anything synchronises,
+and the next step rewrote the buffer under a copy still queued.
+
+A replay that raises turns the graphs off for this worker: that step runs eagerly on the
+same static buffers, and every later step takes the runner's eager path.
+
 Without CUDA (tests), ``capture=False`` keeps everything but the recording: the same static
 buffers, padding and bucket choice, the forward run eagerly on them
-(tests/engine/test_cuda_graphs.py holds its greedy output equal to the eager runner's).
+(tests/engine/test_cuda_graphs.py holds its greedy output equal to the eager runner's;
+tests/engine/test_graph_staging_unit.py runs the copies late on a fake stream).
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
 
 from worker.models.paged_attention import AttentionBatch
 from worker.models.triton_kernels import AttentionTiles
+
+logger = logging.getLogger(__name__)
 
 FIRST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -53,9 +67,64 @@ def bucket_sizes(max_rows: int) -> list[int]:
 MAX_ROW_TOKENS = 16
 
 
+class CopyStream:
+    """How a host buffer reaches the device: on CUDA from pinned memory, a non-blocking copy
+    on the current stream and an event after it; elsewhere a plain copy, done when it
+    returns (no fence). Tests pass a stream that runs copies late."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def host_buffer(self, n: int) -> torch.Tensor:
+        t = torch.zeros(n, dtype=torch.int32)
+        return t.pin_memory() if self.cuda else t
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=self.cuda)
+
+    def fence(self):
+        """An event that completes when everything queued so far has (None: nothing is
+        ever pending)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+class HostStaging:
+    """Two host buffers used in turn for a step's one host-to-device copy. ``take`` hands
+    out the next one once the copy that last read it is done (its fence); ``upload``
+    queues its copy and fences it. The wait is on the copy of two steps before, which the
+    device reached long ago."""
+
+    def __init__(self, total: int, stream: CopyStream):
+        self.stream = stream
+        self.buffers = [stream.host_buffer(total) for _ in range(2)]
+        self.arrays = [b.numpy() for b in self.buffers]  # the same memory, for the host
+        self._fences: list = [None, None]
+        self._turn = 0
+
+    def take(self) -> np.ndarray:
+        """The buffer to fill (as an array over its memory): nothing reads it any more."""
+        fence = self._fences[self._turn]
+        if fence is not None:
+            fence.synchronize()
+            self._fences[self._turn] = None
+        return self.arrays[self._turn]
+
+    def upload(self, dst: torch.Tensor, n: int) -> None:
+        """Queues the copy of the first ``n`` values of the buffer ``take`` gave into
+        ``dst``, and fences it; the next ``take`` hands out the other buffer."""
+        k = self._turn
+        self.stream.copy(dst[:n], self.buffers[k][:n])
+        self._fences[k] = self.stream.fence()
+        self._turn = 1 - k
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches, block_size: int, max_rows: int, max_blocks: int,
-                 scratch_slot: int, capture: bool):
+                 scratch_slot: int, capture: bool, stream: CopyStream | None = None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         # a step of up to max_rows rows whose tokens (one each, a few more where
         # jump-forward forced text) number up to twice that
@@ -70,18 +139,24 @@ class DecodeGraphs:
         self._off = {"tokens": 0, "positions": t, "slots": 2 * t, "tiles": 3 * t,
                      "sampled": 7 * t, "tables": 7 * t + r}
         total = 7 * t + r + r * max_blocks
-        host = torch.zeros(total, dtype=torch.int32)
-        self.host = host.pin_memory() if device.type == "cuda" else host
-        self._np = self.host.numpy()
+        self.staging = HostStaging(total, stream or CopyStream(device))
         self.static = torch.zeros(total, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = None
         self.memory_bytes = 0  # what the recorded graphs hold (CUDA only)
+        self.usable = True  # False once a replay failed: no step fits any more
+
+    def disable(self, why: str) -> None:
+        """Turns the graphs off for good (their memory goes back): steps run eagerly."""
+        logger.warning("CUDA graphs off for this worker: %s; steps run eagerly", why)
+        self.usable = False
+        self.graphs.clear()
+        self.pool = None
 
     # --- the static buffers -------------------------------------------------------------
 
-    def _tiles(self):
-        a, o = self._np, self._off
+    def _tiles(self, a: np.ndarray) -> np.ndarray:
+        o = self._off
         return a[o["tiles"]:o["tiles"] + 4 * self.max_tokens].reshape(self.max_tokens, 4)
 
     def _inputs(self, size: int):
@@ -100,16 +175,16 @@ class DecodeGraphs:
         hidden = self.model(ids, pos, self.kv_caches, batch)
         return self.model.compute_logits(hidden)
 
-    def _pad(self, first: int, size: int) -> None:
-        """Tokens first..size-1 of the host buffer as padding (no query, the scratch
+    def _pad(self, a: np.ndarray, first: int, size: int) -> None:
+        """Tokens first..size-1 of the host buffer ``a`` as padding (no query, the scratch
         slot)."""
-        a, o = self._np, self._off
+        o = self._off
         if first >= size:
             return
         a[o["tokens"] + first:o["tokens"] + size] = 0
         a[o["positions"] + first:o["positions"] + size] = 0
         a[o["slots"] + first:o["slots"] + size] = self.scratch_slot
-        tiles = self._tiles()
+        tiles = self._tiles(a)
         tiles[first:size] = 0
         tiles[first:size, 1] = np.arange(first, size)
 
@@ -121,8 +196,8 @@ class DecodeGraphs:
         smaller ones reuse its blocks). Without ``capture``, nothing to record."""
         if not self.capture:
             return
-        self._pad(0, self.max_tokens)
-        self.static.copy_(self.host)
+        self._pad(self.staging.take(), 0, self.max_tokens)
+        self.staging.upload(self.static, len(self.static))
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         reserved_before = torch.cuda.memory_reserved()
@@ -147,7 +222,7 @@ class DecodeGraphs:
     def fits(self, scheduled) -> bool:
         """A step of decode rows, each with at most MAX_ROW_TOKENS tokens (its sampled
         token and jump-forward's forced ones), within the largest bucket."""
-        if not 0 < len(scheduled) <= self.max_rows:
+        if not self.usable or not 0 < len(scheduled) <= self.max_rows:
             return False
         total = 0
         for s in scheduled:
@@ -162,8 +237,8 @@ class DecodeGraphs:
         row's later tokens see the keys its earlier ones wrote in the same layer. The
         logits are a view of the graph's output buffer (or of an index into it): read
         them before the next step."""
-        a, o, bs, mb = self._np, self._off, self.block_size, self.max_blocks
-        tiles = self._tiles()
+        a, o, bs, mb = self.staging.take(), self._off, self.block_size, self.max_blocks
+        tiles = self._tiles(a)
         sampled: list[int] = []
         t = 0
         for i, s in enumerate(scheduled):
@@ -182,16 +257,20 @@ class DecodeGraphs:
                 a[o["sampled"] + len(sampled)] = t - 1
                 sampled.append(i)
         size = next(b for b in self.sizes if b >= t)
-        self._pad(t, size)
+        self._pad(a, t, size)
         # the step's one host-to-device copy: everything up to the bucket's block tables
         # (which end the buffer, row-major)
-        n = o["tables"] + len(scheduled) * mb
-        self.static[:n].copy_(self.host[:n], non_blocking=True)
+        self.staging.upload(self.static, o["tables"] + len(scheduled) * mb)
         graph, out = self.graphs.get(size, (None, None))
+        if graph is not None:
+            try:
+                graph.replay()
+            except Exception as e:  # this step runs eagerly on the same inputs, and the
+                # next ones take the runner's eager path: not one failed batch each
+                self.disable(f"a replay failed ({type(e).__name__}: {e})")
+                graph = None
         if graph is None:
             out = self._forward(size)
-        else:
-            graph.replay()
         if t == len(sampled):  # one token a row, every row samples: rows in order
             return out[:t], sampled
         rows = self.static[o["sampled"]:o["sampled"] + len(sampled)].long()

@@ -51,6 +51,10 @@ from worker.models import loader
 
 logger = logging.getLogger(__name__)
 
+# a request draws at most this many tokens per token of its max_new_tokens: what loop cuts
+# give back is generated again only up to there (see _remaining)
+DRAWS_PER_TOKEN = 2
+
 
 @dataclass(kw_only=True)
 class EngineStats(GuidedCounters):
@@ -136,6 +140,8 @@ class LLMEngine:
         self.num_steps = 0
         self.last_timings = StepTimings()
         self.num_sampled = 0
+        # per request: the tokens drawn for it, cut or not (see _remaining)
+        self._draws: dict[str, int] = {}
         # overlap (see _step_overlapped): on by default where the device is CUDA
         self.overlap = (config.overlap if config.overlap is not None
                         else self.runner.device.type == "cuda")
@@ -238,7 +244,8 @@ class LLMEngine:
             try:
                 outs.append(self._finish(seq, "error", error=error,
                                          error_kind=ErrorKind.INTERNAL, keep_session=False))
-            except Exception:  # its state is broken too: still tell the caller
+            except Exception:  # its state is broken too: still tell the caller (what it
+                # held went back in _finish, whatever raised)
                 logger.exception("failing request %s", seq.request_id)
                 self.seqs.pop(seq.request_id, None)
                 outs.append(RequestOutput(seq.request_id, finished=True,
@@ -433,9 +440,12 @@ class LLMEngine:
 
     def _remaining(self, seq: Sequence) -> int:
         """Tokens the request may still generate: its max_new_tokens, or the context, less
-        what its guided part owes (a thought's end marker)."""
-        left = min(seq.params.max_new_tokens - seq.num_output,
-                   self.max_model_len - len(seq.token_ids))
+        what its guided part owes (a thought's end marker). A loop cut gives the tokens it
+        takes back to the budget, so the tokens drawn count too: at most DRAWS_PER_TOKEN
+        times max_new_tokens in all (one forward step each), whatever its loop_guard."""
+        budget = seq.params.max_new_tokens
+        left = min(budget - seq.num_output, self.max_model_len - len(seq.token_ids),
+                   DRAWS_PER_TOKEN * budget - self._draws.get(seq.request_id, 0))
         return left - self.guide.owed(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob,
@@ -443,6 +453,7 @@ class LLMEngine:
         """A row's sampled token: its guided part's (``GuidedRequest.after_sample``), or
         a plain row's: appended, stop token ids, the stream's text, stop strings, the
         budget."""
+        self._draws[seq.request_id] = self._draws.get(seq.request_id, 0) + 1
         prefix = ""
         if seq.guide is not None:
             outcome = seq.guide.after_sample(token, logprob, status)
@@ -486,37 +497,56 @@ class LLMEngine:
         """Ends a request: what it still held back is streamed with this last chunk (a
         stop string may still cut it), its blocks are released (or its KV kept for the
         session), and its guided part ends (``GuidedRequest.finish``: the matcher freed,
-        the report onto the chunk)."""
-        if seq.ahead is not None:  # a drawn token not handled yet (overlap): not output
-            seq.take_ahead()
+        the report onto the chunk). The release happens whatever the rest raises (the
+        error still goes to the caller: ``fail_all``, the step's handler)."""
         waiting = seq.status is SeqStatus.WAITING_FOR_GRAMMAR
-        if not waiting and reason != "abort":
-            more, more_lps, more_text = self._release(seq, final=True)
-            new_tokens = list(new_tokens) + more
-            if more_lps is not None:
-                logprobs = (logprobs or [None] * (len(new_tokens) - len(more))) + more_lps
-            text += more_text + seq.detokenizer.flush()
-            if seq.detokenizer.stopped is not None and reason == "length":
-                reason = "stop"
-        if waiting:
-            self.waiting_for_grammar.remove(seq)
-            seq.status = SeqStatus.FINISHED
-        else:
-            self.scheduler.remove(seq)
-        self.seqs.pop(seq.request_id, None)
-        sid = seq.session_id
-        if (sid is not None and keep_session and reason in ("stop", "length")
-                and seq.num_computed > 0):
-            # the last sampled token has no KV yet; the next turn recomputes it
-            self.blocks.keep_session(sid, seq.token_ids[:seq.num_computed], seq.block_table)
-        else:
-            self.blocks.free(seq.block_table)
-        out = RequestOutput(seq.request_id, text, list(new_tokens), logprobs, finished=True,
-                            finish_reason=reason, error=error, error_kind=error_kind,
-                            reasoning=reasoning, **self._usage(seq))
-        if seq.guide is not None:
-            seq.guide.finish(reason, out, waiting)
+        new_tokens = list(new_tokens)
+        released = False  # its held text went out: a session may keep its KV
+        try:
+            if seq.ahead is not None:  # a drawn token not handled yet (overlap): not output
+                seq.take_ahead()
+            if not waiting and reason != "abort":
+                more, more_lps, more_text = self._release(seq, final=True)
+                if more_lps is not None:
+                    logprobs = (logprobs or [None] * len(new_tokens)) + more_lps
+                new_tokens += more
+                text += more_text + seq.detokenizer.flush()
+                if seq.detokenizer.stopped is not None and reason == "length":
+                    reason = "stop"
+            released = True
+        finally:
+            try:
+                self._release_request(seq, reason, waiting, keep_session and released)
+            finally:
+                out = RequestOutput(seq.request_id, text, new_tokens, logprobs,
+                                    finished=True, finish_reason=reason, error=error,
+                                    error_kind=error_kind, reasoning=reasoning,
+                                    **self._usage(seq))
+                if seq.guide is not None:
+                    seq.guide.finish(reason, out, waiting)
         return out
+
+    def _release_request(self, seq: Sequence, reason: str, waiting: bool,
+                         keep_session: bool) -> None:
+        """Takes an ended request out of the queues and gives its blocks back (or parks
+        its KV for its session's next turn)."""
+        self.seqs.pop(seq.request_id, None)
+        self._draws.pop(seq.request_id, None)
+        try:
+            if waiting:
+                self.waiting_for_grammar.remove(seq)
+                seq.status = SeqStatus.FINISHED
+            else:
+                self.scheduler.remove(seq)
+        finally:
+            sid = seq.session_id
+            if (sid is not None and keep_session and reason in ("stop", "length")
+                    and seq.num_computed > 0):
+                # the last sampled token has no KV yet; the next turn recomputes it
+                self.blocks.keep_session(sid, seq.token_ids[:seq.num_computed],
+                                         seq.block_table)
+            else:
+                self.blocks.free(seq.block_table)
 
     def _unschedulable(self) -> list[RequestOutput]:
         """Nothing could run: the head of the queue needs more KV than the whole cache

@@ -6,7 +6,8 @@ key) and runs to its budget. The output still parses once closed, but it is usel
 its ``length`` finish makes client libraries refuse it. The guard ends such a value where
 the repetition began, and the rest of the document goes on.
 
-Detection works on token ids, per request, in O(max_period) per token:
+Detection works on token ids, per request, with the same work per token whatever
+``max_period`` and whatever the text (the counts per period are arrays, loop_periods.py):
 
     run[p]  = how many tokens in a row equal the token p places before them
     a loop  = the smallest period p with run[p] >= (copies(p) - 1) * p, where
@@ -17,7 +18,9 @@ Detection works on token ids, per request, in O(max_period) per token:
 
 A **progression** is the same loop with counters in it (``"v2.0", "v3.0", "v4.0", ...``,
 ``"b", "c", "d", ...``, ``{"name": "A", "quantity": 1}, {"name": "B", "quantity": 2}, ...``):
-the same run over token *shapes*, where every all-digit token is one shape and every
+the same run over token *shapes* (compared at the first 4 periods whose shapes repeat:
+a string of digits repeats in shape at every period), where every all-digit token is one
+shape and every
 single-letter token another. A progression needs ``progression_repeats`` (8) copies, and
 outside a string the repeated text must hold a letter (so ``[90, 85, 77, ...]`` and lists
 of dates are never progressions; a string counting ``"49, 50, 51, ..."`` is one), and it is ended where it was found (the copies seen are
@@ -45,7 +48,7 @@ shapes, but they are data).
 or string) is compared with the one before it as its text with each number (in a string
 too) made ``#``: the same text, with every number stepping as it stepped last time
 (``{"name": "Tacos", "quantity": 1}, {"name": "Tacos", "quantity": 2}, ...``), is a near
-copy; in a counting run, so is an item whose copied text slips a word (``_variant``: one
+copy; in a counting run, so is an item whose copied text slips a word (``variant``: one
 small edit inside a string mostly kept) and whose numbers step as before.
 ``near_repeats`` (8) items in a row end the array after the newest one, the copies
 kept (``min_repeats`` where nothing steps: exact copies, ended after the first where the
@@ -53,7 +56,7 @@ grammar allows: duplicates say nothing more, and break ``uniqueItems``); items n
 numbers is data), but for dates counting past the calendar (``"2022-01-30", "2022-01-31",
 "2022-01-32", ...``: every day of a month is data, its 32nd is not), which end before
 the first day that is not one. Items that cycle are compared the same way with the item 2 to 6 before
-(A1, B1, A2, B2, ...: 5 rounds of 2 items, 4 of 3 to 6 (``_near_rounds``), or
+(A1, B1, A2, B2, ...: 5 rounds of 2 items, 4 of 3 to 6 (``near_rounds``), or
 ``min_repeats`` rounds of exact copies).
 In a string, a sentence or clause (ended by ``. ! ? , ;``) of 3 words or more that changes
 at most one word of the one before (or of the one 2 before: a pair of sentences that
@@ -68,11 +71,16 @@ itself, llguidance's may not): it ends at the newest token, and the value around
 comma lets the object or array go on. A double prints at most 17 significant digits, an
 int64 19, and round numbers people write (``602214076000000000000000``) repeat under 20.
 
-Cost: O(max_period) work and a few small objects per token, also where a loop cannot be
-cut (a ``minLength`` string of one character: each token looks at the newest boundary
-only, and the repetition's length and lowest depth come from running sums, not rescans);
-a state refers to its innermost nesting level, shared, never to a copy of the stack.
+Cost: a bounded amount of work and a few small objects per token, on any text and at any
+``max_period``, also where a loop cannot be cut (a ``minLength`` string of one character:
+each token looks at the newest boundary only, and the repetition's length and lowest
+depth come from running sums, not rescans). The counts per period are numpy arrays (at
+most 256 entries: a few array operations a token), the periods that may hold a loop are
+picked by array tests (copies, ``min_chars``, in a string or holding a letter), so only
+the shortest is looked at, and a progression's copies are read at 4 periods at most; a
+state refers to its innermost nesting level, shared, never to a copy of the stack.
 Nothing is recorded while the guard is off or its cuts are spent.
+tests/engine/test_loop_guard_cost_unit.py counts the lines it runs per token.
 
 This module knows no engine: ``LoopGuard`` is fed tokens and answers with a ``LoopCut``;
 the output policy (output_policy.py) rolls the matcher and the output back and forces the
@@ -80,16 +88,21 @@ closer.
 
 Why one module over 500 lines: the detector, the JSON scanner it runs on and the search for
 where a loop may end read one per-request state token by token; the scanner is its only user.
+What reads no state of its own is apart: the per-period counts (loop_periods.py) and how
+array items and sentences compare (loop_near.py).
 """
 
 from __future__ import annotations
 
-import datetime
 import re
 from bisect import bisect_left
 from dataclasses import dataclass
 
+import numpy as np
+
 from core.params import LoopGuardParams
+from worker.guided import loop_near
+from worker.guided.loop_periods import PeriodRuns, Prefix
 
 # an open nesting level: (kind "o"/"a"/"s", the level it is in or None, its depth from 1,
 # the output byte it opened at);
@@ -127,8 +140,8 @@ class LoopGuard:
     ``vocab`` is the tokenizer's bytes per token id; ``closers`` maps "s"/"a"/"o" (and
     "," where the vocabulary has it) to the token id of that single byte.
 
-    Cost: O(max_period) per token, whatever the output; what it keeps is a few small
-    objects per token (a nesting level is one shared node, never a copy of the stack)."""
+    Cost: bounded per token, whatever the output and max_period; what it keeps is a few
+    small objects per token (a nesting level is one shared node, never a copy of the stack)."""
 
     def __init__(self, params: LoopGuardParams, vocab: list[bytes], closers: dict[str, int],
                  shapes: list[int] | None = None):
@@ -139,6 +152,8 @@ class LoopGuard:
         self.tokens: list[int] = []
         self.states: list[_State] = []  # scanner state after each token
         self._chars = [0]  # bytes of tokens[:i], per i
+        self._char_at = Prefix()  # the same, as an array (loop_periods.py)
+        self._letter_at: list[int] = []  # the tokens that hold a letter (indices, rising)
         self._path: list[_Level] = []  # the levels open after the newest token, outermost first
         # suffix minima of the states' depths: indices rising, depths strictly rising; the
         # lowest depth from state i on is that of the first entry at or after i
@@ -147,15 +162,20 @@ class LoopGuard:
         self._digits = _DigitRuns()
         self._bytes = bytearray()  # the output's bytes (array items and sentences are read
         # back from it once each)
-        self._items: dict[int, _ItemRun] = {}  # open arrays' near repeats, by start byte
+        self._items: dict[int, loop_near.ItemRun] = {}  # open arrays' near repeats, by
+        # start byte
         self._sentence: tuple | None = None  # (string level, sentence start, its words,
         # how many sentences in a row restart the one before)
         self._near: tuple | None = None  # (level to end, copies, kind, tokens up to the
         # one that ended the newest copy): found, to cut
         self.floor = 0  # no repetition is counted from before here (the last cut)
         self.cuts = 0
-        self._run = [0] * (params.max_period + 1)
-        self._shape_run = [0] * (params.max_period + 1)  # the same, over shapes
+        # row 0 over token ids, row 1 over shapes (progressions)
+        self._runs = PeriodRuns(params.max_period, 1 if self.shapes is None else 2)
+        periods = self._runs.periods
+        self._long = periods >= params.long_span  # [P] long spans
+        self._three = (params.min_repeats - 1) * periods  # [P] run for min_repeats copies
+        self._counted = (params.progression_repeats - 1) * periods  # [P] for a progression
         self._retry_at = 0  # after a loop with no place to cut: look again from here
         self._scan_from = 0  # boundaries before here were refused already (the last one
         # may wait for the token after it)
@@ -169,11 +189,13 @@ class LoopGuard:
         if not self.active:
             return
         i = len(self.tokens)
-        toks, run = self.tokens, self._run
-        toks.append(token)
+        self.tokens.append(token)
         data = self.vocab[token]
         base = self._chars[-1]
         self._chars.append(base + len(data))
+        self._char_at.append(base + len(data))
+        if _ALPHA.search(data) is not None:
+            self._letter_at.append(i)
         self._bytes += data
         events: list = []
         state = _scan(self.states[-1] if self.states else _START, data, self._path,
@@ -187,15 +209,10 @@ class LoopGuard:
             self._min_depth.pop()
         self._min_at.append(i)
         self._min_depth.append(depth)
-        for p in range(1, len(run)):
-            j = i - p
-            run[p] = run[p] + 1 if j >= self.floor and toks[j] == token else 0
-        shapes = self.shapes
-        if shapes is not None:
-            srun, shape = self._shape_run, shapes[token]
-            for p in range(1, len(srun)):
-                j = i - p
-                srun[p] = srun[p] + 1 if j >= self.floor and shapes[toks[j]] == shape else 0
+        if self.shapes is None:
+            self._runs.push(token)
+        else:
+            self._runs.push(token, self.shapes[token])
 
     def find(self, may_close) -> LoopCut | None:
         """A cut for a loop that ends at the newest token, or None. ``may_close(keep,
@@ -205,31 +222,51 @@ class LoopGuard:
             return None
         if self.states and self.states[-1][2]:  # inside a number: only its digits loop
             return self._number(may_close)
-        prm, run, n = self.params, self._run, len(self.tokens)
-        for p in range(1, len(run)):
-            if run[p] < p:
-                continue
-            start = n - run[p] - p  # first token of the first copy
+        n = len(self.tokens)
+        run, periods = self._runs.run[0], self._runs.periods
+        found = run >= periods  # [P] a whole copy repeated, at least
+        if found.any():
+            starts = n - run - periods  # [P] first token of the first copy
             # two copies of a long span, or three of a short one; outside a string, a long
             # span without a letter is data (digits are one token each: two dates of a
             # list may share 12 tokens) and needs three copies too
-            copies = (2 if p >= prm.long_span and (self._in_string(start)
-                                                    or self._lettered(n - p))
-                      else prm.min_repeats)
-            if run[p] < (copies - 1) * p:
-                continue
-            if self._chars[n] - self._chars[start] < prm.min_chars:
-                continue
-            cut = self._cut(start, start + p, may_close, exact=True)
-            if cut is None:
-                # no place yet (or the places were streamed already): look at the next
-                # token's boundary only (a whole copy later would stay in phase with the
-                # boundaries it keeps missing)
-                self._retry_at, self._scan_from = n + 1, n
-                return None
-            return LoopCut(cut[0], cut[1], p, (run[p] + p) // p)
+            found &= run >= np.where(self._long & self._loose(starts, n), periods,
+                                     self._three)
+            found &= self._long_enough(starts, n)
+            hits = found.nonzero()[0]
+            if len(hits):  # the shortest period
+                p = int(hits[0]) + 1
+                r = int(run[p - 1])
+                start = n - r - p
+                cut = self._cut(start, start + p, may_close, exact=True)
+                if cut is None:
+                    # no place yet (or the places were streamed already): look at the next
+                    # token's boundary only (a whole copy later would stay in phase with
+                    # the boundaries it keeps missing)
+                    self._retry_at, self._scan_from = n + 1, n
+                    return None
+                return LoopCut(cut[0], cut[1], p, (r + p) // p)
         cut = self._progression(may_close) if self.shapes is not None else None
         return cut if cut is not None else self._near_cut(may_close)
+
+    def _loose(self, starts: np.ndarray, n: int) -> np.ndarray:
+        """[P] whether the repetition of period p from ``starts[p]`` may be taken on two
+        copies: it lies inside one string (a string is always the innermost level, so the
+        string open now, open since before the repetition's start: deeper than every state
+        from then on), or its newest copy (the last p tokens) holds a letter."""
+        periods = self._runs.periods
+        last = self._letter_at[-1] if self._letter_at else -n - 1
+        loose = periods >= n - last
+        if self._path and self._path[-1][0] == "s":
+            # the newest state of a lower depth than now (-1: none): the string opened after it
+            lower = self._min_at[-2] if len(self._min_at) >= 2 else -1
+            loose |= starts - 1 > lower
+        return loose
+
+    def _long_enough(self, starts: np.ndarray, n: int) -> np.ndarray:
+        """[P] whether the text from ``starts[p]`` to the newest token is ``min_chars``
+        bytes or more."""
+        return self._chars[n] - self._char_at.at(np.maximum(starts, 0)) >= self.params.min_chars
 
     # near repeats -------------------------------------------------------------------------
 
@@ -247,41 +284,41 @@ class LoopGuard:
     def _item_end(self, array: _Level, start: int, end: int) -> None:
         """An item of ``array`` ended: is it a near copy of the one ``c`` items before (the
         same text but for its numbers, which all step as they stepped a cycle before), for
-        a cycle of ``c`` = 1 to _MAX_CYCLE items (A, B, A, B ...; A1, B1, A2, B2 ...)?"""
-        if end - start > _ITEM_BYTES:
+        a cycle of ``c`` = 1 to MAX_CYCLE items (A, B, A, B ...; A1, B1, A2, B2 ...)?"""
+        if end - start > loop_near.ITEM_BYTES:
             self._items.pop(array[3], None)
             return
         run = self._items.get(array[3])
         if run is None:
-            run = self._items[array[3]] = _ItemRun()
-        shape, counters = _shape(bytes(self._bytes[start:end]))
-        lettered = _LETTER.search(shape) is not None
+            run = self._items[array[3]] = loop_near.ItemRun()
+        shape, counters = loop_near.item_shape(bytes(self._bytes[start:end]))
+        lettered = loop_near.ASCII_LETTER.search(shape) is not None
         # a list of dates is data, until it counts past the calendar ("2022-01-32"): that
         # item is where the loop began, and the array ends before it
-        dated = not lettered and shape == _DATE_SHAPE
-        past = dated and not _real_date(counters)
+        dated = not lettered and shape == loop_near.DATE_SHAPE
+        past = dated and not loop_near.real_date(counters)
         here = bisect_left(self._chars, run.end) if past else None  # the boundary before it
-        steps_at: list = [None] * (_MAX_CYCLE + 1)
+        steps_at: list = [None] * (loop_near.MAX_CYCLE + 1)
         prm = self.params
-        for c in range(1, min(_MAX_CYCLE, len(run.items)) + 1):
+        for c in range(1, min(loop_near.MAX_CYCLE, len(run.items)) + 1):
             before_shape, before_counters, before_steps = run.items[-c]
             last = before_steps[c]  # (how the item c before stepped from its own c before)
             if shape != before_shape or not (lettered or dated):
                 # a variant (one small edit inside a string mostly kept) goes on a counting
                 # run whose numbers step as before; anything else ends the run
-                steps = (_steps(before_counters, counters) if c == 1 and lettered
+                steps = (loop_near.steps(before_counters, counters) if c == 1 and lettered
                          and last is not None and len(counters) == len(before_counters)
                          else None)
-                if (steps is None or not any(steps) or not _same_steps(last, steps)
-                        or not _variant(before_shape, shape)):
+                if (steps is None or not any(steps) or not loop_near.same_steps(last, steps)
+                        or not loop_near.variant(before_shape, shape)):
                     run.counts[c] = 0
                     continue
                 steps_at[c] = steps
                 run.counts[c] += 1
             else:
-                steps = steps_at[c] = _steps(before_counters, counters)
-                run.counts[c] = (run.counts[c] + 1 if last is None or _same_steps(last, steps)
-                                 else 1)
+                steps = steps_at[c] = loop_near.steps(before_counters, counters)
+                run.counts[c] = (run.counts[c] + 1
+                                 if last is None or loop_near.same_steps(last, steps) else 1)
             # exact copies (nothing steps) as the exact detector counts them; counting
             # copies as progressions do (an enumeration of up to near_repeats - 1 items
             # is kept) (over min_chars together, as there: three short enum answers are
@@ -289,7 +326,7 @@ class LoopGuard:
             exact = not any(steps) and (end - start) * c * prm.min_repeats >= prm.min_chars
             cycles = (run.counts[c] + c) // c
             if self._near is not None or cycles < (
-                    prm.min_repeats if exact else _near_rounds(prm, c)):
+                    prm.min_repeats if exact else loop_near.near_rounds(prm, c)):
                 continue
             if lettered:
                 n = len(self.tokens)  # tokens jumped forward may follow the copy
@@ -315,7 +352,7 @@ class LoopGuard:
         run.end = end
         run.items.append((shape, counters, steps_at))
         run.ends.append(end)
-        if len(run.items) > _MAX_CYCLE:
+        if len(run.items) > loop_near.MAX_CYCLE:
             del run.items[0], run.ends[0]
 
     def _sentence_end(self, string: _Level, end: int) -> None:
@@ -324,24 +361,24 @@ class LoopGuard:
         sentences that cycle)?"""
         cur = self._sentence
         if cur is None or cur[0] is not string:
-            start, recent, counts = string[3] + 1, [], [0] * (_SENTENCE_CYCLE + 1)
+            start, recent, counts = string[3] + 1, [], [0] * (loop_near.SENTENCE_CYCLE + 1)
         else:
             _, start, recent, counts = cur
         words = (bytes(self._bytes[start:end - 1]).split()
-                 if end - start <= _SENTENCE_BYTES else [])
+                 if end - start <= loop_near.SENTENCE_BYTES else [])
         if not words:
             if end - start > 2:
-                recent, counts = [], [0] * (_SENTENCE_CYCLE + 1)
+                recent, counts = [], [0] * (loop_near.SENTENCE_CYCLE + 1)
             self._sentence = (string, end, recent, counts)
             return
-        for c in range(1, _SENTENCE_CYCLE + 1):
-            near = len(recent) >= c and _near_sentence(recent[-c], words)
+        for c in range(1, loop_near.SENTENCE_CYCLE + 1):
+            near = len(recent) >= c and loop_near.near_sentence(recent[-c], words)
             counts[c] = counts[c] + 1 if near else 0
             cycles = (counts[c] + c) // c
             if near and self._near is None and cycles >= self.params.sentence_repeats:
                 n = len(self.tokens)
                 self._near = (string, cycles, "sentences", (n, n - 1))
-        recent = (recent + [words])[-_SENTENCE_CYCLE:]
+        recent = (recent + [words])[-loop_near.SENTENCE_CYCLE:]
         self._sentence = (string, end, recent, counts)
 
     def _near_cut(self, may_close) -> LoopCut | None:
@@ -376,31 +413,31 @@ class LoopGuard:
         return None
 
     def _progression(self, may_close) -> LoopCut | None:
-        prm, srun, n = self.params, self._shape_run, len(self.tokens)
-        for p in range(1, len(srun)):
-            if srun[p] < (prm.progression_repeats - 1) * p:
-                continue
-            start = n - srun[p] - p
-            # a letter in it, or inside a string: runs of numbers and dates are data,
-            # not a loop (a string counting "49, 50, 51, ..." is one)
-            if not (self._in_string(start) or self._lettered(n - p)):
-                continue
-            if self._chars[n] - self._chars[start] < prm.min_chars:
-                continue
+        """A progression at the shortest period whose copies count (of the first
+        _COUNT_LOOKS periods whose shapes repeat: a string of digits repeats in shape at
+        every period, and each look reads its copies)."""
+        n = len(self.tokens)
+        run, periods = self._runs.run[1], self._runs.periods
+        found = run >= self._counted
+        if not found.any():
+            return None
+        starts = n - run - periods
+        # a letter in it, or inside a string: runs of numbers and dates are data, not a
+        # loop (a string counting "49, 50, 51, ..." is one)
+        found &= self._loose(starts, n)
+        found &= self._long_enough(starts, n)
+        for at in found.nonzero()[0][:_COUNT_LOOKS].tolist():
+            p = at + 1
             if not self._counts(n, p):
                 continue
+            r = int(run[at])
+            start = n - r - p
             cut = self._cut(start, n - p, may_close)
             if cut is None:
                 self._retry_at, self._scan_from = n + 1, n
                 return None
-            return LoopCut(cut[0], cut[1], p, (srun[p] + p) // p, kind="progression")
+            return LoopCut(cut[0], cut[1], p, (r + p) // p, kind="progression")
         return None
-
-    def _lettered(self, first: int) -> bool:
-        """Whether the tokens from ``first`` to the newest hold a letter."""
-        shapes, vocab = self.shapes, self.vocab
-        return any((shapes is not None and shapes[t] == LETTER)
-                   or any(chr(b).isalpha() for b in vocab[t]) for t in self.tokens[first:])
 
     def _counts(self, n: int, p: int) -> bool:
         """Whether the numbers of the newest ``progression_repeats`` copies of ``p`` tokens
@@ -409,12 +446,12 @@ class LoopGuard:
         chars, before, steps = self._chars, None, None
         for k in range(self.params.progression_repeats, 0, -1):
             a, b = n - k * p, n - (k - 1) * p
-            _, counters = _shape(bytes(self._bytes[chars[a]:chars[b]]))
+            counters = loop_near.numbers(bytes(self._bytes[chars[a]:chars[b]]))
             if before is not None:
                 if len(counters) != len(before):
                     return False
-                step = _steps(before, counters)
-                if steps is not None and not _same_steps(steps, step):
+                step = loop_near.steps(before, counters)
+                if steps is not None and not loop_near.same_steps(steps, step):
                     return False
                 steps = step
             before = counters
@@ -427,11 +464,6 @@ class LoopGuard:
             return 0
         k = bisect_left(self._min_at, start - 1)
         return self._min_depth[k]
-
-    def _in_string(self, start: int) -> bool:
-        """Whether the value open over the whole repetition from ``start`` is a string."""
-        depth = self._region_depth(start)
-        return depth > 0 and self._path[depth - 1][0] == "s"
 
     def _cut(self, start: int, first: int, may_close,
              exact: bool = False) -> tuple[int, tuple[int, ...]] | None:
@@ -507,6 +539,9 @@ class LoopGuard:
         del self.tokens[keep:]
         del self.states[keep:]
         del self._chars[keep + 1:]
+        self._char_at.truncate(keep + 1)
+        while self._letter_at and self._letter_at[-1] >= keep:
+            self._letter_at.pop()
         del self._bytes[self._chars[keep]:]
         self._sentence, self._near = None, None
         # the levels open after token keep - 1: the path's head is shared, the rest is
@@ -531,8 +566,7 @@ class LoopGuard:
         self._min_depth = [_depth(self.states[-1])] if keep else []
         self._digits = _DigitRuns()
         self.floor = keep
-        self._run = [0] * len(self._run)
-        self._shape_run = [0] * len(self._shape_run)
+        self._runs.reset()
         self._scan_from = 0
         self._retry_at = 0
         for t in closers:
@@ -680,103 +714,7 @@ def _scan(state: _State, data: bytes, path: list, digits: _DigitRuns, base: int,
 
 
 _SENTENCE_END = frozenset(b".!?,;")
-_ITEM_BYTES = 4096  # longer array items are not compared (bounds the work per item)
-# array items that cycle: A, B, C, A, B, C ... (each compared with up to 6 before: a
-# round of 4 short items, 80 tokens, is past the exact detector's 48)
-_MAX_CYCLE = 6
-_VARIANT_BYTES = 12  # a variant item's edit, at most (see _variant)
-_VARIANT_KEPT = 16  # and the text of its string kept around it, at least
-_SENTENCE_CYCLE = 2  # sentences: each compared with the 2 before
-_SENTENCE_BYTES = 1024
-_COUNTER = re.compile(rb"[0-9]+(?:\.[0-9]+)?")
-_SPACE = re.compile(rb"\s+")
-_LETTER = re.compile(rb"[A-Za-z]")
-_DATE_SHAPE = b'"#-#-#"'  # an ISO date as a string item ("2022-01-31")
-
-
-def _near_rounds(prm, c: int) -> int:
-    """How many rounds of near copies end an array whose items cycle every ``c``:
-    ``near_repeats`` items in a row (c = 1); a longer cycle ``near_repeats`` items in all
-    and one round more, but at least ``min_repeats`` + 1 rounds (2 items: 5 rounds, 3 or
-    more: 4). Eight rounds of three order lines (24 items, ~450 tokens) ran past the
-    clients bench's budget of 512 before they were ended."""
-    if c == 1:
-        return prm.near_repeats
-    return max(prm.min_repeats + 1, -(-prm.near_repeats // c) + 1)
-
-
-def _real_date(counters: list[float]) -> bool:
-    """Whether a date item's numbers (year, month, day) name a day of the calendar."""
-    try:
-        datetime.date(*(int(x) for x in counters))
-    except (TypeError, ValueError, OverflowError):
-        return False
-    return all(x == int(x) for x in counters)
-
-
-def _shape(item: bytes) -> tuple[bytes, list[float]]:
-    """An array item as its text with every run of digits (a number, or digits in a
-    string) one ``#`` and no whitespace, and those numbers in order."""
-    counters = [float(m) for m in _COUNTER.findall(item)]
-    return _SPACE.sub(b"", _COUNTER.sub(b"#", item)), counters
-
-
-def _variant(a: bytes, b: bytes) -> bool:
-    """Whether item shape ``b`` is ``a`` with one small edit (up to _VARIANT_BYTES, a third
-    of what is kept) inside one string whose kept text is _VARIANT_KEPT bytes or more
-    (``"... Smoked Paprika Croutons,"`` -> ``"... Smoked Paprika Crouton Croutons,"``): a
-    model copying its item and slipping a word. Distinct names (``"Alice"``, ``"Bob"``)
-    keep nothing of their string; an edit across a quote changes the item's structure."""
-    n = min(len(a), len(b))
-    p = 0
-    while p < n and a[p] == b[p]:
-        p += 1
-    s = 0
-    while s < n - p and a[-1 - s] == b[-1 - s]:
-        s += 1
-    edit_a, edit_b = a[p:len(a) - s], b[p:len(b) - s]
-    edit = max(len(edit_a), len(edit_b))
-    if not edit or b'"' in edit_a or b'"' in edit_b:
-        return False
-    head = a[:p]
-    if (head.count(b'"') - head.count(b'\\"')) % 2 == 0:  # the edit is not in a string
-        return False
-    opened = head.rfind(b'"')
-    closed = a.find(b'"', len(a) - s)
-    if closed < 0:
-        return False
-    kept = (p - opened - 1) + (closed - (len(a) - s))
-    return edit <= _VARIANT_BYTES and kept >= _VARIANT_KEPT and 3 * edit <= kept
-
-
-def _steps(a: list[float], b: list[float]) -> list[float]:
-    return [y - x for x, y in zip(a, b)]
-
-
-def _same_steps(a: list[float], b: list[float]) -> bool:
-    return all(abs(x - y) <= 1e-9 * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))
-
-
-def _near_sentence(a: list[bytes], b: list[bytes]) -> bool:
-    """Whether sentence ``b`` restarts ``a`` with a changed word: both of 3 words or more,
-    and one word changed (or none), or the same first 4 words."""
-    if min(len(a), len(b)) < 3:
-        return False
-    if len(a) == len(b) and sum(x != y for x, y in zip(a, b)) <= 1:
-        return True
-    return len(a) >= 4 and len(b) >= 4 and a[:4] == b[:4]
-
-
-class _ItemRun:
-    """One open array's near repeats: its newest items (up to _MAX_CYCLE: text shape,
-    numbers, and per cycle length how it stepped from the item that many before), and per
-    cycle length how many items in a row are near copies of the item that many before."""
-
-    __slots__ = ("items", "ends", "counts", "end", "past")
-
-    def __init__(self):
-        self.end = 0  # where the newest item ended (byte offset, exclusive)
-        self.past = None  # counting dates: the boundary before the first past the calendar
-        self.items: list[tuple[bytes, list[float], list]] = []
-        self.ends: list[int] = []  # where each of those items ended (byte offset)
-        self.counts = [0] * (_MAX_CYCLE + 1)
+# a byte that is a letter read as Latin-1 (what makes a token "hold a letter")
+_ALPHA = re.compile(b"[" + re.escape(bytes(b for b in range(256) if chr(b).isalpha())) + b"]")
+# progressions: the periods whose copies are compared per token, at most (the shortest)
+_COUNT_LOOKS = 4
