@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.guided.detokenizer import IncrementalDetokenizer
 
 FFFD = "\ufffd"
 

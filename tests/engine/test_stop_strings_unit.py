@@ -9,7 +9,7 @@ import random
 import pytest
 import xgrammar as xgr
 
-from worker.engine.detokenizer import GrammarStopCheck, IncrementalDetokenizer
+from worker.guided.detokenizer import GrammarStopCheck, IncrementalDetokenizer
 
 pytestmark = pytest.mark.unit
 

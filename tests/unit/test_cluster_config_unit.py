@@ -22,8 +22,9 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("cli", "cluster", "deploy", "grammar_cache", "scheduler", "worker")
-# classes named like configs that are not settings: a model checkpoint's own config.json
-NOT_SETTINGS = {"worker.models.loader.ModelConfig"}
+# classes named like configs that are not settings: a model checkpoint's own config.json,
+# the protocol the guided path reads EngineConfig through (worker/guided/rows.py)
+NOT_SETTINGS = {"worker.models.loader.ModelConfig", "worker.guided.rows.GuidedConfig"}
 
 
 def test_the_sections_are_built_once_into_typed_objects():

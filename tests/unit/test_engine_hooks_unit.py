@@ -2,7 +2,8 @@
 output ends (closing, the loop guard, jump-forward, validation), a reasoning model's
 thought and the grammar libraries live in worker/guided, and worker/engine/engine.py
 reaches them through ``GuidedPath`` / ``GuidedRequest`` (worker/guided/request.py) and
-the manager the mask stage reads. A request's guided state (its thought, the output
+the manager the mask stage reads (and builds a plain request's ``IncrementalDetokenizer``,
+worker/guided/detokenizer.py). A request's guided state (its thought, the output
 policy's state, its compiled grammar and matcher) is its ``GuidedRequest``'s: no module of
 worker/engine holds or reads it, and the mask stage gets each row's matcher from the
 request's guided part, never by key from the manager (that a sequence's tokens change
@@ -20,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DIR = ROOT / "worker" / "engine"
 ENGINE = ENGINE_DIR / "engine.py"
 SEQUENCE = ENGINE_DIR / "sequence.py"
-# what the engine may import of the guided package: the hooks, and the manager (masks)
-ALLOWED_IMPORTS = {"worker.guided.request", "worker.guided.guided_process"}
+# what the engine may import of the guided package: the hooks, the manager (masks) and the
+# detokenizer (a plain request's; binding its stop strings to a grammar is the guided path's)
+ALLOWED_IMPORTS = {"worker.guided.request", "worker.guided.guided_process",
+                   "worker.guided.detokenizer"}
 # a request's guided state: GuidedRequest's fields, never a Sequence's, read by no module
 # of worker/engine (``matchers``/``matcher_key``: the manager's old per-key matchers)
 GUIDED_STATE = {"thinking", "thinking_now", "guided_now", "ending", "compiled", "matcher",

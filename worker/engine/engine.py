@@ -38,7 +38,7 @@ from grammar_cache.config import GrammarCacheConfig
 from core.errors import ErrorKind
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.guided.detokenizer import IncrementalDetokenizer
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.sampling import ARSamplingStrategy, Sampler

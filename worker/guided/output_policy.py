@@ -34,11 +34,10 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from worker.guided.closing import Completion
-from worker.engine.config import EngineConfig
 from core.params import LoopGuardParams
 from worker.guided.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
 from core.request import RequestOutput
-from worker.engine.sequence import Sequence
+from worker.guided.rows import GuidedConfig, GuidedRow
 from worker.guided.schema_witness import witness_tokens
 from worker.guided.search_slices import SearchSlices
 from worker.guided.shortest_bound import TokenCapacity
@@ -161,7 +160,7 @@ class PolicyStats:
 
 
 class OutputPolicy:
-    def __init__(self, config: EngineConfig, guided, remaining: Callable[[Sequence], int]):
+    def __init__(self, config: GuidedConfig, guided, remaining: Callable[[GuidedRow], int]):
         """``remaining(seq)``: the tokens a request may still generate (its budget, or
         the context left: the engine knows the model's length)."""
         self.config = config
@@ -184,7 +183,7 @@ class OutputPolicy:
 
     # admission ----------------------------------------------------------------------------
 
-    def admit(self, seq: Sequence, matcher) -> str | None:
+    def admit(self, seq: GuidedRow, matcher) -> str | None:
         """A guided request whose grammar is ready: a refusal message when its budget
         cannot hold the grammar's shortest output; else its state is set up (the loop
         guard, the shortest output planned when that is all that fits) and None."""
@@ -213,7 +212,7 @@ class OutputPolicy:
             self._plan_close_at_start(seq, matcher)
         return None
 
-    def begin_answer(self, seq: Sequence, matcher) -> None:
+    def begin_answer(self, seq: GuidedRow, matcher) -> None:
         """A reasoning model's thought ended: the policy follows the answer from here
         (what admission found for the grammar's start holds here: the matcher saw no
         thought)."""
@@ -228,7 +227,7 @@ class OutputPolicy:
 
     # after sampling -------------------------------------------------------------------------
 
-    def steer(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> set[int]:
+    def steer(self, seqs: list[GuidedRow], token_ids: list[int], logprobs) -> set[int]:
         """Once per batch, before the matchers accept: a guided row planned to its shortest
         output takes the plan's token; one near its budget's end whose sampled token would
         leave no room to close takes the closing path's. A replaced token has no logprob.
@@ -254,7 +253,7 @@ class OutputPolicy:
                     logprobs[i] = None
         return held
 
-    def steer_held(self, seq: Sequence) -> tuple[int, object] | None:
+    def steer_held(self, seq: GuidedRow) -> tuple[int, object] | None:
         """A held token's verdict, now that its search has ended: (the token, its logprob;
         the closing path's token, without one, where the drawn one could not close), or
         None while it waits for another search."""
@@ -267,7 +266,7 @@ class OutputPolicy:
         st.held = None
         return held[0], logprobs[0]
 
-    def after_token(self, seq: Sequence, new: int = 1) -> tuple[list[int], str] | None:
+    def after_token(self, seq: GuidedRow, new: int = 1) -> tuple[list[int], str] | None:
         """After a guided row's ``new`` newest tokens were accepted (its sampled one, and
         any jump-forward appended after it) and the request goes on: a repeating
         value is cut and closed (the output is rewritten, None is returned: it goes on);
@@ -283,7 +282,7 @@ class OutputPolicy:
                 self._cut(seq, cut)
         return self.close(seq)
 
-    def close(self, seq: Sequence) -> tuple[list[int], str] | None:
+    def close(self, seq: GuidedRow) -> tuple[list[int], str] | None:
         """Budget-aware closing from the output as it is (``after_token``'s second half;
         also a parked row's, once the search it waited for has answered): the closing
         path, appended, and the finish reason; None: it goes on, or waits for a search
@@ -301,7 +300,7 @@ class OutputPolicy:
             seq.append(forced)
         return closed
 
-    def release(self, seq: Sequence, final: bool) -> int:
+    def release(self, seq: GuidedRow, final: bool) -> int:
         """How many more output tokens the stream may have now: all when the request
         finishes, else all but the newest ``hold`` (which a loop cut may still remove)."""
         st = seq.guide.ending
@@ -309,7 +308,7 @@ class OutputPolicy:
         n, st.released = upto - st.released, upto
         return n
 
-    def _may_cut(self, seq: Sequence, keep: int, closers: tuple[int, ...]) -> bool:
+    def _may_cut(self, seq: GuidedRow, keep: int, closers: tuple[int, ...]) -> bool:
         """Whether the loop guard may cut after ``keep`` output tokens and force
         ``closers``: nothing streamed is taken back, the grammar accepts them, and (cut at
         the newest token) the grammar does not force them anyway (``"aaaa"`` for
@@ -329,7 +328,7 @@ class OutputPolicy:
                 return False
         return all(probe.accept_token(t) for t in closers)
 
-    def _cut(self, seq: Sequence, cut: LoopCut) -> None:
+    def _cut(self, seq: GuidedRow, cut: LoopCut) -> None:
         """Rolls the output, its matcher and its KV back to ``cut.keep`` tokens, then
         appends the closers (accepted by the matcher; their KV is computed next step)."""
         st = seq.guide.ending
@@ -349,7 +348,7 @@ class OutputPolicy:
 
     # the end -------------------------------------------------------------------------------
 
-    def report(self, seq: Sequence, reason: str, out: RequestOutput) -> None:
+    def report(self, seq: GuidedRow, reason: str, out: RequestOutput) -> None:
         """Closing, loop cuts and validation onto the final chunk (once per request)."""
         st = seq.guide.ending
         out.closed_early = st.closed_early
@@ -374,7 +373,7 @@ class OutputPolicy:
 
     # budget-aware closing (see closing.py) ----------------------------------------------------
 
-    def _plan_close_at_start(self, seq: Sequence, matcher) -> None:
+    def _plan_close_at_start(self, seq: GuidedRow, matcher) -> None:
         """A budget already down to the grammar's shortest output (plus ``closing_margin``)
         gets that output: one freely sampled token could leave no room to close. The
         prompt still runs (a session keeps its KV); its first token is the path's first,
@@ -387,7 +386,7 @@ class OutputPolicy:
         if all(probe.accept_token(t) for t in path):
             seq.guide.ending.forced_path = path
 
-    def _budget_too_small(self, seq: Sequence, matcher) -> str | None:
+    def _budget_too_small(self, seq: GuidedRow, matcher) -> str | None:
         """A message when the grammar's shortest output needs more tokens than a fresh
         request's budget (never for a failover's continuation: it goes on).
 
@@ -460,7 +459,7 @@ class OutputPolicy:
         # death must not turn into a 400, so it goes on and closes what the budget allows
         return refusal if fresh else None
 
-    def _estimate_at_start(self, seq: Sequence, matcher, budget: int) -> None:
+    def _estimate_at_start(self, seq: GuidedRow, matcher, budget: int) -> None:
         """A budget over the closing window: the dive's output from the grammar's start
         (milliseconds, at most twice per grammar, each given the closing probe's time;
         ``facts["start_dive"]``), kept as the closing estimate where it is longer than the
@@ -493,7 +492,7 @@ class OutputPolicy:
             seq.guide.ending.closing_estimate = (seq.num_output, len(floor))
             seq.guide.ending.prior_estimate = len(floor)
 
-    def _known_start(self, seq: Sequence, matcher) -> tuple | None:
+    def _known_start(self, seq: GuidedRow, matcher) -> tuple | None:
         """The shortest output of a fresh request's grammar known from its start: the
         searches' (``start_path``) or the schema's witness (schema_witness.py, built and
         replayed on a fork of ``matcher`` once per grammar: a large schema's search found
@@ -506,7 +505,7 @@ class OutputPolicy:
         found = [p for p in (facts.get("start_path"), facts["witness_path"]) if p is not None]
         return min(found, key=len) if found else None
 
-    def shortest_bound(self, seq: Sequence) -> int:
+    def shortest_bound(self, seq: GuidedRow) -> int:
         """A lower bound on the tokens of the grammar's shortest output (0: none known),
         computed once per grammar."""
         if seq.grammar.kind != "json_schema":
@@ -523,7 +522,7 @@ class OutputPolicy:
             self._bounds.popitem(last=False)
         return bound
 
-    def _bound_refusal(self, seq: Sequence) -> _Verdict:
+    def _bound_refusal(self, seq: GuidedRow) -> _Verdict:
         return _Verdict(need=f"at least {self.shortest_bound(seq)}")
 
     @staticmethod
@@ -551,7 +550,7 @@ class OutputPolicy:
                         f"about {len(found.tokens)}")
 
     @staticmethod
-    def _budget_verdict(seq: Sequence, budget: int, verdict: _Verdict) -> str | None:
+    def _budget_verdict(seq: GuidedRow, budget: int, verdict: _Verdict) -> str | None:
         st = seq.guide.ending
         if verdict.path is not None:
             st.closing_estimate = (seq.num_output, len(verdict.path))
@@ -568,7 +567,7 @@ class OutputPolicy:
                 f"tokens, but {which} allows {budget}; raise max_tokens (or shorten the "
                 "prompt)")
 
-    def _maybe_close(self, seq: Sequence) -> tuple[list[int], str] | None:
+    def _maybe_close(self, seq: GuidedRow) -> tuple[list[int], str] | None:
         """Budget-aware closing (see closing.py). When the tokens left are down to the
         grammar's shortest completion (plus ``closing_margin``), returns that completion,
         already accepted by the request's matcher, and the finish reason; else None."""
@@ -661,7 +660,7 @@ class OutputPolicy:
                 window = max(window, estimate + _GUARD_ZONE + self.config.closing_margin)
         return window
 
-    def _probe_closing(self, seq: Sequence) -> None:
+    def _probe_closing(self, seq: GuidedRow) -> None:
         """Once per request, at twice the closing window from its budget's end: the dive's
         completion length (milliseconds), kept as the closing estimate when it is longer
         than the window, so that closing begins in time for it (a completion of 50 tokens
@@ -676,7 +675,7 @@ class OutputPolicy:
         if path is not None and len(path) + _GUARD_ZONE > self.config.closing_window:
             st.closing_estimate = (seq.num_output, len(path))
 
-    def _dive(self, seq: Sequence, matcher) -> list[int] | None:
+    def _dive(self, seq: GuidedRow, matcher) -> list[int] | None:
         """The closing probe's dive from here, kept as the request's fallback. A request's
         dives get ``closing_probe_ms`` and ten times the search's nodes (a large grammar's
         dive needs them) until they have taken ``_LONG_PROBES`` times that time in all (a
@@ -700,7 +699,7 @@ class OutputPolicy:
             st.fallback = (seq.num_output, path)
         return path
 
-    def _fallback(self, seq: Sequence, matcher, left: int) -> list[int] | None:
+    def _fallback(self, seq: GuidedRow, matcher, left: int) -> list[int] | None:
         """Where a search is cut short: the last dive's path if it still closes the output
         from here (its rest, when the tokens since were its own; else replayed whole on a
         fork), else a new dive's (``_dive``: long while the request has long probes left);
@@ -719,7 +718,7 @@ class OutputPolicy:
         return path if path is not None and len(path) <= left else None
 
     @staticmethod
-    def _carried_path(seq: Sequence, matcher) -> tuple[list[int] | None, int]:
+    def _carried_path(seq: GuidedRow, matcher) -> tuple[list[int] | None, int]:
         """The closing path last found for this request, if it still closes the output
         from here, and its slack: by how many tokens it may be longer than the shortest
         from here. Its rest, when the tokens since were its own (the rest of a shortest
@@ -741,7 +740,7 @@ class OutputPolicy:
             return list(path), slack + len(since)
         return None, _UNKNOWN
 
-    def _keep_closable(self, seq: Sequence, token: int) -> int | None:
+    def _keep_closable(self, seq: GuidedRow, token: int) -> int | None:
         """Within the closing window (or ``_GUARD_ZONE`` tokens of the closing path found
         for this very state, where that is further): the sampled token if the output can
         still close after it within the budget, else the path's first token (which can).
@@ -802,7 +801,7 @@ class OutputPolicy:
         self.stats.closing_steered += 1
         return path[0]
 
-    def _ask(self, seq: Sequence, name, search, matcher, shared=None) -> "_Answer":
+    def _ask(self, seq: GuidedRow, name, search, matcher, shared=None) -> "_Answer":
         """``search(closer, matcher)`` for this request's current state, on a fork of
         ``matcher`` and a closing search of its own, as a sliced search
         (search_slices.py): the answer this state got already, or the search's when it
@@ -833,11 +832,11 @@ class OutputPolicy:
         answer = st.answers[name] = _Answer(*done.value, done.cpu_s)
         return answer
 
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: GuidedRow) -> None:
         """The request ended: the searches only it waited for are dropped."""
         self.slices.drop(seq.request_id)
 
-    def _force(self, seq: Sequence, tokens: list[int]) -> tuple[list[int], str]:
+    def _force(self, seq: GuidedRow, tokens: list[int]) -> tuple[list[int], str]:
         """Feeds a closing path to the request's matcher (which checks every token)."""
         matcher = seq.guide.matcher
         for i, t in enumerate(tokens):
@@ -859,7 +858,7 @@ _UNKNOWN = 1 << 30  # the slack of a path that no search stands behind
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
 
 
-def _gave_up(seq: Sequence) -> None:
+def _gave_up(seq: GuidedRow) -> None:
     """A completion search for this request was cut short (node cap or time): searched
     again 4, then 16 tokens later, then never. A grammar the search cannot decide in
     time rarely becomes decidable a token later, and each try stalls the whole batch for

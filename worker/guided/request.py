@@ -1,7 +1,8 @@
 """The guided path as the engine sees it: one ``GuidedPath`` per engine, one
-``GuidedRequest`` per request that has a grammar or a thought (``Sequence.guide``; a
-plain request has None). The engine's step calls these hooks and nothing else of the
-guided path:
+``GuidedRequest`` per request that has a grammar or a thought (the row's ``guide``; a
+plain request has None). A row is the engine's ``Sequence`` seen through ``GuidedRow``, the
+engine's config is seen through ``GuidedConfig`` (rows.py): nothing here imports the engine.
+The engine's step calls these hooks and nothing else of the guided path:
 
     seq.guide = path.attach(seq, request, resumed)  # on arrival: grammar asked, thought set up
     outcome = seq.guide.admit()              # grammar ready: matcher, resumed output, budget
@@ -13,7 +14,7 @@ guided path:
 and the step reads two of its fields: ``grammar_future`` (the request waits for it) and
 ``mask_matcher`` (the matcher that fills the row's mask this step; None: not masked).
 
-The request's guided state is the GuidedRequest's alone (``Sequence`` holds none of it):
+The request's guided state is the GuidedRequest's alone (the row holds none of it):
 its grammar's future, then the compiled grammar and a matcher of its own, its
 ``Thinking`` (reasoning.py), the output policy's ``OutputState`` (``ending``), and the
 grammar's cached facts (the compiled grammar's ``facts``, the answer room per grammar
@@ -40,13 +41,13 @@ from typing import Callable
 
 from core.errors import ErrorKind
 from core.request import GenerationRequest, RequestOutput
-from worker.engine.detokenizer import GrammarStopCheck, IncrementalDetokenizer
-from worker.engine.sequence import Sequence
+from worker.guided.detokenizer import GrammarStopCheck, IncrementalDetokenizer
 from worker.guided import bitmask
 from worker.guided.guided_process import GuidedDecodingManager
 from worker.guided.jump_forward import JumpForward, JumpStats
 from worker.guided.output_policy import OutputPolicy, OutputState, PolicyStats
 from worker.guided.search_slices import SliceStats
+from worker.guided.rows import GuidedConfig, GuidedRow
 from worker.guided.reasoning import (OPEN, Thinking, from_template, generation_prompt,
                                      opens_thought, prompt_thought, split_marker_token,
                                      thought_end)
@@ -107,8 +108,9 @@ class GuidedPath:
     batch bitmask), the output policy, the reasoning markers and jump-forward, shared by
     its requests; counters for the engine's stats."""
 
-    def __init__(self, config, tokenizer, *, manager: GuidedDecodingManager | None,
-                 eos_ids: set[int], remaining: Callable[[Sequence], int]):
+    def __init__(self, config: GuidedConfig, tokenizer, *,
+                 manager: GuidedDecodingManager | None, eos_ids: set[int],
+                 remaining: Callable[[GuidedRow], int]):
         """``remaining(seq)``: the tokens a request may still generate (the engine's
         budget: max_new_tokens and the context, a thought's owed marker taken off)."""
         self.config, self.tokenizer, self.manager = config, tokenizer, manager
@@ -130,8 +132,8 @@ class GuidedPath:
         self._jumper: JumpForward | None = None  # built on first use (reads the vocabulary)
 
     @classmethod
-    def build(cls, config, tokenizer, vocab_size: int, eos_ids: set[int], device, *,
-              remaining, grammar_fetch=None, grammar_limits=None) -> "GuidedPath":
+    def build(cls, config: GuidedConfig, tokenizer, vocab_size: int, eos_ids: set[int],
+              device, *, remaining, grammar_fetch=None, grammar_limits=None) -> "GuidedPath":
         """The path of an engine on ``device``: a grammar manager when ``config.guided``
         (its mask kernel warmed up on the CPU, its bitmask pinned for a GPU)."""
         manager = None
@@ -165,14 +167,14 @@ class GuidedPath:
                     **asdict(self.policy.slices.stats if self.policy else SliceStats()),
                     **(self._jumper.stats if self._jumper else JumpStats()).as_dict())
 
-    def owed(self, seq: Sequence) -> int:
+    def owed(self, seq: GuidedRow) -> int:
         """Tokens a request's budget must keep for what it owes: while it thinks, a token
         of thought at least and the end marker."""
         return len(self.end_ids) + 1 if seq.guide is not None and seq.guide.thinking_now else 0
 
     # hooks --------------------------------------------------------------------------------
 
-    def attach(self, seq: Sequence, request: GenerationRequest,
+    def attach(self, seq: GuidedRow, request: GenerationRequest,
                resumed: list[int]) -> "GuidedRequest | None":
         """A new request's guided part, before its resumed output is appended: its grammar
         asked for (the sequence then waits for it: ``GuidedRequest.grammar_future``) and, for a
@@ -205,7 +207,7 @@ class GuidedPath:
         """Whether a closing search is still under way (the engine keeps stepping)."""
         return self.policy is not None and self.policy.slices.pending
 
-    def steer(self, seqs: list[Sequence], token_ids: list[int], logprobs) -> set[int]:
+    def steer(self, seqs: list[GuidedRow], token_ids: list[int], logprobs) -> set[int]:
         """Once per batch, after the draw and before the matchers accept: the output
         policy's forced tokens (a planned shortest output, the closing path). Returns the
         rows whose token is held for a search's verdict: the engine parks them, their
@@ -219,7 +221,7 @@ class GuidedPath:
     def _raw(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _thinking(self, seq: Sequence, request: GenerationRequest,
+    def _thinking(self, seq: GuidedRow, request: GenerationRequest,
                   resumed: list[int]) -> Thinking | None:
         """A reasoning model's request that starts in a thought: its rendered prompt ends
         inside an open one (``_prompt_thought``), or, unguided, its prompt holds no marker
@@ -283,7 +285,7 @@ class GuidedPath:
                 return state
             n *= 4
 
-    def answer_room(self, seq: Sequence, matcher) -> int:
+    def answer_room(self, seq: GuidedRow, matcher) -> int:
         """The length of one completion from the grammar's start (a dive of the closing
         search, once per grammar; the schema's bound when the dive finds none)."""
         key = seq.grammar.key(self.manager.fingerprint)
@@ -298,11 +300,11 @@ class GuidedPath:
 
 
 class GuidedRequest:
-    """One request's guided part (``Sequence.guide``): its grammar (the future while it
+    """One request's guided part (its row's ``guide``): its grammar (the future while it
     compiles, then the compiled grammar and a matcher of its own), its thought, its output
     policy state, and the hooks the engine's step calls."""
 
-    def __init__(self, path: GuidedPath, seq: Sequence, request: GenerationRequest,
+    def __init__(self, path: GuidedPath, seq: GuidedRow, request: GenerationRequest,
                  thinking: Thinking | None):
         self.path, self.seq = path, seq
         self.grammar_future = None  # Future of the compiled grammar while it compiles

@@ -1,4 +1,9 @@
-"""Incremental detokenization with stop strings, for streaming one sequence's output."""
+"""Incremental detokenization with stop strings, for streaming one sequence's output.
+
+Every request's detokenizer (the engine builds a plain one's), in the guided path's layer
+because the guided path is what edits it: a thought gets one of its own and its answer a
+fresh one (request.py), and ``GrammarStopCheck`` binds stop strings to a grammar. It imports
+nothing of the project."""
 
 from __future__ import annotations
 
