@@ -21,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' (default: $RAYGUIDE_API_KEY); "
                      "needed to serve on a non-loopback --host")
+    srv.add_argument("--keys-file", default=None, metavar="PATH",
+                     help="one key per tenant, 'tenant: key' (or 'tenant: sha256:<hex>') "
+                     "a line (default: $RAYGUIDE_KEYS_FILE): each tenant its own "
+                     "sessions, grammar ids and compile share; with --api-key, that key "
+                     "is one more, of tenant 'default'")
     srv.add_argument("--allow-open", action="store_true",
                      help="serve on a non-loopback --host with no API key (anyone who can "
                      "reach it can use it; e.g. behind your own authenticating proxy)")
@@ -177,11 +182,20 @@ def run_serve(args) -> int:
     host = args.host or config.serve.host
     port = args.port or config.serve.port
     api_key = args.api_key or os.environ.get("RAYGUIDE_API_KEY") or None
-    refusal = exposure.open_refusal(host, api_key, args.allow_open)
+    keys_file = args.keys_file or os.environ.get("RAYGUIDE_KEYS_FILE") or None
+    if keys_file:
+        from deploy import tenants
+
+        try:  # a bad file stops the start here, naming its line
+            tenants.key_table(api_key, tenants.read_keys_file(keys_file))
+        except ValueError as exc:
+            print(f"rayguide: {exc}", file=sys.stderr)
+            return 2
+    refusal = exposure.open_refusal(host, api_key or keys_file, args.allow_open)
     if refusal is not None:
         print(f"rayguide: {refusal}", file=sys.stderr)
         return 2
-    if not api_key and not exposure.is_loopback(host):
+    if not (api_key or keys_file) and not exposure.is_loopback(host):
         print(f"rayguide: WARNING: --allow-open: serving on {host}:{port} with NO API key; "
               "anyone who can reach this address can use the endpoint", file=sys.stderr)
     if config.address is None:
@@ -197,7 +211,7 @@ def run_serve(args) -> int:
           f"on {host}:{port} ...", file=sys.stderr)
     try:
         svc = service.start(config, host=host, port=port, api_key=api_key,
-                            allow_open=args.allow_open,
+                            allow_open=args.allow_open, keys_file=keys_file,
                             num_replicas=args.replicas, progress=service._stderr_progress)
     except BaseException as exc:
         # on a cluster (--address) the app is detached: left behind, it would answer 500s

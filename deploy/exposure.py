@@ -36,10 +36,11 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
-def open_refusal(host: str, api_key: str | None, allow_open: bool, *,
+def open_refusal(host: str, api_key: str | bool | None, allow_open: bool, *,
                  serve_config: bool = False) -> str | None:
     """Why the endpoint must not listen on ``host`` as configured, or None (it may). A
-    non-loopback address with no API key and no ``allow_open`` is refused. The message
+    non-loopback address with no API key (``api_key``: the key, or any true value when a
+    keys file gives keys) and no ``allow_open`` is refused. The message
     says what to change in ``rayguide serve``'s flags, or (``serve_config``) in a Serve
     config file."""
     if is_loopback(host) or api_key or allow_open:
@@ -47,11 +48,13 @@ def open_refusal(host: str, api_key: str | None, allow_open: bool, *,
     if serve_config:
         return (f"refusing to serve on {host} (the Serve config's http_options.host) without "
                 "an API key: anyone who can reach this address could use the endpoint. Set "
-                "api_key in the app's args (or RAYGUIDE_API_KEY in the environment), or "
+                "api_key or keys_file in the app's args (or RAYGUIDE_API_KEY / "
+                "RAYGUIDE_KEYS_FILE in the environment), or "
                 "allow_open: true if an open endpoint is what you want (e.g. behind your own "
                 "authenticating proxy), or set http_options.host to 127.0.0.1")
     return (f"refusing to serve on {host} without an API key: anyone who can reach this "
-            "address could use the endpoint. Pass --api-key KEY (or set RAYGUIDE_API_KEY), "
+            "address could use the endpoint. Pass --api-key KEY (or set RAYGUIDE_API_KEY) "
+            "or --keys-file PATH (one key per tenant), "
             "or --allow-open if an open endpoint is what you want (e.g. behind your own "
             "authenticating proxy), or serve on 127.0.0.1")
 

@@ -149,28 +149,30 @@ def check_session_id(session_id: str, limits: Limits) -> str:
     return session_id
 
 
-def client_identity(user: str | None, address: str | None, api_key: str | None) -> str:
-    """Who a request is for, as the grammar cache's compile queue sees it (each client its
-    own line, served round robin: grammar_cache/actor.py CompileQueue): the OpenAI ``user``
-    field when given, else the client's address, under a hash of the API key it was let in
-    with (``api_key``: the checked key, None when the server has none), so two keys never
-    share a line. Short and opaque: ``<key hash>.<u|a><hash>``, no raw key, user or address
-    in it. A fairness hint, not authentication: a client that invents new ``user`` values
-    gets a line for each."""
+def client_identity(user: str | None, address: str | None, tenant: str | None) -> str:
+    """Who a request is for: the owner of its sessions (session_key) and checked grammar
+    ids, and its line in the compile queues (grammar_cache/actor.py CompileQueue,
+    worker/guided/compile_queue.py FairQueue). ``<tenant hash>.<u|a><hash>``: the tenant
+    its API key belongs to (deploy/tenants.py; None: the server takes no key, one open
+    tenant) is the root, so two tenants never share a session, a grammar id or a line,
+    whatever ``user`` they send; under it the OpenAI ``user`` field when given, else the
+    client's address. Short and opaque: no tenant name, user or address in it. ``user``
+    is a hint inside a tenant, not authentication: any client of the tenant may send any
+    ``user``, and one that invents new values gets a line (and namespace) for each."""
     def digest(text: str, size: int) -> str:
         return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=size,
                                person=b"rayguide-client").hexdigest()
 
-    key = digest(api_key, 4) if api_key else "open"
+    root = "t" + digest(tenant, 4) if tenant else "open"
     if user:
-        return f"{key}.u{digest(user, 6)}"
-    return f"{key}.a{digest(address or 'unknown', 6)}"
+        return f"{root}.u{digest(user, 6)}"
+    return f"{root}.a{digest(address or 'unknown', 6)}"
 
 
 def session_key(client: str | None, session_id: str) -> str:
     """The runtime's name for a client's session: ``<client identity>:<session id>``. A
     session belongs to the client that made it (client_identity(): its ``user``, else its
-    address, under its API key): another client naming the same id reaches a session of
+    address, under its API key's tenant): another client naming the same id reaches a session of
     its own, so it can neither end the first one's (nor cut its running requests) nor learn
     from ``cached_tokens`` how much of that session's prompt its own matches. ``client``
     None (no identity: tests, a caller of the plan functions alone): the id as given."""
@@ -466,7 +468,8 @@ def _grammar(req: _Request, named: GrammarSpec | None = None) -> GrammarSpec | N
 
 def grammar_not_found(grammar_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"no checked grammar {grammar_id[:80]!r} for this client: POST its "
-                         "grammar to /v1/grammars first, with the same API key and user "
+                         "grammar to /v1/grammars first, with a key of the same tenant and "
+                         "the same user "
                          "(a client's checked grammars are its own, kept while the runtime "
                          "runs, its least recently used forgotten past a bound)",
                     param=param, code="grammar_not_found")

@@ -46,6 +46,7 @@ from core.request import RequestOutput
 from deploy import exposure
 from deploy import openai_api as api
 from deploy import responses
+from deploy import tenants
 from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_line,
                            too_large)
 from deploy.metrics import Metrics
@@ -97,11 +98,11 @@ def _refuse_open(settings: AppSettings, host: str | None) -> None:
     and no ``allow_open`` (deploy/exposure.py open_refusal)."""
     if host is None:
         return
-    refusal = exposure.open_refusal(host, settings.api_key, settings.allow_open,
+    refusal = exposure.open_refusal(host, settings.keyed, settings.allow_open,
                                     serve_config=True)
     if refusal is not None:
         raise ValueError(refusal)
-    if not settings.api_key and not exposure.is_loopback(host):
+    if not settings.keyed and not exposure.is_loopback(host):
         logger.warning("allow_open: serving on %s with NO API key; anyone who can reach "
                        "this address can use the endpoint", host)
 
@@ -335,9 +336,9 @@ class OpenAIServer:
             self.runtime.end_session(api.session_key(owner, session_id)), "end the session")
         if not live:
             raise APIError(404, f"no live session {session_id!r} of this client (a session "
-                           "belongs to the client that made it: its API key, and its 'user' "
-                           "(send it as ?user=) or else its address; an idle one ends by "
-                           "itself)", param="session_id", code="session_not_found")
+                           "belongs to the client that made it: its API key's tenant, and "
+                           "its 'user' (send it as ?user=) or else its address; an idle one "
+                           "ends by itself)", param="session_id", code="session_not_found")
         return {"id": session_id, "object": "session", "deleted": True}
 
     @fastapi_app.get("/metrics")
@@ -396,27 +397,35 @@ class OpenAIServer:
             self._metrics.request(route, exc.status, time.monotonic() - started)
             raise
 
-    def _auth(self, request: Request) -> None:
-        refusal = exposure.refusal_of(request, api_key_configured=bool(self.settings.api_key))
+    def _auth(self, request: Request) -> str | None:
+        """Lets the request in, or raises (401: a key is configured and the request's is
+        missing or not one of them). Returns its tenant (deploy/tenants.py: the keys
+        file's name for its key, ``default`` for the single ``api_key``); None when the
+        endpoint takes no key."""
+        keys = self.settings.key_table()
+        refusal = exposure.refusal_of(request, api_key_configured=bool(keys))
         if refusal is not None:  # a web page or a rebound DNS name (deploy/exposure.py)
             raise APIError(refusal.status, refusal.message, code=refusal.code)
-        key = self.settings.api_key
-        if not key:
-            return
-        if not hmac.compare_digest(_bearer(request).encode(), key.encode()):
+        if not keys:
+            return None
+        tenant = tenants.tenant_of(keys, _bearer(request))
+        if tenant is None:
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                            type_="authentication_error", code="invalid_api_key")
+        return tenant
 
     def _client(self, request: Request, user: str | None) -> str:
         """The request's client identity (openai_api.client_identity): its ``user``, else
         its address (Serve's proxy passes the connection's peer: behind a reverse proxy,
-        the proxy's), under the hash of the API key it was checked against (a presented
-        key the server does not check counts for nothing: it would make a new client for
-        every made-up key)."""
-        key = _bearer(request) if self.settings.api_key else None
+        the proxy's), under its tenant: the one its key belongs to (a presented key the
+        server does not take is refused by ``_auth`` first; with no key configured every
+        client is of one open tenant, and a presented key counts for nothing). Another
+        tenant's clients are never this one's, whatever ``user`` they send."""
+        keys = self.settings.key_table()
+        tenant = tenants.tenant_of(keys, _bearer(request)) if keys else None
         peer = getattr(request, "client", None)
         host = peer.host if peer is not None else None
-        return api.client_identity(user, host, key)
+        return api.client_identity(user, host, tenant)
 
     async def _body(self, request: Request) -> Any:
         """The JSON body, read at most ``max_body_bytes`` (a chunked body is counted as it

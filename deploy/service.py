@@ -26,7 +26,7 @@ from ray import serve
 
 from cluster import launch
 from cluster.config import ClusterConfig
-from deploy import exposure
+from deploy import exposure, tenants
 from deploy.serve_app import build_app
 
 APP_NAME = "rayguide"
@@ -55,9 +55,11 @@ class Service:
     app_args: dict = field(default_factory=dict)
     stages: dict = field(default_factory=dict)  # stage -> seconds, in start order
     rebuilds: int = 0
+    keys_file: str | None = None  # deploy/tenants.py: one key per tenant
 
     def curl_example(self) -> str:
-        auth = f" \\\n  -H 'Authorization: Bearer {self.api_key}'" if self.api_key else ""
+        key = self.api_key or ("<your key from the keys file>" if self.keys_file else None)
+        auth = f" \\\n  -H 'Authorization: Bearer {key}'" if key else ""
         body = ('{"messages": [{"role": "user", "content": "Name a planet."}], '
                 '"response_format": {"type": "json_schema", "json_schema": {"name": "p", '
                 '"schema": {"type": "object", "properties": {"planet": {"type": "string"}}, '
@@ -85,13 +87,17 @@ class _Stages:
 
 def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, num_replicas: int = 1, app_args: dict | None = None,
-          allow_open: bool = False,
+          allow_open: bool = False, keys_file: str | None = None,
           progress: Callable[[str], None] | None = None) -> Service:
     """Starts Ray (unless connected), the runtime (unless one runs), the Serve HTTP proxy and
     the app, in that order; ``progress`` gets one line per stage with its time. A
-    non-loopback ``host`` needs an ``api_key`` or ``allow_open`` (ValueError before
-    anything starts: deploy/exposure.py open_refusal)."""
-    refusal = exposure.open_refusal(host, api_key, allow_open)
+    non-loopback ``host`` needs an ``api_key``, a ``keys_file`` (deploy/tenants.py: one key
+    per tenant) or ``allow_open`` (ValueError before anything starts: deploy/exposure.py
+    open_refusal); a keys file that cannot be read is a ValueError naming its line, also
+    before anything starts."""
+    if keys_file:
+        tenants.key_table(api_key, tenants.read_keys_file(keys_file))
+    refusal = exposure.open_refusal(host, api_key or keys_file, allow_open)
     if refusal is not None:
         raise ValueError(refusal)
     stages = _Stages(progress)
@@ -130,13 +136,14 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     stages.done("serve_controller", f"Serve controller and HTTP proxy on {host}:{port}")
     args = {"api_key": api_key, "num_replicas": num_replicas, "start_runtime": False,
-            **({"allow_open": True} if allow_open else {}), **(app_args or {})}
+            **({"allow_open": True} if allow_open else {}),
+            **({"keys_file": keys_file} if keys_file else {}), **(app_args or {})}
     _deploy(args)
     stages.done("app", f"app ready ({num_replicas} front-end replica(s))")
     if started_runtime:
         _wait_runtime(config, runtime, stages)
     return Service(f"http://{host}:{port}", started_ray, started_runtime, api_key, runtime,
-                   config, args, stages.times)
+                   config, args, stages.times, keys_file=args.get("keys_file"))
 
 
 def _wait_runtime(config: ClusterConfig, runtime: dict, stages: _Stages) -> None:

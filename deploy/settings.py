@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+                      model_validator)
 
 from cluster.config import ClusterConfig
 from core.config import config_error_message
+from deploy import tenants
 
 
 class Limits(BaseModel):
@@ -45,6 +47,12 @@ class AppSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     api_key: str | None = None  # default: $RAYGUIDE_API_KEY; None: no auth
+    # a file of 'tenant: key' lines (deploy/tenants.py), default $RAYGUIDE_KEYS_FILE: each
+    # tenant its own namespace (sessions, grammar ids, compile shares); read where the app
+    # is built, into tenant_keys (what the replicas get: SHA-256 digests, no keys)
+    keys_file: str | None = None
+    tenant_keys: dict[str, str] | None = None  # {sha256 hex of a key: tenant}
+    _key_table: dict[str, str] | None = PrivateAttr(default=None)
     # serve on a non-loopback http_options.host with no API key (refused otherwise: anyone
     # who can reach the address could use the endpoint); `rayguide serve --allow-open`
     allow_open: bool = False
@@ -114,8 +122,33 @@ class AppSettings(BaseModel):
                 exc, None, cls)) from None
         if settings.api_key is None:
             settings.api_key = os.environ.get("RAYGUIDE_API_KEY") or None
+        if settings.keys_file is None:
+            settings.keys_file = os.environ.get("RAYGUIDE_KEYS_FILE") or None
+        if settings.keys_file:
+            settings.tenant_keys = tenants.read_keys_file(settings.keys_file)
+        elif settings.tenant_keys is not None:
+            try:  # given as is: checked as a keys file would be
+                settings.tenant_keys = tenants.parse_keys("\n".join(
+                    f"{t}: sha256:{d}" for d, t in settings.tenant_keys.items()),
+                    "tenant_keys")
+            except ValueError as exc:
+                raise ValueError(f"invalid app arguments: {exc}") from None
+        settings.key_table()
         settings.cluster_config()
         return settings
+
+    def key_table(self) -> dict[str, str]:
+        """``{sha256 hex of a key: tenant}`` for every key the endpoint takes (the keys
+        file's and ``api_key``, tenant ``default``); empty: no key, the endpoint is open.
+        Built once (the settings are not changed after the app is built)."""
+        if self._key_table is None:
+            self._key_table = tenants.key_table(self.api_key, self.tenant_keys)
+        return self._key_table
+
+    @property
+    def keyed(self) -> bool:
+        """Whether requests must present a key (an ``api_key`` or a keys file)."""
+        return bool(self.api_key or self.tenant_keys)
 
     def cluster_config(self) -> ClusterConfig:
         overrides = {k: getattr(self, k) for k in

@@ -61,6 +61,7 @@ from grammar_cache.compile_pool import WALL_FACTOR, CompilePool, CompileResult
 from grammar_cache.checked import CheckedGrammars
 from grammar_cache.config import GrammarCacheConfig
 from core.errors import ErrorKind, GrammarError
+from core.fair_lines import FairLines
 from grammar_cache.hot_list import HotList
 from core.percentile import percentile
 from core.grammar_spec import GrammarSpec
@@ -119,18 +120,24 @@ class CompileQueue:
     """The actor's compile slots (one per compile process), shared fairly between clients.
 
     A compile that finds no free slot waits in its client's line; a freed slot goes to the
-    head of the next line in turn (round robin), so a client with fifty compiles waiting
-    holds another client's one back by one compile at most. At most ``limit`` compiles
-    wait: past it, a client with fewer waiting than the client with the most takes the
-    place of that client's newest compile (which fails with QueueFull), and any other is
-    refused with QueueFull. Without client identities (``client`` None for all) it is one
-    bounded first-come line. Runs on the actor's event loop; not thread-safe."""
+    head of the next line in turn (round robin, first between tenants, then between a
+    tenant's clients: core/fair_lines.py), so a client with fifty compiles waiting holds
+    another client's one back by one compile at most, and a tenant with fifty clients
+    another tenant's one by one at most. At most ``limit`` compiles wait: past it, a
+    client of a tenant with fewer waiting than the tenant with the most takes the place of
+    that tenant's heaviest client's newest compile (which fails with QueueFull), as does a
+    client with fewer than the heaviest of its own tenant's, and any other is refused with
+    QueueFull. Without client identities (``client`` None for all) it is one bounded
+    first-come line. Runs on the actor's event loop; not thread-safe."""
 
     def __init__(self, slots: int, limit: int):
         self.free = slots
         self.limit = limit
-        self.lines: OrderedDict[object, deque[asyncio.Future]] = OrderedDict()
-        self.waiting = 0
+        self.lines = FairLines()
+
+    @property
+    def waiting(self) -> int:
+        return self.lines.waiting
 
     def enter(self, client=None, force: bool = False) -> asyncio.Future:
         """A place in ``client``'s line: a future that resolves when a slot is its own (at
@@ -143,41 +150,30 @@ class CompileQueue:
             ticket.set_result(None)
             return ticket
         if self.waiting >= self.limit and not force:
-            heaviest = max(self.lines, key=lambda c: len(self.lines[c]))
-            if len(self.lines.get(client, ())) + 1 >= len(self.lines[heaviest]):
+            found = self.lines.victim_for(client)
+            if found is None:
                 raise QueueFull()
-            victim = self._remove(heaviest, self.lines[heaviest][-1])
+            victim = self._remove(*found)
             if not victim.done():
                 victim.set_exception(QueueFull())
-        self.lines.setdefault(client, deque()).append(ticket)
-        self.waiting += 1
+        self.lines.add(client, ticket)
         return ticket
 
     def leave(self, client, ticket: asyncio.Future) -> None:
         """The compile that holds ``ticket`` is over (done or cancelled): its slot, or its
         place in the line, goes to the next."""
-        if ticket in self.lines.get(client, ()):  # still waiting (or cancelled waiting)
+        if self.lines.holds(client, ticket):  # still waiting (or cancelled waiting)
             self._remove(client, ticket).cancel()
         elif ticket.done() and not ticket.cancelled() and ticket.exception() is None:
             self._next()  # it held a slot
 
     def _remove(self, client, ticket: asyncio.Future) -> asyncio.Future:
-        line = self.lines[client]
-        line.remove(ticket)
-        if not line:
-            del self.lines[client]
-        self.waiting -= 1
+        self.lines.remove(client, ticket)
         return ticket
 
     def _next(self) -> None:
         while self.lines:
-            client, line = next(iter(self.lines.items()))
-            ticket = line.popleft()
-            self.waiting -= 1
-            if line:
-                self.lines.move_to_end(client)  # its next compile waits for the others' turn
-            else:
-                del self.lines[client]
+            _, ticket = self.lines.pop()  # its client's next waits for the others' turn
             if not ticket.done():  # (a cancelled one is on its way out: skip it)
                 ticket.set_result(None)
                 return

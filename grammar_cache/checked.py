@@ -4,13 +4,15 @@ of repeating a large schema. No Ray: the cache actor holds the cluster's (every 
 reaches it), each front end a small one of its own in front.
 
 Each entry belongs to the client that checked it (its owner: the front end's client
-identity, ``<API key hash>.<user or address>``): another client asking for the same id
-finds nothing (it checks the grammar itself), so an id never tells one client what
-another checked, and one client's checks can only evict its own while it holds more than
-the others. An entry is kept as the bytes it really is (the spec and the report pickled:
-no parsed schema, no live objects), and those bytes are what is bounded: ``owner_bytes``
-per owner (its least recently used go first) and ``max_bytes`` in all (the least recently
-used of the owner holding the most go first). The newest entry always stays.
+identity, ``<tenant hash>.<user or address hash>``): another client asking for the same
+id finds nothing (it checks the grammar itself), so an id never tells one client what
+another checked, and one tenant's checks can only evict its own while it holds more than
+the other tenants (one client's, its own while it holds more than its tenant's others).
+An entry is kept as the bytes it really is (the spec and the report pickled: no parsed
+schema, no live objects), and those bytes are what is bounded: ``owner_bytes`` per owner
+(its least recently used go first) and ``max_bytes`` in all (the least recently used of
+the tenant holding the most, of its owner holding the most, go first). The newest entry
+always stays.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import pickle
 from collections import OrderedDict
 
+from core.fair_lines import tenant_of
 from core.grammar_spec import GrammarSpec
 
 MAX_CHECKED_BYTES = 64 * 2**20  # the cache actor's; about 250 schemas of the 256 kB limit
@@ -50,8 +53,7 @@ class CheckedGrammars:
         while self._held[owner] > self.owner_bytes and self._evict(owner, newest):
             pass
         while self.bytes > self.max_bytes:
-            heaviest = sorted(self._held, key=self._held.__getitem__, reverse=True)
-            if not any(self._evict(victim, newest) for victim in heaviest):
+            if not any(self._evict(victim, newest) for victim in self._heaviest_first()):
                 break
 
     def get(self, owner: str | None, grammar_id: str) -> tuple[GrammarSpec, dict] | None:
@@ -76,6 +78,16 @@ class CheckedGrammars:
 
     def __len__(self) -> int:
         return sum(len(items) for items in self._owners.values())
+
+    def _heaviest_first(self) -> list[str]:
+        """The owners in the order the whole bound evicts them: the tenant holding the
+        most first (core/fair_lines.tenant_of), and within a tenant the owner holding
+        the most."""
+        tenants: dict[object, int] = {}
+        for owner, held in self._held.items():
+            tenants[tenant_of(owner)] = tenants.get(tenant_of(owner), 0) + held
+        return sorted(self._held, key=lambda o: (tenants[tenant_of(o)], self._held[o]),
+                      reverse=True)
 
     def _account(self, owner: str, delta: int) -> None:
         self.bytes += delta

@@ -1,7 +1,8 @@
 """The client identity the edge gives every request (deploy/openai_api.client_identity),
 for the grammar cache's fair share of compiles: the OpenAI ``user`` when given, else the
-connection's address, under a hash of the checked API key; short and opaque. Through the
-server's request path (fakes, no Ray) it reaches every GenerationRequest of the plan."""
+connection's address, under the tenant the checked API key belongs to; short and opaque.
+Through the server's request path (fakes, no Ray) it reaches every GenerationRequest of
+the plan."""
 
 import asyncio
 import json
@@ -28,23 +29,25 @@ def test_the_user_field_names_the_client_else_the_address():
     assert identity(None, None, None) == identity(None, None, None)
 
 
-def test_two_keys_never_share_a_line():
-    assert identity("alice", "h", "key-one") != identity("alice", "h", "key-two")
-    assert identity(None, "h", "key-one") != identity(None, "h", "key-two")
-    assert identity("alice", "h", None) != identity("alice", "h", "key-one")
-    # the key's hash is the prefix: one key's clients are recognisable as one key's
-    assert (identity("alice", "h", "key-one").split(".")[0]
-            == identity("bob", "g", "key-one").split(".")[0])
+def test_two_tenants_never_share_a_line():
+    assert identity("alice", "h", "acme") != identity("alice", "h", "globex")
+    assert identity(None, "h", "acme") != identity(None, "h", "globex")
+    assert identity("alice", "h", None) != identity("alice", "h", "acme")
+    # no user, no address and a tenant named like the open root: still apart
+    assert identity("alice", "h", "open") != identity("alice", "h", None)
+    # the tenant's hash is the prefix: one tenant's clients are recognisable as one's
+    assert (identity("alice", "h", "acme").split(".")[0]
+            == identity("bob", "g", "acme").split(".")[0])
 
 
 @pytest.mark.parametrize("user", ["alice", "x" * 10_000, "\U0001F600 \ud800 émile"])
 def test_the_identity_is_short_and_opaque(user):
-    key = "sk-secret-api-key-123"
-    got = identity(user, "192.168.1.20", key)
+    tenant = "secret-tenant-123"
+    got = identity(user, "192.168.1.20", tenant)
     assert len(got) <= 24 and got.isascii()
-    for raw in (user[:8], key, "secret", "192.168"):
+    for raw in (user[:8], tenant, "secret", "192.168"):
         assert raw not in got
-    assert identity(user, "192.168.1.20", key) == got  # stable: one client, one line
+    assert identity(user, "192.168.1.20", tenant) == got  # stable: one client, one line
 
 
 class FakeRuntime:
@@ -79,14 +82,27 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a", 
 
 
 def test_every_request_of_a_plan_carries_the_client_identity():
-    srv = server(api_key="the-key")
+    srv = server(api_key="the-key")  # the single key is tenant "default"
     serve(srv, {**CHAT, "user": "polite", "n": 3}, key="the-key")
     assert [r.client for r in srv.runtime.requests] == [
-        identity("polite", "10.1.2.3", "the-key")] * 3
+        identity("polite", "10.1.2.3", "default")] * 3
     serve(srv, {"prompt": ["one", "two"], "max_tokens": 2}, api.plan_completion,
           api.CompletionRequest, host="10.9.9.9", key="the-key", path="/v1/completions")
     assert [r.client for r in srv.runtime.requests[3:]] == [
-        identity(None, "10.9.9.9", "the-key")] * 2
+        identity(None, "10.9.9.9", "default")] * 2
+
+
+def test_a_tenants_keys_make_one_client_and_two_tenants_two():
+    from deploy.tenants import key_digest
+
+    srv = server(tenant_keys={key_digest("acme-key-1"): "acme",
+                              key_digest("acme-key-2"): "acme",
+                              key_digest("globex-key"): "globex"})
+    for key in ("acme-key-1", "acme-key-2", "globex-key"):
+        serve(srv, {**CHAT, "user": "alice"}, key=key)
+    one, rotated, other = (r.client for r in srv.runtime.requests)
+    assert one == rotated == identity("alice", "10.1.2.3", "acme")  # a key being rotated
+    assert other == identity("alice", "10.1.2.3", "globex") != one
 
 
 def test_a_key_the_server_does_not_check_makes_no_new_client():

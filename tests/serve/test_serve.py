@@ -3,6 +3,7 @@ one worker with the real default model, the shared grammar cache), driven by the
 ``openai`` client and by plain HTTP for what the client cannot send."""
 
 from concurrent.futures import ThreadPoolExecutor
+import hashlib
 import json
 from pathlib import Path
 import re
@@ -26,15 +27,22 @@ KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 
 
+# a keys file beside the single KEY (tenant "default"): test_tenants_are_apart
+ACME_KEY, GLOBEX_KEY = "acme-key-123", "globex-key-456"
+
+
 @pytest.fixture(scope="module")
-def svc(default_model_dir, shared_ray):
+def svc(default_model_dir, shared_ray, tmp_path_factory):
     config = ClusterConfig(num_workers=1, worker={"num_cpus": 1, "num_threads": 1},
                            engine={"num_kv_blocks": 256},
                            scheduler={"load_poll_interval_s": 0.3})
+    keys = tmp_path_factory.mktemp("tenants") / "keys.txt"
+    digest = hashlib.sha256(GLOBEX_KEY.encode()).hexdigest()
+    keys.write_text(f"# tenant: key\nacme: {ACME_KEY}\nglobex: sha256:{digest}\n")
     with shared_ray():
         # two front-end replicas: sessions stay sticky because the scheduler routes them
         yield service.start(config, port=free_port(), api_key=KEY, num_replicas=2,
-                            app_args={"max_body_bytes": 1_000_000})
+                            keys_file=str(keys), app_args={"max_body_bytes": 1_000_000})
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +271,49 @@ def test_sessions_keep_kv_and_end(svc, client):
     assert any(s.endswith(f":{sid}") for s in worker_load()["session_ids"])
     resp = http(svc, "DELETE", f"/v1/sessions/{sid}")
     assert resp.status_code == 200 and resp.json()["deleted"] is True
+    wait_idle()
+
+
+def test_tenants_are_apart(svc):
+    """Two tenants of the keys file sending the same ``user`` and session id: neither
+    continues, probes (cached_tokens) or ends the other's session, nor sees its grammar
+    ids (the 404 of an unknown id); one tenant with the same user does; a key not in the
+    file is a 401."""
+    def chat(key, text, **extra):
+        r = http(svc, "POST", "/v1/chat/completions", key=key, json={
+            "messages": ask(text), "max_tokens": 4, "temperature": 0, "user": "alice",
+            "session_id": "tenant-conv", **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    def end(key, sid="tenant-conv"):
+        return http(svc, "DELETE", f"/v1/sessions/{sid}", key=key, params={"user": "alice"})
+
+    r = http(svc, "GET", "/v1/models", key="not-in-the-file")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    secret = "The vault code is 4417 and the spare key is under the blue flowerpot."
+    chat(ACME_KEY, secret)
+    assert chat(ACME_KEY, secret) > 10  # acme, same user: its session's KV
+    gone, unknown = end(GLOBEX_KEY), end(GLOBEX_KEY, "never-made")
+    assert gone.status_code == unknown.status_code == 404
+    assert gone.json()["error"]["code"] == unknown.json()["error"]["code"]
+    assert chat(GLOBEX_KEY, secret) == 0  # a session of its own: nothing of acme's
+    assert end(GLOBEX_KEY).status_code == 200  # globex's own
+    assert chat(ACME_KEY, secret) > 10  # acme's lives on
+    assert end(ACME_KEY).status_code == 200
+    # grammar ids
+    body = {"guided_regex": "[a-z]{3}-tenant", "user": "alice"}
+    gid = http(svc, "POST", "/v1/grammars", key=ACME_KEY, json=body).json()["id"]
+    assert http(svc, "GET", f"/v1/grammars/{gid}", key=ACME_KEY,
+                params={"user": "alice"}).status_code == 200
+    theirs = http(svc, "GET", f"/v1/grammars/{gid}", key=GLOBEX_KEY, params={"user": "alice"})
+    nobodys = http(svc, "GET", "/v1/grammars/grammar-" + "0" * 32, key=GLOBEX_KEY,
+                   params={"user": "alice"})
+    assert theirs.status_code == nobodys.status_code == 404
+    assert theirs.json()["error"]["code"] == nobodys.json()["error"]["code"]
+    r = http(svc, "POST", "/v1/chat/completions", key=GLOBEX_KEY, json={
+        "messages": ask("x"), "max_tokens": 2, "user": "alice", "grammar_id": gid})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "grammar_not_found"
     wait_idle()
 
 

@@ -7,10 +7,13 @@ processes (grammar_cache/actor.py).
     queue.submit(client, future, run, refused)  # QueueFull: full, and the client has its share
 
 A job waits in its client's line; a free thread takes the head of the next line in turn
-(round robin), so a client with fifty jobs waiting holds another client's one back by one
-job at most. At most ``limit`` jobs wait: past it, a client with fewer waiting than the
-client with the most takes the place of that client's newest job (whose ``refused`` is
-called: it was never run), and any other ask is refused at once with QueueFull. ``drop``
+(round robin, first between tenants, then between a tenant's clients: core/fair_lines.py),
+so a client with fifty jobs waiting holds another client's one back by one job at most,
+and a tenant with fifty clients another tenant's one by one job at most. At most ``limit``
+jobs wait: past it, a client of a tenant with fewer waiting than the tenant with the most
+takes the place of that tenant's heaviest client's newest job (whose ``refused`` is
+called: it was never run), as does a client with fewer than the heaviest of its own
+tenant's, and any other ask is refused at once with QueueFull. ``drop``
 takes a job nobody waits for any more out of its line. ``future`` gets ``run()``'s result
 or exception. Thread-safe; ``refused`` runs outside the queue's lock.
 """
@@ -18,10 +21,11 @@ or exception. Thread-safe; ``refused`` runs outside the queue's lock.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
+
+from core.fair_lines import FairLines
 
 
 class QueueFull(Exception):
@@ -44,11 +48,10 @@ class FairQueue:
         self.threads = threads
         self.limit = limit
         self.name = name
-        self.waiting = 0  # jobs in the lines
         self.running = 0  # jobs on a thread now
         self.refusals = 0  # asks refused at once (QueueFull)
         self.displaced = 0  # waiting jobs that gave their place to a lighter client's
-        self._lines: OrderedDict[object, deque[_Job]] = OrderedDict()
+        self._lines = FairLines()
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._started = False
@@ -57,22 +60,21 @@ class FairQueue:
     def submit(self, client, future: Future, run: Callable[[], object],
                refused: Callable[[], None]) -> None:
         """Queues ``run`` for ``client``; ``future`` gets its result. Raises QueueFull
-        (nothing queued) when ``limit`` jobs wait and ``client`` already has as many
-        waiting as the heaviest client, less one."""
+        (nothing queued) when ``limit`` jobs wait and ``client`` (and its tenant) already
+        has as many waiting as the heaviest, less one (core/fair_lines.py)."""
         job = _Job(client, future, run, refused)
         victim = None
         with self._lock:
             if self._closed:
                 raise QueueFull(f"the {self.name} queue is shut down")
             if self.waiting >= self.limit:
-                heaviest = max(self._lines, key=lambda c: len(self._lines[c]))
-                if len(self._lines.get(client, ())) + 1 >= len(self._lines[heaviest]):
+                found = self._lines.victim_for(client)
+                if found is None:
                     self.refusals += 1
                     raise QueueFull()
-                victim = self._take(heaviest, self._lines[heaviest][-1])
+                victim = self._take(*found)
                 self.displaced += 1
-            self._lines.setdefault(client, deque()).append(job)
-            self.waiting += 1
+            self._lines.add(client, job)
             self._start()
             self._ready.notify()
         if victim is not None:
@@ -82,48 +84,40 @@ class FairQueue:
         """Takes the job of ``future`` out of its line (nobody waits for it); False when
         it is not waiting (running, done, or never queued). Its future is left as is."""
         with self._lock:
-            for client, line in self._lines.items():
-                for job in line:
-                    if job.future is future:
-                        self._take(client, job)
-                        return True
+            for client, job in self._lines.items():
+                if job.future is future:
+                    self._take(client, job)
+                    return True
         return False
 
     def waiting_of(self, client) -> int:
         """How many of ``client``'s jobs wait."""
         with self._lock:
-            return len(self._lines.get(client, ()))
+            return self._lines.count(client)
 
     def close(self) -> list[Future]:
         """Stops taking jobs; the threads end once the running jobs do. Returns the futures
         of the jobs that were still waiting (never run: the caller fails them)."""
         with self._lock:
             self._closed = True
-            left = [job.future for line in self._lines.values() for job in line]
+            left = [job.future for _, job in self._lines.items()]
             self._lines.clear()
-            self.waiting = 0
             self._ready.notify_all()
         return left
 
     # inside the lock ------------------------------------------------------------------------
 
+    @property
+    def waiting(self) -> int:
+        """Jobs in the lines."""
+        return self._lines.waiting
+
     def _take(self, client, job: _Job) -> _Job:
-        line = self._lines[client]
-        line.remove(job)
-        if not line:
-            del self._lines[client]
-        self.waiting -= 1
+        self._lines.remove(client, job)
         return job
 
     def _next(self) -> _Job:
-        client, line = next(iter(self._lines.items()))
-        job = line.popleft()
-        self.waiting -= 1
-        if line:
-            self._lines.move_to_end(client)  # its next job waits for the others' turn
-        else:
-            del self._lines[client]
-        return job
+        return self._lines.pop()[1]  # round robin: tenants, then a tenant's clients
 
     def _start(self) -> None:
         if self._started:
