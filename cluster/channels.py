@@ -19,6 +19,21 @@ from core.request import RequestOutput
 logger = logging.getLogger(__name__)
 
 
+def detach_from_request() -> None:
+    """The reading task serves every request on the channel, so its call to the worker
+    must not be a child of the request that happened to open it: Ray cancels a cancelled
+    task's children (Serve cancels a request whose client hangs up), and the channel's
+    call, with every other request's chunks on it, went with the first client that hung
+    up (a 500 for each). The task's own copy of the context forgets the request's task id
+    (what Ray reads to find the parent of a call from an async actor). The runtime
+    client's scheduler watch is such a task too."""
+    try:
+        from ray._raylet import async_task_id
+    except ImportError:  # pragma: no cover - Ray moved it: the channel still works
+        return
+    async_task_id.set(None)
+
+
 class Inbox:
     """One request's chunks from its channel."""
 
@@ -79,6 +94,7 @@ class WorkerChannel:
         self.inboxes.pop(request_id, None)
 
     async def _read(self) -> None:
+        detach_from_request()
         try:
             async for ref in self.handle.channel.remote(self.channel_id):
                 for out in await ref:

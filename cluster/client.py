@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import (ActorDiedError, ActorUnavailableError, GetTimeoutError,
                             RayActorError)
 
-from cluster.channels import WorkerChannel
+from cluster.channels import WorkerChannel, detach_from_request
 from core.backoff import backoff
 from core.errors import ErrorKind, GrammarUnavailable, NoWorkers
 from core.grammar_spec import GrammarSpec, grammar_id, is_grammar_id
@@ -138,6 +138,7 @@ class RuntimeClient:
             self._watcher = loop.create_task(self._watch())
 
     async def _watch(self) -> None:
+        detach_from_request()  # started by a request; it outlives that request
         delays = backoff(0.05, 1.0)
         while True:
             try:

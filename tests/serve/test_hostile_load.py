@@ -128,6 +128,44 @@ async def crowd_and_polite(url):
     return statuses, polite_ok, polite_total
 
 
+def test_a_client_that_hangs_up_first_takes_no_one_else_with_it(svc):
+    """The first request to a worker opens the front end's channel to it; its client hangs
+    up (Serve cancels the request) while another stream on the same channel goes on: that
+    stream still ends with its whole answer (the channel's call was once the first
+    request's child, cancelled with it: a 500 for every request on it). Runs first in this
+    module, on a fresh service."""
+    async def both():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=svc.url, headers=headers, timeout=120) as http:
+            body = {"messages": ask("Letters."), "stream": True, "max_tokens": 120,
+                    "guided_regex": "[a-z]{120}"}
+
+            async def hang_up():
+                async with http.stream("POST", CHAT, json=body) as r:
+                    async for _ in r.aiter_lines():
+                        break
+
+            async def stay():
+                await asyncio.sleep(0.05)  # the channel is the first one's
+                text, done = "", False
+                async with http.stream("POST", CHAT, json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            event = json.loads(line[6:])
+                            assert "error" not in event, event
+                            text += event["choices"][0]["delta"].get("content") or ""
+                return text, done
+
+            _, (text, done) = await asyncio.gather(hang_up(), stay())
+            return text, done
+
+    text, done = asyncio.run(both())
+    assert done and re.fullmatch("[a-z]{120}", text), text
+
+
 def test_hostile_crowd(svc):
     statuses, ok, total = asyncio.run(crowd_and_polite(svc.url))
     print(f"\nhostile crowd: {CLIENTS} clients, statuses {dict(sorted(statuses.items()))}, "
