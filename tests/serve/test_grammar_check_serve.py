@@ -23,6 +23,7 @@ from cluster.config import ClusterConfig
 from cluster.launch import free_port
 from deploy import service
 from deploy.openai_api import client_identity
+from deploy.tenants import DEFAULT_TENANT
 
 pytestmark = pytest.mark.integration
 
@@ -196,7 +197,7 @@ def test_grammar_id_get_and_requests(svc, client):
     assert got.status_code == 200 and got.json() == report
     # the cluster's copy is in the grammar cache actor, for every front end
     cache = ray.get_actor(launch.CACHE_NAME, namespace=launch.NAMESPACE)
-    owner = client_identity(None, "127.0.0.1", KEY)  # this test's client: no user
+    owner = client_identity(None, "127.0.0.1", DEFAULT_TENANT)  # the single key's tenant, no user
     assert ray.get(cache.checked.remote(owner, gid))[1]["id"] == gid
     # the id is this client's: another (here another user) finds nothing under it
     other = http(svc, "GET", f"/v1/grammars/{gid}", params={"user": "someone-else"})
