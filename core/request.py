@@ -50,6 +50,10 @@ class GenerationRequest:
     # cache shares its compile processes fairly between clients. A fairness hint, never
     # authentication; None: the one shared line
     client: str | None = None
+    # whose prompts may share KV with this one (worker/engine/block_manager.py): the
+    # front end names the tenant, so one tenant's prompts never hit another's cached
+    # prefix (nor learn from cached_tokens what it sent); None: the one shared scope
+    cache_scope: str | None = None
 
     def __post_init__(self):
         if self.validation not in VALIDATION_MODES:
@@ -80,7 +84,7 @@ class RequestOutput:
     error_kind: ErrorKind | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the session (no prefill)
+    cached_tokens: int = 0  # prompt tokens whose KV was cached (a prefix, a session's turn)
     # per new token, when logprobs were asked for: [token text, [top-n alternative texts]]
     # (filled by the worker actor, which has the vocabulary; front ends show text)
     logprob_tokens: list | None = None

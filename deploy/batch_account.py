@@ -152,8 +152,13 @@ class Account:
         self.outcomes: Counter = Counter()
         self.by_grammar: dict[str, Counter] = defaultdict(Counter)
         self.retryable = 0
+        self.prompt_tokens = 0  # of every row's prompt, and of those cached (not computed)
+        self.cached_tokens = 0
 
     def add(self, row: dict, max_tokens_cap: int = DEFAULT_RETRY_MAX_TOKENS) -> str:
+        usage = row.get("usage") or {}
+        self.prompt_tokens += usage.get("prompt_tokens") or 0
+        self.cached_tokens += usage.get("cached_tokens") or 0
         outcome = outcome_of(row)
         self.outcomes[outcome] += 1
         self.by_grammar[row.get("grammar") or "none"][outcome] += 1
@@ -172,6 +177,8 @@ class Account:
         return {**extra, "rows": self.rows, "valid_share": round(self.valid_share, 4),
                 "outcomes": {o: self.outcomes[o] for o in OUTCOMES},
                 "retryable": self.retryable,
+                "prompt_tokens": {"total": self.prompt_tokens, "cached": self.cached_tokens,
+                                  "computed": self.prompt_tokens - self.cached_tokens},
                 "by_grammar": {g: {o: c[o] for o in OUTCOMES if c[o]}
                                for g, c in sorted(self.by_grammar.items())}}
 
@@ -185,6 +192,8 @@ class Account:
                          f"{ADVICE[o] if self.outcomes[o] and o != 'valid' else ''}".rstrip())
         lines.append(f"{'total':<17}{self.rows:>7}   ({self.retryable} rows "
                      "--retry-failed would run again)")
+        lines.append(f"prompt tokens: {self.prompt_tokens} ({self.cached_tokens} cached, "
+                     f"{self.prompt_tokens - self.cached_tokens} computed)")
         bad = [(g, c) for g, c in sorted(self.by_grammar.items()) if c["valid"] < sum(c.values())]
         if bad:
             lines.append("by grammar (those with rows that are not valid):")

@@ -21,8 +21,9 @@ Input: one JSON object per line (blank lines are ignored).
 
 Output: one JSON object per input line, in input order: ``id``, ``line``, ``text``,
 ``finish_reason`` (``stop``, ``length`` or ``error``), ``usage`` (``prompt_tokens``,
-``completion_tokens``), for a JSON format (``schema``, ``json_schema``, ``json_object``)
-the parsed value as ``json`` when the text parses (a ``length`` finish can cut it short),
+``cached_tokens``: those whose KV a worker had cached, ``completion_tokens``), for a JSON
+format (``schema``, ``json_schema``, ``json_object``) the parsed value as ``json`` when
+the text parses (a ``length`` finish can cut it short),
 and ``error`` (with ``error_kind``, an ErrorKind value, when known) when the line failed:
 malformed JSON (also an integer of over 4,300 digits, nesting past Python's recursion
 limit), no prompt, a bad parameter, an invalid schema or regex, a worker error. A failed
@@ -41,8 +42,11 @@ Every row also carries its account (deploy/batch_account.py): ``outcome`` (``val
 ``attempt`` (from 2 on: a retry) and ``attempts`` (on a row kept over its retry: the runs
 of the line in all). The job ends with a table of the output's rows by outcome
 and by grammar (stderr), and writes it as JSON to ``OUTPUT.summary.json`` (rows,
-input_lines, missing, valid_share, outcomes, retryable, by_grammar); stdout's last line is
-``batch_job: summary=PATH valid_share=X``. The progress bar shows the run's valid share.
+input_lines, missing, valid_share, outcomes, retryable, prompt_tokens: total, cached and
+computed, by_grammar); stdout's last line is ``batch_job: summary=PATH valid_share=X``.
+Rows need not be sorted for their shared instructions to be computed once: workers cache
+prompt prefixes and the scheduler routes a row to the worker holding its prefix. The
+progress bar shows the run's valid share.
 
 ``--retry-failed`` runs again the lines a retry can help: closed at the budget (or refused
 for a budget below the grammar's shortest output) with twice the budget (at most

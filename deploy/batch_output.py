@@ -29,14 +29,20 @@ def error_row(item: Item, error: str, out: RequestOutput | None = None, *,
     that line again rather than skipping it."""
     out = out or RequestOutput("")
     row = {"id": item.id, "line": item.line, "text": out.text, "finish_reason": "error",
-           "usage": {"prompt_tokens": out.prompt_tokens,
-                     "completion_tokens": out.completion_tokens},
+           "usage": _usage(out),
            "error": error}
     if kind is not None:
         row["error_kind"] = kind.value
         if kind.transient:
             row["transient"] = True
     return _accounted(row, item)
+
+
+def _usage(out: RequestOutput) -> dict:
+    """A row's usage: its prompt tokens, how many of them were cached (a prefix the worker
+    held already: the shared instructions of earlier rows), its completion tokens."""
+    return {"prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
+            "completion_tokens": out.completion_tokens}
 
 
 def _accounted(row: dict, item: Item, out: RequestOutput | None = None) -> dict:
@@ -64,8 +70,7 @@ def result_row(item: Item, out: RequestOutput) -> dict:
         return error_row(item, out.error or "the request failed", out, kind=kind)
     row = {"id": item.id, "line": item.line, "text": out.text,
            "finish_reason": out.finish_reason,
-           "usage": {"prompt_tokens": out.prompt_tokens,
-                     "completion_tokens": out.completion_tokens}}
+           "usage": _usage(out)}
     if getattr(out, "validation", None) is not None:
         row["validation"] = out.validation
         if getattr(out, "validation_error", None):

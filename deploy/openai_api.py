@@ -169,6 +169,15 @@ def client_identity(user: str | None, address: str | None, tenant: str | None) -
     return f"{root}.a{digest(address or 'unknown', 6)}"
 
 
+def cache_scope(client: str | None) -> str | None:
+    """Whose cached prompt prefixes a request may start from (GenerationRequest.cache_scope,
+    worker/engine/block_manager.py): its tenant's, the root of its client identity. As
+    OpenAI shares prompt caches within an organization and never across, a tenant's
+    clients share their prefixes (the system prompt every user sends is computed once),
+    and no tenant hits, or learns from ``cached_tokens`` of, another's."""
+    return client.split(".", 1)[0] if client else None
+
+
 def session_key(client: str | None, session_id: str) -> str:
     """The runtime's name for a client's session: ``<client identity>:<session id>``. A
     session belongs to the client that made it (client_identity(): its ``user``, else its
@@ -309,7 +318,7 @@ def _fill(plan: Plan, prompts: list, req: _Request, params: SamplingParams) -> N
                 prompt=prompt, params=p, request_id=uuid.uuid4().hex, session_id=sid,
                 grammar=plan.grammar, seq_id=i, validation=plan.validation,
                 loop_guard=plan.loop_guard, thinking_token_budget=plan.thinking_token_budget,
-                client=plan.client))
+                client=plan.client, cache_scope=cache_scope(plan.client)))
             plan.prompt_index.append(p_index)
 
 

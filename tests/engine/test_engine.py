@@ -154,7 +154,10 @@ def run_session(engine, messages, sid):
 def test_idle_sessions_evicted_under_pressure(make_engine):
     engine = make_engine(num_kv_blocks=12, block_size=8)  # 96 tokens
     for i in range(4):
-        req = GenerationRequest(chat(f"Say hello number {i}."), greedy(8), session_id=f"s{i}")
+        # each its own 30-odd tokens (the chat template's system prompt they share is
+        # cached once): four sessions do not fit
+        words = " ".join(f"{i}{j}" for j in range(12))
+        req = GenerationRequest(chat(f"Say hello to {words}."), greedy(8), session_id=f"s{i}")
         engine.generate([req])
     st = engine.stats()
     assert st.live_sessions < 4  # older sessions made room for newer requests

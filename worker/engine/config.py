@@ -30,6 +30,9 @@ class EngineConfig(ConfigModel):
     block_size: int = Field(16, ge=1)  # tokens per KV block
     kv_cache_gb: float = Field(1.0, gt=0)  # KV cache size when num_kv_blocks is not given
     num_kv_blocks: int | None = Field(None, ge=1)
+    # automatic prefix caching (worker/engine/block_manager.py): a prompt's full KV blocks
+    # stay cached for later prompts that start with them; off: only sessions reuse KV
+    prefix_caching: bool = True
     max_num_seqs: int = Field(64, ge=1)  # sequences running at once
     # tokens per step (bounds a prefill chunk); None: 512 on the CPU, 8192 on a GPU (64
     # prompts of 128 tokens reach their first token in one step)

@@ -70,6 +70,12 @@ class EngineStats(GuidedCounters):
     session_blocks: int
     live_sessions: int
     preemptions: int
+    # prefix caching: registered blocks no one references (their KV kept), prompt tokens
+    # looked up and found cached (a hit rate), cached blocks taken for other tokens
+    cached_blocks: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_evictions: int = 0
     steps: int = field(default=0)
     waiting_for_grammar: int = 0
     live_processors: int = 0  # grammar matchers alive (the name is on the wire: kept)
@@ -116,7 +122,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_gb * 2**30) // (
                 kv_bytes_per_token(model, param.dtype) * config.block_size))
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size,
+                                   prefix_caching=config.prefix_caching,
+                                   root=f"{model_dir or type(model).__name__}|{param.dtype}")
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.step_token_budget)
         self.runner = ModelRunner(model, num_blocks, config.block_size)
         if (config.cuda_graphs is not False and self.runner.tiled
@@ -300,8 +308,7 @@ class LLMEngine:
             logger.exception("model step failed")
             return outputs + [self._finish(s.seq, "error", error=f"model step failed: {exc}",
                                            error_kind=ErrorKind.INTERNAL) for s in scheduled]
-        for s in scheduled:
-            s.seq.num_computed += s.num_tokens
+        self._computed(scheduled)
         if sampling:
             result = self.sampler(logits, inputs.rows, proc)
             held = self.guide.steer(sampling, result.token_ids, result.logprobs)
@@ -344,8 +351,7 @@ class LLMEngine:
                                          error_kind=ErrorKind.INTERNAL) for s in scheduled]
                 scheduled, rows = [], []
             targets = [len(scheduled[i].seq.token_ids) for i in rows]
-            for s in scheduled:
-                s.seq.num_computed += s.num_tokens
+            self._computed(scheduled)
         if drawn is not None:
             outputs += self._handle(drawn)  # the host's work, under the forward
         if not scheduled:
@@ -379,6 +385,18 @@ class LLMEngine:
         self._ahead = _Sampled(proc, sampling, result.token_ids, result.logprobs)
         self.last_timings = proc.timings
         return outputs
+
+    def _computed(self, scheduled) -> None:
+        """A forward computed (or, overlapped, will have computed before any later one
+        reads them) the scheduled tokens' KV; the prompt's blocks it filled are registered
+        for later prompts that start with them (prompt tokens are never rolled back)."""
+        caching = self.blocks.prefix_caching
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed += s.num_tokens
+            if caching and seq.num_computed - s.num_tokens < seq.num_prompt:
+                self.blocks.register(seq.block_table, seq.block_keys, seq.token_ids,
+                                     min(seq.num_computed, seq.num_prompt), seq.cache_scope)
 
     def _handle(self, drawn: "_Sampled") -> list[RequestOutput]:
         """The hooks of the tokens a step drew (overlap): the matchers accept them, then
@@ -539,14 +557,22 @@ class LLMEngine:
             else:
                 self.scheduler.remove(seq)
         finally:
+            # what it computed is kept for later prompts (whole blocks: the last sampled
+            # token has no KV yet), and pinned for its session's next turn; not after an
+            # error (a failed forward may have written part of a block)
             sid = seq.session_id
-            if (sid is not None and keep_session and reason in ("stop", "length")
-                    and seq.num_computed > 0):
-                # the last sampled token has no KV yet; the next turn recomputes it
-                self.blocks.keep_session(sid, seq.token_ids[:seq.num_computed],
-                                         seq.block_table)
-            else:
+            keep = (sid is not None and keep_session and reason in ("stop", "length")
+                    and seq.num_computed > 0)
+            try:
+                if reason in ("stop", "length", "abort") and (
+                        keep or self.blocks.prefix_caching):
+                    self.blocks.register(seq.block_table, seq.block_keys, seq.token_ids,
+                                         seq.num_computed, seq.cache_scope)
+                if keep:
+                    self.blocks.keep_session(sid, seq.block_keys)
+            finally:
                 self.blocks.free(seq.block_table)
+                seq.block_keys = []
 
     def _unschedulable(self) -> list[RequestOutput]:
         """Nothing could run: the head of the queue needs more KV than the whole cache
@@ -585,6 +611,10 @@ class LLMEngine:
             free_blocks=self.blocks.num_free,
             total_blocks=self.blocks.num_blocks,
             session_blocks=self.blocks.num_session_blocks,
+            cached_blocks=self.blocks.num_cached,
+            prefix_cache_query_tokens=self.blocks.query_tokens,
+            prefix_cache_hit_tokens=self.blocks.hit_tokens,
+            prefix_cache_evictions=self.blocks.evictions,
             live_sessions=len(self.blocks.sessions),
             preemptions=sched.num_preemptions,
             steps=self.num_steps,

@@ -6,7 +6,9 @@ sequences are admitted while budget, sequence slots and KV blocks last, so prefi
 decode share a step and a long prompt is prefilled in chunks. When a running sequence
 needs a block and none is free, idle sessions are evicted first, then the newest running
 sequence is preempted: its blocks are freed and it waits to be recomputed (never an error);
-no sequence is admitted in a step that had to preempt.
+no sequence is admitted in a step that had to preempt. A sequence is admitted after the
+longest prefix of its tokens the KV cache already holds (``BlockManager.lookup``), or not at
+all (the blocks it found go back when the rest does not fit).
 """
 
 from __future__ import annotations
@@ -85,12 +87,10 @@ class Scheduler:
                and len(self.running) + len(self.parked) < self.max_num_seqs
                and self.num_preemptions == preemptions):
             seq = self.waiting[0]
-            if not seq.block_table and seq.session_id is not None:
-                seq.block_table, seq.num_computed = self.blocks.take_session(
-                    seq.session_id, seq.token_ids)
-                seq.cached_tokens = seq.num_computed
+            self._lookup(seq)
             n = min(seq.num_pending, budget)
             if not self.blocks.grow(seq.block_table, seq.num_computed + n):
+                self._release(seq)  # all or nothing: a waiting sequence holds no block
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -100,11 +100,29 @@ class Scheduler:
         scheduled.sort(key=lambda s: not s.is_decode)
         return scheduled
 
+    def _lookup(self, seq: Sequence) -> None:
+        """A sequence about to be admitted starts after the longest cached prefix of its
+        tokens (worker/engine/block_manager.py); ``cached_tokens`` reports its first
+        admission's (a preempted sequence finding its own blocks again is no cache hit
+        for the caller)."""
+        first = not seq.looked_up
+        seq.block_table, seq.block_keys = self.blocks.lookup(
+            seq.token_ids, seq.cache_scope, session=seq.session_id is not None, count=first)
+        seq.num_computed = len(seq.block_table) * self.blocks.block_size
+        if first:
+            seq.looked_up = True
+            seq.cached_tokens = min(seq.num_computed, seq.num_prompt)
+        if seq.session_id is not None:
+            self.blocks.touch_session(seq.session_id)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.block_keys = []
+        seq.num_computed = 0
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
-        seq.num_computed = 0
-        seq.cached_tokens = 0
+        self._release(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -41,6 +41,12 @@ class Sequence:
         self.detokenizer = detokenizer
         self.resumed_text = ""  # a continuation's output streamed before its worker died
         self.generator = generator
+        # prefix caching (worker/engine/block_manager.py): the keys of the table's first
+        # blocks (registered or found), the scope its keys are chained in, whether it was
+        # looked up once (cached_tokens: prompt tokens its first admission found cached)
+        self.block_keys: list[bytes] = []
+        self.cache_scope = request.cache_scope
+        self.looked_up = False
         self.cached_tokens = 0
         self.arrival = time.monotonic()
         self.finish_reason: str | None = None
