@@ -173,3 +173,31 @@ def test_prefix_routing_keeps_a_prefix_on_fewer_workers_than_load_alone():
     load_rate, _, by_load = run(4, [1, 1, 1, 1], 0, keyed=False)
     assert holders(by_load) == 16 and holders(routed) <= 8
     assert routed_rate > load_rate
+
+
+def test_the_scheduler_actor_routes_by_prefix_and_counts_it():
+    """The actor passes the client's keys (positionally: the client's call) to its table,
+    takes its margin from SchedulerConfig and shows prefix_routes in stats()."""
+    import asyncio
+
+    from scheduler.actor import SchedulerActor, SchedulerConfig
+
+    class Worker:
+        def __init__(self, worker_id):
+            self.worker_id, self.load = worker_id, self
+
+        async def remote(self):  # load.remote()
+            return {"worker_id": self.worker_id, "running_tokens": 0, "waiting_tokens": 0}
+
+    workers = {f"rayguide_worker_{i}": Worker(f"w{i}") for i in range(2)}
+    s = SchedulerActor.__ray_actor_class__(SchedulerConfig(prefix_margin_tokens=4096))
+    s._names, s._lookup = lambda: sorted(workers), workers.__getitem__
+
+    async def main():
+        first = await s.route(None, 10, None, [], ["p1", "p2"])
+        again = await s.route(None, 10, None, [], ["p1", "p2", "p3"])
+        return first, again, await s.stats()
+    first, again, stats = asyncio.run(main())
+    assert again["worker_id"] == first["worker_id"]
+    assert s.table.prefix_margin_tokens == 4096
+    assert stats["prefix_routes"] == 1 and stats["routes"] == 2
