@@ -201,3 +201,61 @@ def test_the_scheduler_actor_routes_by_prefix_and_counts_it():
     assert again["worker_id"] == first["worker_id"]
     assert s.table.prefix_margin_tokens == 4096
     assert stats["prefix_routes"] == 1 and stats["routes"] == 2
+
+
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+def test_the_client_sends_the_prompts_keys_in_its_cache_scope():
+    """RuntimeClient.generate computes the keys once from the prompt and the request's
+    cache_scope (read with getattr: absent, the shared scope) and sends them with each
+    route; a grammar check sends none."""
+    import asyncio
+
+    from cluster.client import RuntimeClient
+    from core.grammar_spec import GrammarSpec
+    from core.params import SamplingParams
+    from core.request import GenerationRequest, RequestOutput
+
+    sent = []
+
+    class Worker:
+        def __init__(self):
+            def generate(req):
+                async def stream():
+                    ref = asyncio.get_running_loop().create_future()
+                    ref.set_result(RequestOutput(req.request_id, finished=True))
+                    yield ref
+                return stream()
+            self.generate = _Method(generate)
+            self.abort = _Method(lambda request_id: None)
+
+            async def check(spec, client, wait_s):
+                return {}
+            self.check_grammar = _Method(check)
+
+    class Scheduler:
+        def __init__(self, worker):
+            async def route(session_id, expected, family, avoid, keys=None):
+                sent.append(keys)
+                return {"worker_id": "w0", "handle": worker}
+
+            async def watch(timeout_s):
+                await asyncio.sleep(timeout_s)
+            self.route, self.watch = _Method(route), _Method(watch)
+
+    prompt = [{"role": "system", "content": instruction(0)}, {"role": "user", "content": "r"}]
+    plain = GenerationRequest(prompt, SamplingParams(max_new_tokens=4))
+    scoped = GenerationRequest(prompt, SamplingParams(max_new_tokens=4))
+    scoped.cache_scope = "tacme"  # the engine's field; set here as the edge will
+
+    async def main():
+        client = RuntimeClient(scheduler=Scheduler(Worker()))
+        await client.complete(plain)
+        await client.complete(scoped)
+        await client.check_grammar(GrammarSpec.regex("a+"))
+    asyncio.run(main())
+    assert sent == [prefix_keys(prompt), prefix_keys(prompt, "tacme"), None]
+    assert len(sent[0]) == 16 and sent[0] != sent[1]
