@@ -18,10 +18,11 @@ last load report (so a burst spreads before the next report). ``route`` picks, i
 margins bound what affinity may cost: a popular prefix's holder takes its requests until it
 is a margin past the least loaded, then the next one spills to the least loaded, which
 holds the prefix from then on; the prefix ends up on as many workers as its traffic needs,
-and no worker drifts more than a margin above the least loaded. A table remembers the last
-``PREFIX_KEYS_PER_WORKER`` keys it routed to each worker (the shortest prefixes last to go,
-as the engine's cache keeps them); a dropped or re-registered worker (a restart: its cache
-is gone) remembers none. ``prefix_routes`` counts the requests step 2 placed.
+and none is sent a request for its prefix while it is more than a margin above the least
+loaded. The table remembers the last ``PREFIX_KEYS_PER_WORKER`` keys it routed to each
+worker (the shortest prefixes last to go, as the engine's cache keeps them); a dropped or
+re-registered worker (a restart: its cache is gone) holds none. ``prefix_routes`` counts
+the requests step 2 placed.
 
 When every live worker is over its queue limit the answer is Overloaded (HTTP 429 later),
 never an unbounded queue; with no live worker it is NoWorkers (503).
