@@ -1,10 +1,10 @@
 """RuntimeClient: how a front end (the Serve ingress, the batch job, tests) talks to the
-runtime. It asks the scheduler for a session's worker, then streams the request straight
-from that worker. If the worker dies before the request streamed anything, the scheduler
-is told (it stops routing there at once) and the request is retried on another worker; if
-it dies after tokens were streamed, the request continues on another worker from where it
-stopped (at most ``max_failovers`` times; after that, a clear error chunk, never a silent
-truncation).
+runtime. It asks the scheduler for a request's worker (its session's, else by its prompt's
+prefix keys: core/prefix_keys.py), then streams the request straight from that worker. If
+the worker dies before the request streamed anything, the scheduler is told (it stops
+routing there at once) and the request is retried on another worker; if it dies after
+tokens were streamed, the request continues on another worker from where it stopped (at
+most ``max_failovers`` times; after that, a clear error chunk, never a silent truncation).
 
 Requests and chunks cross Ray as typed objects (``GenerationRequest`` with its
 ``GrammarSpec`` and cached key, ``RequestOutput``: core/). This module is the front ends'
@@ -30,6 +30,7 @@ from core.backoff import backoff
 from core.errors import ErrorKind, GrammarUnavailable, NoWorkers
 from core.grammar_spec import GrammarSpec, grammar_id, is_grammar_id
 from core.percentile import percentile
+from core.prefix_keys import prefix_keys
 from core.request import GenerationRequest, RequestOutput
 from grammar_cache.actor import ACTOR_NAME as CACHE_NAME
 from grammar_cache.checked import CheckedGrammars
@@ -162,9 +163,11 @@ class RuntimeClient:
                 await asyncio.sleep(1.0)
 
     async def _route(self, session_id, expected: int, family,
-                     avoid: frozenset[str] = frozenset()) -> dict:
+                     avoid: frozenset[str] = frozenset(), keys: list[str] | None = None
+                     ) -> dict:
         """``avoid``: workers this request already died on (its retries and continuations go
-        elsewhere while another worker is known)."""
+        elsewhere while another worker is known). ``keys``: the prompt's prefix keys
+        (core/prefix_keys.py), which the scheduler routes by."""
         self._ensure_watching()
         if self.scheduler_down_since is not None or time.monotonic() < self._skip_until:
             route = self._own_route(session_id, avoid)
@@ -172,7 +175,8 @@ class RuntimeClient:
                 return route
         try:
             route = await asyncio.wait_for(
-                self.scheduler.route.remote(session_id, expected, family, sorted(avoid)),
+                self.scheduler.route.remote(session_id, expected, family, sorted(avoid),
+                                            keys),
                 self.route_timeout_s)
         except (*_WORKER_GONE, asyncio.TimeoutError) as exc:
             if isinstance(exc, ActorDiedError):
@@ -188,7 +192,7 @@ class RuntimeClient:
             if route is not None:
                 return route
             route = await self._call_scheduler("route", session_id, expected, family,
-                                               sorted(avoid))
+                                               sorted(avoid), keys)
         self._remember(session_id, route)
         return route
 
@@ -235,12 +239,15 @@ class RuntimeClient:
         session_id = request.session_id
         expected = request.params.max_new_tokens
         family = request.grammar.family if request.grammar is not None else None
+        # the engine's cache is partitioned by cache_scope (a tenant; None: shared)
+        keys = prefix_keys(request.prompt, getattr(request, "cache_scope", None))
         current, emitted, failovers, attempt = request, [], 0, 0
         emitted_text: list[str] = []
         died_on: set[str] = set()  # workers this request died on: its next tries go elsewhere
         while attempt < self.max_attempts:
             attempt += 1
-            route = await self._route_after_deaths(session_id, expected, family, died_on)
+            route = await self._route_after_deaths(session_id, expected, family, died_on,
+                                                   keys)
             worker_id = route["worker_id"]
             self._in_flight[worker_id] = self._in_flight.get(worker_id, 0) + 1
             finished = False
@@ -339,12 +346,12 @@ class RuntimeClient:
         return channel
 
     async def _route_after_deaths(self, session_id, expected: int, family,
-                                  died_on: set[str]) -> dict:
+                                  died_on: set[str], keys: list[str] | None = None) -> dict:
         """A route that avoids the workers this request died on. When every registered
         worker has (all down at once, restarting), the request waits for one to answer
         again, up to ``scheduler_wait_s``, instead of spending its failovers in
         milliseconds on workers that are still restarting."""
-        route = await self._route(session_id, expected, family, frozenset(died_on))
+        route = await self._route(session_id, expected, family, frozenset(died_on), keys)
         deadline = time.monotonic() + self.scheduler_wait_s
         delays = backoff(0.1, 1.0)
         while route["worker_id"] in died_on and time.monotonic() < deadline:
@@ -353,7 +360,7 @@ class RuntimeClient:
                 return route
             except (*_WORKER_GONE, asyncio.TimeoutError):
                 await asyncio.sleep(next(delays))
-            route = await self._route(session_id, expected, family, frozenset(died_on))
+            route = await self._route(session_id, expected, family, frozenset(died_on), keys)
         return route
 
     def stats(self) -> RuntimeClientStats:

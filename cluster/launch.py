@@ -450,19 +450,23 @@ def _uptime(seconds: float | None) -> str:
 
 
 def status_table(st: dict) -> str:
-    """One row per worker, then the cache and the scheduler: what an operator looks at."""
+    """One row per worker, then the cache and the scheduler: what an operator looks at.
+    ``prefix hits``: of the prompt tokens the worker's prefix cache looked up, the share it
+    found cached ("-" before any)."""
     header = ("worker  node          device  model                 running  waiting  "
-              "KV used         sessions  grammars  uptime")
+              "KV used         sessions  grammars  prefix hits  uptime")
     rows = [header]
     for w in sorted(st["workers"], key=lambda w: w["worker_id"]):
         total = w.get("total_blocks") or 0
         used = total - (w.get("free_blocks") or 0)
         kv = f"{used}/{total} ({100 * used / total:.0f}%)" if total else "-"
         grammars = (w.get("grammar_cache") or {}).get("compiles", "-")
+        query = w.get("prefix_cache_query_tokens", 0)
+        hits = f"{100 * w.get('prefix_cache_hit_tokens', 0) / query:.0f}%" if query else "-"
         rows.append(f"{w['worker_id']:<7} {str(w.get('node_id', ''))[:12]:<13} "
                     f"{w.get('device', '-'):<7} {str(w.get('model', '-'))[:21]:<21} "
                     f"{w.get('running', 0):>7}  {w.get('waiting', 0):>7}  {kv:<15} "
-                    f"{w.get('live_sessions', 0):>8}  {grammars:>8}  "
+                    f"{w.get('live_sessions', 0):>8}  {grammars:>8}  {hits:>11}  "
                     f"{_uptime(w.get('uptime_s'))}")
     if not st["workers"]:
         rows.append("(no workers)")
@@ -480,5 +484,6 @@ def status_table(st: dict) -> str:
                                                        "worker_compile_timeouts")))
     s = st["scheduler"]
     rows.append(f"scheduler: {len(s['workers'])} workers registered, {s['sessions']} sessions, "
-                f"{s['routes']} routes, {s.get('rejected', 0)} rejected (overloaded)")
+                f"{s['routes']} routes ({s.get('prefix_routes', 0)} by prefix), "
+                f"{s.get('rejected', 0)} rejected (overloaded)")
     return "\n".join(rows)

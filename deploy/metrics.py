@@ -7,6 +7,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+# a worker's prefix cache counters (the engine's stats): prompt tokens looked up, and of
+# those found cached; exported for every worker, 0 from an engine that reports none
+PREFIX_CACHE_COUNTERS = ("prefix_cache_query_tokens", "prefix_cache_hit_tokens")
+
 
 @dataclass
 class ReplicaStats:
@@ -56,7 +60,8 @@ class Metrics:
     def render(self, status: dict | None, client=None, cache: dict | None = None) -> str:
         """The Prometheus text of /metrics. ``status``: the scheduler's ``stats()`` (None:
         it did not answer): its counters as ``rayguide_scheduler_<name>``, and each
-        worker's load report as ``rayguide_worker_<name>{worker=...}`` (engine stats),
+        worker's load report as ``rayguide_worker_<name>{worker=...}`` (engine stats, with
+        ``prefix_cache_hit_rate``: hit / query tokens, absent before the first query),
         ``rayguide_worker_grammar_client_<name>`` (cache client, replication, grammar
         waits) and ``rayguide_worker_grammar_local_<name>`` (the worker's own LRU).
         ``client``: this replica's ``RuntimeClientStats`` (``rayguide_replica_<name>``).
@@ -83,7 +88,7 @@ class Metrics:
             Gauge("rayguide_workers", "workers registered", registry=reg).set(
                 len(status["workers"]))
             _gauges(reg, "rayguide_scheduler_", "scheduler", status)
-            groups = {"rayguide_worker_": (lambda load: load, {}),
+            groups = {"rayguide_worker_": (_with_prefix_hit_rate, {}),
                       "rayguide_worker_grammar_client_": (
                           lambda load: load.get("grammar_client") or {}, {}),
                       "rayguide_worker_grammar_local_": (
@@ -100,6 +105,16 @@ class Metrics:
             _gauges(reg, "rayguide_grammar_cache_store_", "grammar cache's disk tier",
                     cache.get("disk") or {})
         return generate_latest(reg).decode()
+
+
+def _with_prefix_hit_rate(load: dict) -> dict:
+    """A worker's load report with its prefix cache counters (0 when absent) and their
+    ratio, ``prefix_cache_hit_rate`` (left out while nothing was looked up: no series beats
+    a made-up 0)."""
+    counts = {name: load.get(name, 0) for name in PREFIX_CACHE_COUNTERS}
+    query, hit = counts["prefix_cache_query_tokens"], counts["prefix_cache_hit_tokens"]
+    rate = {"prefix_cache_hit_rate": hit / query} if query else {}
+    return {**load, **counts, **rate}
 
 
 def _numbers(values: dict):

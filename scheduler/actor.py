@@ -49,6 +49,10 @@ class SchedulerConfig(ConfigModel):
     # a guided request goes to a worker holding its grammar when that worker's queued
     # tokens are within this margin of the least-loaded worker's
     affinity_margin_tokens: int = 2048
+    # a request goes to the worker that was sent the longest prefix of its prompt when that
+    # worker's queued tokens are within this margin of the least-loaded worker's (negative:
+    # off); past it the request spills to the least loaded, which then holds the prefix too
+    prefix_margin_tokens: int = 2048
     # live sessions (each holds KV on its worker and rides every load report): a new
     # session past either cap is refused with a 429 naming session_id
     max_sessions_per_worker: int = Field(1024, ge=1)
@@ -69,6 +73,7 @@ class SchedulerStats:
     workers_dropped: int = 0  # confirmed dead
     workers_suspected: int = 0  # a load poll timed out: routed around until it answers
     affinity_routes: int = 0  # routed to a worker holding the grammar (the table counts)
+    prefix_routes: int = 0  # routed to a worker holding the prompt's prefix (the table counts)
     sessions: int = 0  # sessions pinned now
 
 
@@ -80,7 +85,8 @@ class SchedulerActor:
                                   self.config.session_idle_timeout_s,
                                   self.config.affinity_margin_tokens,
                                   self.config.max_sessions_per_worker,
-                                  self.config.max_sessions)
+                                  self.config.max_sessions,
+                                  self.config.prefix_margin_tokens)
         self._pending_ends: list[str] = []
         self._undelivered: dict[str, list[str]] = {}  # worker -> ends it has not confirmed
         self._tasks: list[asyncio.Task] = []
@@ -166,15 +172,17 @@ class SchedulerActor:
             task.add_done_callback(self._first_polls.discard)
 
     async def route(self, session_id: str | None = None, expected_tokens: int = 256,
-                    grammar_family: str | None = None, avoid: list[str] | None = None) -> dict:
-        """{"worker_id", "handle"} of the worker for this session (sticky), else of a worker
-        holding the grammar (within the affinity margin), else the least loaded; raises
-        Overloaded or NoWorkers (scheduler/routing.py). ``avoid``: workers the request
-        already died on (chosen only when no other worker is registered)."""
+                    grammar_family: str | None = None, avoid: list[str] | None = None,
+                    prefix_keys: list[str] | None = None) -> dict:
+        """{"worker_id", "handle"} of the worker for this session (sticky), else of the worker
+        holding the longest prefix of the prompt (``prefix_keys``, within the prefix margin),
+        else of one holding the grammar (within the affinity margin), else the least loaded;
+        raises Overloaded or NoWorkers (scheduler/routing.py). ``avoid``: workers the
+        request already died on (chosen only when no other worker is registered)."""
         await self._ensure_started()
         try:
             entry = self.table.route(session_id, expected_tokens, grammar_family,
-                                     avoid=frozenset(avoid or ()))
+                                     avoid=frozenset(avoid or ()), prefix_keys=prefix_keys)
         except Exception:
             self.counts.rejected += 1  # Overloaded or NoWorkers
             raise
@@ -223,7 +231,8 @@ class SchedulerActor:
     async def stats(self) -> dict:
         await self._ensure_started()
         counts = replace(self.counts, sessions=len(self.table.sessions),
-                         affinity_routes=self.table.affinity_routes)
+                         affinity_routes=self.table.affinity_routes,
+                         prefix_routes=self.table.prefix_routes)
         return {**asdict(counts), "rebuild_s": self.rebuild_s,
                 "config": self.config.model_dump(),
                 "workers": {w.worker_id: _shown(w) for w in self.table.workers.values()}}

@@ -1,13 +1,31 @@
 """The scheduler's tables, without Ray: which workers exist and how loaded they are, which
-worker each session lives on, and the routing rule.
+worker each session lives on, which prompt prefixes each was sent, and the routing rule.
 
-route(session): sticky for a session that has a live worker (its KV cache is there);
-otherwise the least-loaded live worker by queued + running tokens, counting what was
-routed to it since its last load report so a burst spreads before the next report. When
-every live worker is over its queue limit the answer is Overloaded (HTTP 429 later), never
-an unbounded queue; a session's request is refused the same way when its own worker is over
-the limit (sticky routing must not let one session queue unbounded work); with no live
-worker it is NoWorkers (503).
+A worker's load is its queued + running tokens, counting what was routed to it since its
+last load report (so a burst spreads before the next report). ``route`` picks, in order:
+
+1. **session**: a live session's worker (its KV is there); refused (Overloaded) when that
+   worker is over ``max_queued_tokens`` (sticky routing must not let one session queue
+   unbounded work);
+2. **prefix**: among the live workers within ``prefix_margin_tokens`` of the least loaded
+   (and under the queue limit), the one that was sent the longest prefix of the prompt
+   (``prefix_keys``, core/prefix_keys.py: at least one chunk; ties: the less loaded);
+3. **grammar**: among the live workers within ``affinity_margin_tokens`` of the least
+   loaded, one holding the request's grammar (below);
+4. **load**: the least loaded live worker.
+
+"Live" leaves out suspect workers (and those in ``avoid``) while another answers. The
+margins bound what affinity may cost: a popular prefix's holder takes its requests until it
+is a margin past the least loaded, then the next one spills to the least loaded, which
+holds the prefix from then on; the prefix ends up on as many workers as its traffic needs,
+and none is sent a request for its prefix while it is more than a margin above the least
+loaded. The table remembers the last ``PREFIX_KEYS_PER_WORKER`` keys it routed to each
+worker (the shortest prefixes last to go, as the engine's cache keeps them); a dropped or
+re-registered worker (a restart: its cache is gone) holds none. ``prefix_routes`` counts
+the requests step 2 placed.
+
+When every live worker is over its queue limit the answer is Overloaded (HTTP 429 later),
+never an unbounded queue; with no live worker it is NoWorkers (503).
 
 Live sessions are capped per worker and in total (each holds KV on its worker and rides
 every load report): a new session over a cap is TooManySessions (an Overloaded: 429).
@@ -16,18 +34,17 @@ A grammar check is routed as a request of ``CHECK_COST_TOKENS`` tokens, and the 
 worker reports queued count as that many each.
 
 Grammar affinity: a new guided request names its grammar's family (the tokenizer-independent
-part of its key). After session stickiness, a worker that holds that grammar (it reports its
-families in its load; the table also remembers where it sent a family since that report) is
-chosen when its load is within ``affinity_margin_tokens`` of the least-loaded worker, so a
-request does not wait for a grammar another worker already has compiled. Not for a grammar
-a worker reports as cheap (llguidance serves it: a compile of about a millisecond, where
-affinity would only put every request of a popular grammar into one worker's batch).
+part of its key). A worker holds it when it reports it in its load (``grammar_families``)
+or the table sent it there since that report, so a request does not wait for a grammar
+another worker already has compiled. Not for a grammar a worker reports as cheap
+(llguidance serves it: a compile of about a millisecond, where affinity would only put
+every request of a popular grammar into one worker's batch).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from core.errors import NoWorkers, Overloaded, TooManySessions
@@ -37,6 +54,9 @@ from core.errors import NoWorkers, Overloaded, TooManySessions
 # this many tokens costs a small model, so checks count against a worker's queue limit
 # (a flood of them is Overloaded) and spread over workers as requests do
 CHECK_COST_TOKENS = 512
+# prefix keys remembered per worker: 64 prompts of the longest keyed length (16k characters),
+# far more of the short shared instructions that prefix routing is for
+PREFIX_KEYS_PER_WORKER = 4096
 
 
 @dataclass
@@ -51,10 +71,27 @@ class WorkerEntry:
     # missed a load poll, or a caller saw a call fail, and the worker is not known dead:
     # new work goes elsewhere while any other worker answers; the next report clears it
     suspect: bool = False
+    # prefix keys routed here, least recently first (a prompt's shortest prefix the newest)
+    prefixes: OrderedDict = field(default_factory=OrderedDict)
 
     def holds(self, family: str) -> bool:
         return family in self.families_since_report or family in self.load.get(
             "grammar_families", ())
+
+    def prefix_match(self, keys: list[str]) -> int:
+        """How many leading chunks of a prompt with these keys were sent here: one past the
+        longest of its keys this worker holds (each key names its whole prefix); 0: none."""
+        for i in range(len(keys) - 1, -1, -1):
+            if keys[i] in self.prefixes:
+                return i + 1
+        return 0
+
+    def remember_prefix(self, keys: list[str]) -> None:
+        for key in reversed(keys):  # the shortest prefix is the last to be forgotten
+            self.prefixes[key] = None
+            self.prefixes.move_to_end(key)
+        while len(self.prefixes) > PREFIX_KEYS_PER_WORKER:
+            self.prefixes.popitem(last=False)
 
     @property
     def queued_tokens(self) -> int:
@@ -66,19 +103,21 @@ class WorkerEntry:
 class RoutingTable:
     def __init__(self, max_queued_tokens: int = 65536, session_idle_timeout_s: float = 600.0,
                  affinity_margin_tokens: int = 2048, max_sessions_per_worker: int = 1024,
-                 max_sessions: int = 16384):
+                 max_sessions: int = 16384, prefix_margin_tokens: int = 2048):
         self.max_queued_tokens = max_queued_tokens
         self.max_sessions_per_worker = max_sessions_per_worker
         self.max_sessions = max_sessions
         self.affinity_margin_tokens = affinity_margin_tokens
         self.affinity_routes = 0  # new requests sent to a worker for its grammar
+        self.prefix_margin_tokens = prefix_margin_tokens
+        self.prefix_routes = 0  # requests sent to a worker for their prompt's prefix
         self.session_idle_timeout_s = session_idle_timeout_s
         self.workers: dict[str, WorkerEntry] = {}
         self.sessions: dict[str, tuple[str, float]] = {}  # session -> (worker, last used)
         self.sessions_on: Counter[str] = Counter()  # worker -> sessions pinned to it
 
     def add_worker(self, worker_id: str, handle, node_id: str = "") -> None:
-        """Registers (or re-registers, after a restart) a worker."""
+        """Registers (or re-registers, after a restart) a worker: it holds no prefix."""
         self.workers[worker_id] = WorkerEntry(worker_id, handle, node_id,
                                               last_report=time.monotonic())
 
@@ -112,10 +151,13 @@ class RoutingTable:
 
     def route(self, session_id: str | None, expected_tokens: int = 256,
               grammar_family: str | None = None,
-              avoid: frozenset[str] = frozenset()) -> WorkerEntry:
-        """``avoid``: workers the request already died on, chosen only when no other worker
-        is registered. (When every worker is suspect, the least loaded would otherwise win,
-        and that is often the one just killed and restarting: its queue is empty.)"""
+              avoid: frozenset[str] = frozenset(),
+              prefix_keys: list[str] | None = None) -> WorkerEntry:
+        """The worker for this request, by the module's rule. ``avoid``: workers the
+        request already died on, chosen only when no other worker is registered. (When
+        every worker is suspect, the least loaded would otherwise win, and that is often the
+        one just killed and restarting: its queue is empty.) ``prefix_keys``: the prompt's
+        (core/prefix_keys.py), remembered for the worker chosen."""
         now = time.monotonic()
         if session_id is not None and session_id in self.sessions:
             worker_id, _ = self.sessions[session_id]
@@ -126,6 +168,7 @@ class RoutingTable:
                                      f"{self.max_queued_tokens} tokens queued; retry later")
                 self.sessions[session_id] = (worker_id, now)
                 entry.routed_since_report += expected_tokens
+                entry.remember_prefix(prefix_keys or [])
                 return entry
         if not self.workers:
             raise NoWorkers("no worker is alive; the runtime is starting or every worker died")
@@ -148,7 +191,11 @@ class RoutingTable:
                     f"worker holds {self.max_sessions_per_worker} live sessions; end one "
                     "(DELETE /v1/sessions/{id}), send without session_id, or retry later")
         best = min(live, key=lambda w: (w.queued_tokens, w.worker_id))
-        if grammar_family is not None and not best.holds(grammar_family) \
+        holder = self._prefix_holder(live, best, expected_tokens, prefix_keys or [])
+        if holder is not None:
+            best = holder
+            self.prefix_routes += 1
+        elif grammar_family is not None and not best.holds(grammar_family) \
                 and not self._cheap(grammar_family, live):
             holders = [w for w in live if w.holds(grammar_family)
                        and w.queued_tokens <= best.queued_tokens + self.affinity_margin_tokens
@@ -162,10 +209,27 @@ class RoutingTable:
         best.routed_since_report += expected_tokens
         if grammar_family is not None:
             best.families_since_report.add(grammar_family)
+        best.remember_prefix(prefix_keys or [])
         if session_id is not None:
             self._unpin(session_id)  # a session moving off a dead or slow worker
             self._pin(session_id, best.worker_id, now)
         return best
+
+    def _prefix_holder(self, live: list[WorkerEntry], least: WorkerEntry,
+                       expected_tokens: int, keys: list[str]) -> WorkerEntry | None:
+        """Among the workers within ``prefix_margin_tokens`` of ``least`` and under the
+        queue limit, the one holding the longest prefix of ``keys`` (ties: the less
+        loaded); None when none holds a chunk of it."""
+        if not keys:
+            return None
+        bound = least.queued_tokens + self.prefix_margin_tokens
+        near = [w for w in live if w.queued_tokens <= bound
+                and not self._over_limit(w, expected_tokens)]
+        if not near:
+            return None
+        match, _, _, holder = min((-w.prefix_match(keys), w.queued_tokens, w.worker_id, w)
+                                  for w in near)
+        return holder if match < 0 else None
 
     @staticmethod
     def _cheap(family: str, workers: list[WorkerEntry]) -> bool:

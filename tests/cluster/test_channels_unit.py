@@ -65,7 +65,7 @@ def out(request, tokens, finished=False):
 def client_over(*workers):
     client = RuntimeClient(scheduler=object())
 
-    async def route(session_id, expected, family, died_on):
+    async def route(session_id, expected, family, died_on, keys=None):
         live = [w for w in workers if w.worker_id not in died_on]
         # each route brings its own handle object for the same actor, as Ray's do
         return {"worker_id": live[0].worker_id, "handle": copy.copy(live[0])}

@@ -164,6 +164,23 @@ def test_sessions_stick_and_new_ones_spread(runtime):
     wait_released()
 
 
+def test_requests_sharing_a_prefix_go_where_it_was_sent(runtime):
+    """Prefix routing through the real actors: the client's prefix keys reach the
+    scheduler, the rows of one long instruction follow the first to its worker, and the
+    scheduler counts them (scheduler/routing.py; the rule's cases: test_prefix_routing_unit)."""
+    client = RuntimeClient()
+    scheduler = launch.handles()["scheduler"]
+    before = ray.get(scheduler.stats.remote())["prefix_routes"]
+    instruction = "Extract the invoice's fields as JSON. " * 20  # 760 characters: 2 chunks
+
+    async def main():
+        return [await client.complete(req(text=f"{instruction}Row {i}.")) for i in range(4)]
+
+    outs = run(main())
+    assert len({o.worker_id for o in outs}) == 1
+    assert ray.get(scheduler.stats.remote())["prefix_routes"] == before + 3
+
+
 def test_broadcast_releases_every_processor(runtime):
     client = RuntimeClient()
     spec = GrammarSpec.regex("[a-z]{1,12}")

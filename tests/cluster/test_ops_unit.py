@@ -29,8 +29,27 @@ def test_status_table_columns():
     header, row, cache, sched = launch.status_table(st).splitlines()
     assert header.split()[:4] == ["worker", "node", "device", "model"]
     assert row.split() == ["w0", "abcdef012345", "cpu", "SmolLM2-135M-Instruct", "2", "1",
-                           "32/128", "(25%)", "3", "5", "1h02m"]
+                           "32/128", "(25%)", "3", "5", "-", "1h02m"]  # no prefix looked up
     assert "4 grammars cached" in cache and "1 workers registered" in sched
+    assert "10 routes (0 by prefix)" in sched
+
+
+def test_status_table_shows_each_workers_prefix_hit_rate():
+    """Of the prompt tokens a worker's prefix cache looked up, the share found cached; "-"
+    for a worker that looked up none (or whose engine does not report them)."""
+    def worker(worker_id, **counts):
+        return {"worker_id": worker_id, "uptime_s": 5, **counts}
+
+    st = {"workers": [worker("w0", prefix_cache_query_tokens=4000,
+                             prefix_cache_hit_tokens=3700),
+                      worker("w1", prefix_cache_query_tokens=0, prefix_cache_hit_tokens=0),
+                      worker("w2")],
+          "grammar_cache": {},
+          "scheduler": {"workers": {}, "sessions": 0, "routes": 9, "prefix_routes": 7}}
+    header, *rows, cache, sched = launch.status_table(st).splitlines()
+    assert "prefix hits" in header
+    assert [r.split()[-2] for r in rows] == ["92%", "-", "-"]
+    assert "9 routes (7 by prefix)" in sched
 
 
 def _sleeper():

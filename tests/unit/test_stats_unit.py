@@ -132,6 +132,24 @@ def test_a_scheduler_that_does_not_answer_renders_the_replica_alone():
     assert "rayguide_worker_" not in text and "rayguide_scheduler_" not in text
 
 
+def test_each_worker_has_its_prefix_cache_counters_and_hit_rate():
+    """Every worker gets the two prefix cache counters (0 from an engine without them) and,
+    once it looked a prompt up, their ratio; the scheduler its prefix_routes."""
+    workers = {"w0": {"prefix_cache_query_tokens": 4000, "prefix_cache_hit_tokens": 3000},
+               "w1": {"prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0},
+               "w2": {"running_tokens": 5}}
+    status = {**dataclasses.asdict(SchedulerStats(routes=9, prefix_routes=7)),
+              "workers": workers}
+    text = metrics().render(status)
+    assert sample(text, "rayguide_worker_prefix_cache_hit_rate", 0.75, "w0")
+    assert 'rayguide_worker_prefix_cache_hit_rate{worker="w1"}' not in text
+    assert 'rayguide_worker_prefix_cache_hit_rate{worker="w2"}' not in text
+    for worker, query, hit in (("w0", 4000, 3000), ("w1", 0, 0), ("w2", 0, 0)):
+        assert sample(text, "rayguide_worker_prefix_cache_query_tokens", query, worker)
+        assert sample(text, "rayguide_worker_prefix_cache_hit_tokens", hit, worker)
+    assert sample(text, "rayguide_scheduler_prefix_routes", 7)
+
+
 class _Remote:
     """A fake actor method: ``.remote()`` answers ``answer`` after ``delay_s`` (an
     exception is raised instead)."""
