@@ -185,8 +185,9 @@ def cluster_part(args, model: str, figs: dict) -> str:
     rng = random.Random(1)
     prompts = [(v, prefixes[v] + f" Document {i}: " + document(rng, 24))
                for i, v in enumerate(rng.choices(range(n_prefixes), k=n_req))]
-    # KV for about two prefixes a worker, beside the requests running (8 at a time)
-    blocks = (2 * (prefix_len + 16) + 8 * (prefix_len + 64)) // 16
+    # KV for about two prefixes a worker, beside the requests running (8 at a time: their
+    # own tokens; a prefix they share is held once)
+    blocks = (2 * (prefix_len + 16) + 8 * 80) // 16
     rows = []
     for routed in (True, False):
         handles = launch.up(ClusterConfig(

@@ -30,7 +30,7 @@ from core.backoff import backoff
 from core.errors import ErrorKind, GrammarUnavailable, NoWorkers
 from core.grammar_spec import GrammarSpec, grammar_id, is_grammar_id
 from core.percentile import percentile
-from core.prefix_keys import prefix_keys
+from core.prefix_keys import prefix_keys, prompt_tokens_estimate
 from core.request import GenerationRequest, RequestOutput
 from grammar_cache.actor import ACTOR_NAME as CACHE_NAME
 from grammar_cache.checked import CheckedGrammars
@@ -237,7 +237,9 @@ class RuntimeClient:
         ``max_failovers`` times; after that, or when the continuation cannot be resumed, the
         stream ends with a WORKER_DIED error chunk."""
         session_id = request.session_id
-        expected = request.params.max_new_tokens
+        # what it adds to a worker's load: its prompt (reported loads count running
+        # prompts) and its budget
+        expected = request.params.max_new_tokens + prompt_tokens_estimate(request.prompt)
         family = request.grammar.family if request.grammar is not None else None
         # the engine's cache is partitioned by cache_scope (a tenant; None: shared)
         keys = prefix_keys(request.prompt, getattr(request, "cache_scope", None))

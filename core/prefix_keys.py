@@ -66,3 +66,16 @@ def _pieces(prompt: list) -> Iterator[str]:
     for message in prompt:
         yield json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"),
                          default=str) + "\n"
+
+
+def prompt_tokens_estimate(prompt: str | list[int] | list[dict[str, Any]]) -> int:
+    """About how many tokens the prompt is (4 characters a token of text; token ids as
+    they are): what routing counts a request as beside its ``max_new_tokens``, since a
+    worker's reported load counts its running prompts too."""
+    if isinstance(prompt, str):
+        return len(prompt) // 4
+    if all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return sum(len(str(m.get("content") or "")) // 4 + 4 for m in prompt
+               if isinstance(m, dict))
+

@@ -12,9 +12,10 @@ from worker.engine.sequence import Sequence, SeqStatus
 pytestmark = pytest.mark.unit
 
 
-def seq(n_prompt, session=None):
-    req = GenerationRequest(list(range(1, n_prompt + 1)), SamplingParams(), session_id=session)
-    return Sequence(req, list(range(1, n_prompt + 1)), None, torch.Generator())
+def seq(n_prompt, session=None, start=1):
+    prompt = list(range(start, start + n_prompt))
+    req = GenerationRequest(prompt, SamplingParams(), session_id=session)
+    return Sequence(req, prompt, None, torch.Generator())
 
 
 def test_grow_and_free():
@@ -40,41 +41,42 @@ def test_a_prompt_starts_after_the_cached_blocks_it_begins_with():
     bm = BlockManager(8, 4)
     computed(bm, list(range(10)))  # two full blocks registered, the partial one freed
     assert bm.num_cached == 2 and bm.num_free == 8
-    blocks, keys = bm.lookup(list(range(8)) + [50, 51], None)
+    blocks, keys, _ = bm.lookup(list(range(8)) + [50, 51], None)
     assert len(blocks) == 2 and [bm.refs(b) for b in blocks] == [1, 1]
     assert bm.num_cached == 0 and bm.num_free == 6
     # a prompt that differs inside the second block finds the first only
-    other, _ = bm.lookup([0, 1, 2, 3, 4, 99, 6, 7, 8], None)
+    other, _, missed = bm.lookup([0, 1, 2, 3, 4, 99, 6, 7, 8], None)
+    assert missed is not None and missed not in keys
     assert other == blocks[:1] and bm.refs(blocks[0]) == 2
     bm.free(other)
     bm.free(blocks)
-    assert bm.num_cached == 2 and bm.query_tokens == 19 and bm.hit_tokens == 12
+    assert bm.num_cached == 2
     bm.check([])
 
 
 def test_the_last_token_is_always_computed():
     bm = BlockManager(8, 4)
     computed(bm, list(range(8)))
-    blocks, _ = bm.lookup(list(range(8)), None)  # all of it cached: the last block is not
+    blocks, _, _ = bm.lookup(list(range(8)), None)  # all of it cached: the last block is not
     assert len(blocks) == 1
     bm.free(blocks)
-    blocks, _ = bm.lookup(list(range(9)), None)
+    blocks, _, _ = bm.lookup(list(range(9)), None)
     assert len(blocks) == 2
 
 
 def test_scopes_never_share_blocks():
     bm = BlockManager(8, 4)
     computed(bm, list(range(9)), scope="tenant-a")
-    assert bm.lookup(list(range(9)), "tenant-b") == ([], [])
-    assert bm.lookup(list(range(9)), None) == ([], [])
-    blocks, _ = bm.lookup(list(range(9)), "tenant-a")
+    assert bm.lookup(list(range(9)), "tenant-b")[:2] == ([], [])
+    assert bm.lookup(list(range(9)), None)[:2] == ([], [])
+    blocks, _, _ = bm.lookup(list(range(9)), "tenant-a")
     assert len(blocks) == 2
 
 
 def test_off_only_sessions_look_up():
     bm = BlockManager(8, 4, prefix_caching=False)
     computed(bm, list(range(9)))
-    assert bm.lookup(list(range(9)), None) == ([], [])
+    assert bm.lookup(list(range(9)), None)[:2] == ([], [])
     assert len(bm.lookup(list(range(9)), None, session=True)[0]) == 2
 
 
@@ -88,7 +90,7 @@ def test_cached_blocks_are_taken_lru_only_when_nothing_is_free():
     assert bm.num_cached == 2 and bm.evictions == 0
     assert bm.grow(table, 12)  # one more: the least recently used cached block goes
     assert bm.evictions == 1
-    assert bm.lookup([1] * 4 + [2], None) == ([], [])
+    assert bm.lookup([1] * 4 + [2], None)[:2] == ([], [])
     assert len(bm.lookup([3] * 4 + [4], None)[0]) == 1
     assert old != new
 
@@ -116,7 +118,7 @@ def test_a_session_pins_its_blocks_and_its_next_turn_finds_them():
     bm.free(table)
     assert bm.num_session_blocks == 2 and bm.num_cached == 0 and bm.num_free == 6
     bm.check([])
-    blocks, _ = bm.lookup(list(range(8)) + [99, 100], "t", session=True)
+    blocks, _, _ = bm.lookup(list(range(8)) + [99, 100], "t", session=True)
     assert len(blocks) == 2
     bm.free(blocks)
     bm.drop_session("s")
@@ -194,7 +196,7 @@ def test_random_admissions_aborts_preemptions_and_evictions_keep_the_counts():
 def test_scheduler_budget_chunks_and_preemption():
     bm = BlockManager(6, 4)  # 24 tokens
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10)
-    a, b = seq(8), seq(8)
+    a, b = seq(8), seq(8, start=100)
     sched.add(a)
     sched.add(b)
     first = sched.schedule()
@@ -213,3 +215,25 @@ def test_scheduler_budget_chunks_and_preemption():
     third = sched.schedule()
     assert sched.num_preemptions == 1 and b.num_computed == 0 and sched.waiting[0] is b
     assert [s.seq for s in third] == [a]
+
+
+def test_a_prompt_waits_a_step_for_the_prefix_another_is_computing():
+    """Two prompts with one 12-token prefix, queued together: the second is not computed
+    beside the first; it waits one step and starts after the first's cached blocks."""
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = seq(14), seq(14)
+    b.token_ids[-2:] = b.prompt_ids[-2:] = [90, 91]  # its own last two tokens
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert [s.seq for s in first] == [a] and sched.waiting[0] is b and not b.block_table
+    for s in first:
+        s.seq.num_computed += s.num_tokens
+        bm.register(a.block_table, a.block_keys, a.token_ids, a.num_computed, None)
+    a.token_ids.append(7)
+    second = sched.schedule()
+    assert [(s.seq, s.num_tokens) for s in second] == [(a, 1), (b, 2)]
+    assert b.cached_tokens == 12 and b.block_table[:3] == a.block_table[:3]
+    assert (bm.query_tokens, bm.hit_tokens) == (28, 12)
+    bm.check([a.block_table, b.block_table])

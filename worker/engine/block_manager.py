@@ -137,28 +137,41 @@ class BlockManager:
         h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
         return h.digest()
 
-    def lookup(self, token_ids: list[int], scope: str | None, *, session: bool = False,
-               count: bool = True) -> tuple[list[int], list[bytes]]:
+    def lookup(self, token_ids: list[int], scope: str | None, *, session: bool = False
+               ) -> tuple[list[int], list[bytes], bytes | None]:
         """The registered blocks ``token_ids`` start with, each now referenced once more,
-        and their keys. Never all of ``token_ids``: the last token is always computed.
-        Only a session's turn looks up when prefix caching is off. ``count``: in the
-        hit-rate counters (a preempted sequence's second lookup is not)."""
+        their keys, and the key of the first full block not found (None: none is left).
+        Never all of ``token_ids``: the last token is always computed. Only a session's
+        turn looks up when prefix caching is off."""
         if not (self.prefix_caching or session):
-            return [], []
+            return [], [], None
         blocks, keys, key = [], [], None
         size = self.block_size
         for i in range((len(token_ids) - 1) // size):
             key = self._key(key, token_ids[i * size:(i + 1) * size], scope)
             block = self._block_of.get(key)
             if block is None:
-                break
+                return blocks, keys, key
             self._hold(block)
             blocks.append(block)
             keys.append(key)
-        if count:
-            self.query_tokens += len(token_ids)
-            self.hit_tokens += len(blocks) * size
-        return blocks, keys
+        return blocks, keys, None
+
+    def count_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """A sequence's first admission, in the hit-rate counters."""
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
+
+    def keys_after(self, keys: list[bytes], token_ids: list[int], num_tokens: int,
+                   scope: str | None) -> list[bytes]:
+        """The keys of the full blocks among the first ``num_tokens`` of ``token_ids``
+        after those ``keys`` holds (the keys of its first blocks)."""
+        size, out = self.block_size, []
+        previous = keys[-1] if keys else None
+        for i in range(len(keys), num_tokens // size):
+            previous = self._key(previous, token_ids[i * size:(i + 1) * size], scope)
+            out.append(previous)
+        return out
 
     def register(self, table: list[int], keys: list[bytes], token_ids: list[int],
                  num_tokens: int, scope: str | None) -> None:
@@ -166,12 +179,10 @@ class BlockManager:
         computed and final) that are not yet: ``keys`` holds the keys of the table's first
         blocks and is extended. A block whose key another block already has stays the
         sequence's own (the same KV, computed twice in one step)."""
-        size = self.block_size
-        for i in range(len(keys), min(num_tokens // size, len(table))):
-            key = self._key(keys[-1] if keys else None, token_ids[i * size:(i + 1) * size],
-                            scope)
+        num_tokens = min(num_tokens, len(table) * self.block_size)
+        for key in self.keys_after(keys, token_ids, num_tokens, scope):
+            block = table[len(keys)]
             keys.append(key)
-            block = table[i]
             if key not in self._block_of and block not in self._key_of:
                 self._block_of[key] = block
                 self._key_of[block] = key

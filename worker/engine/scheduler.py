@@ -82,16 +82,30 @@ class Scheduler:
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1
+        # the prompt blocks this step computes: a prompt that goes on with one of them
+        # waits a step and finds it cached, rather than computing it beside
+        computing = set()
+        if self.blocks.prefix_caching:
+            for s in scheduled:
+                self._computing(s.seq, s.num_tokens, computing)
         # after a preemption the cache is full: admitting would only thrash
         while (self.waiting and budget > 0
                and len(self.running) + len(self.parked) < self.max_num_seqs
                and self.num_preemptions == preemptions):
             seq = self.waiting[0]
-            self._lookup(seq)
+            if self._lookup(seq) in computing:
+                self._release(seq)
+                break
             n = min(seq.num_pending, budget)
             if not self.blocks.grow(seq.block_table, seq.num_computed + n):
                 self._release(seq)  # all or nothing: a waiting sequence holds no block
                 break
+            if not seq.looked_up:
+                seq.looked_up = True
+                seq.cached_tokens = min(seq.num_computed, seq.num_prompt)
+                self.blocks.count_lookup(len(seq.token_ids), seq.num_computed)
+            if self.blocks.prefix_caching:
+                self._computing(seq, n, computing)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -100,20 +114,24 @@ class Scheduler:
         scheduled.sort(key=lambda s: not s.is_decode)
         return scheduled
 
-    def _lookup(self, seq: Sequence) -> None:
+    def _lookup(self, seq: Sequence) -> bytes | None:
         """A sequence about to be admitted starts after the longest cached prefix of its
-        tokens (worker/engine/block_manager.py); ``cached_tokens`` reports its first
-        admission's (a preempted sequence finding its own blocks again is no cache hit
-        for the caller)."""
-        first = not seq.looked_up
-        seq.block_table, seq.block_keys = self.blocks.lookup(
-            seq.token_ids, seq.cache_scope, session=seq.session_id is not None, count=first)
+        tokens (worker/engine/block_manager.py); returns the key of its first block not
+        cached. ``cached_tokens`` reports its first admission's (a preempted sequence
+        finding its own blocks again is no cache hit for the caller)."""
+        seq.block_table, seq.block_keys, missed = self.blocks.lookup(
+            seq.token_ids, seq.cache_scope, session=seq.session_id is not None)
         seq.num_computed = len(seq.block_table) * self.blocks.block_size
-        if first:
-            seq.looked_up = True
-            seq.cached_tokens = min(seq.num_computed, seq.num_prompt)
         if seq.session_id is not None:
             self.blocks.touch_session(seq.session_id)
+        return missed
+
+    def _computing(self, seq: Sequence, n: int, keys: set) -> None:
+        """Adds to ``keys`` those of the prompt's full blocks this step computes for it."""
+        if seq.num_computed < seq.num_prompt:
+            keys.update(self.blocks.keys_after(
+                seq.block_keys, seq.token_ids, min(seq.num_computed + n, seq.num_prompt),
+                seq.cache_scope))
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)
