@@ -223,7 +223,10 @@ def main() -> None:
                  else resolve_model_dir(None, progress=False))
     # smoke: a small KV cache too (the default one takes seconds to allocate)
     model = {"model": str(model_dir), "num_kv_blocks": 256} if smoke else {}
-    engine = LLMEngine(EngineConfig(progress=False, num_threads=args.threads, **model))
+    # the same prompts run again and again here: prefix caching (measured by
+    # bench/prefix_cache.py) would turn their prefill into cache hits
+    engine = LLMEngine(EngineConfig(progress=False, num_threads=args.threads,
+                                    prefix_caching=False, **model))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = engine.tokenizer
     pool = tok(TEXT * 40, add_special_tokens=False)["input_ids"]
@@ -263,7 +266,7 @@ def main() -> None:
 
         fp32_model = engine.model
         del engine  # one engine's KV cache at a time
-        qengine = LLMEngine(EngineConfig(progress=False, dtype="int8",
+        qengine = LLMEngine(EngineConfig(progress=False, dtype="int8", prefix_caching=False,
                                          num_threads=args.threads, **model))
         qbytes = weight_bytes(qengine.model)
         ours_b1(qengine, prompt, 4)

@@ -20,7 +20,8 @@ decode as fast as real ones of the same shape.
 
 ``--smoke`` runs the same code on the CPU with the tiny model (tests/serve/test_bench_smoke.py).
 Keys: tok_s_b1, tok_s_b64, bw_share_b1, ratio_vs_hf_static_b1,
-ratio_guided_unguided_b{1,8,32,64}, prefill_ttft_ms_2048, sampled_vs_greedy_b1,
+ratio_guided_unguided_b{1,8,32,64}, prefill_ttft_ms_2048, first_ttft_ms_2048_cold,
+first_ttft_ms_2048_warm, warmup_s, sampled_vs_greedy_b1,
 ops_per_layer_decode, host_us_per_row_b64 (and more; see the JSON line). The figures above
 run every step eagerly (``cuda_graphs: false``); on CUDA the same decode and guided runs
 again with CUDA graphs: tok_s_b{1,8,32,64}_graphs, ratio_guided_unguided_b{...}_graphs
@@ -380,9 +381,20 @@ def main() -> None:
         kw.setdefault("max_num_seqs", max(batches))
         kw.setdefault("kv_cache_gb", 0.25 if smoke else 8.0)
         kw.setdefault("cuda_graphs", False)
+        # rounds run the same prompts again: prefix caching (bench/prefix_cache.py) off
+        kw.setdefault("prefix_caching", False)
         return LLMEngine(EngineConfig(device=device.type, **kw), model=model, tokenizer=tok)
 
-    eng = engine()
+    long = min(2048, shape["max_position_embeddings"] - 8) if not smoke else 256
+    # the first long prompt of a process that compiled nothing yet (Triton's disk cache,
+    # ~/.triton/cache, may hold kernels of an earlier run on this machine), then the same
+    # after the start's warm-up (LLMEngine.warm_up: on by default on CUDA)
+    cold = engine(warmup=False)
+    fig["first_ttft_ms_2048_cold"] = round(ttft_ms(cold, [long]), 1)
+    del cold
+    eng = engine(warmup=True)
+    fig["warmup_s"] = round(eng.warmup_s, 2)
+    fig["first_ttft_ms_2048_warm"] = round(ttft_ms(eng, [long + 8]), 1)
     fig["tiled"] = eng.runner.tiled
     rows = []
     step = _Sections(fig)
@@ -400,11 +412,13 @@ def main() -> None:
                      round(1e3 / sampled, 2), ""])
 
     with step("prefill"):
-        long = min(2048, shape["max_position_embeddings"] - 8) if not smoke else 256
         fig["prefill_ttft_ms_2048"] = round(ttft_ms(eng, [long]), 1)
         fig["ttft_ms_64x128"] = round(ttft_ms(eng, [plen] * max(batches)), 1)
         rows.append([f"first token, one {long}-token prompt", "", fig["prefill_ttft_ms_2048"],
                      ""])
+        rows.append([f"the first {long}-token prompt of a process, cold / after the "
+                     f"warm-up ({fig['warmup_s']} s)", "",
+                     f"{fig['first_ttft_ms_2048_cold']} / {fig['first_ttft_ms_2048_warm']}", ""])
         rows.append([f"first token, {max(batches)} x {plen}-token prompts", "",
                      fig["ttft_ms_64x128"], ""])
 

@@ -93,7 +93,8 @@ def main() -> None:
     model = random_model(SHAPES[args.shape], device, dtype)
     engine = LLMEngine(EngineConfig(device=device.type, progress=False,
                                     max_num_seqs=max(args.batch), kv_cache_gb=8.0,
-                                    cuda_graphs=args.graphs, grammar_engine=args.engine),
+                                    cuda_graphs=args.graphs, grammar_engine=args.engine,
+                                    prefix_caching=False),
                        model=model, tokenizer=tok)
     spec = GrammarSpec.json_schema(guided_schema(args.new))
     for b in args.batch:

@@ -74,7 +74,10 @@ def mix() -> list[tuple[str, GrammarSpec, str, int | None]]:
 
 
 def engine_of(model_dir, **cfg) -> LLMEngine:
-    return LLMEngine(EngineConfig(progress=False, **cfg), model_dir=model_dir)
+    # guided and unguided rows run the same prompts: prefix caching (bench/prefix_cache.py)
+    # off, so neither side's prefill is the other's cache hit
+    return LLMEngine(EngineConfig(progress=False, prefix_caching=False, **cfg),
+                     model_dir=model_dir)
 
 
 def budgets(engine, rows, default: int) -> list[int]:

@@ -205,7 +205,10 @@ def main() -> None:
         extra["num_threads"] = args.threads
     if args.smoke:
         extra["model"] = smoke_model()
-    engine = LLMEngine(EngineConfig(progress=False, dtype=args.dtype, **extra))
+    # guided and unguided rounds run the same prompts: prefix caching (bench/prefix_cache.py)
+    # off, so neither side's prefill is the other's cache hit
+    engine = LLMEngine(EngineConfig(progress=False, dtype=args.dtype, prefix_caching=False,
+                                    **extra))
     window = engine.config.closing_window
     bitmask.warmup()
     if args.hold_back:

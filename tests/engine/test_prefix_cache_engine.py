@@ -227,3 +227,16 @@ def test_cuda_prefix_cache_with_graphs_equals_the_cache_off(default_model_dir):
     assert first == want
     assert {k.removesuffix("-again"): v for k, v in again.items()} == want
     assert all(o.cached_tokens > 0 for o in out.values()) and settled(on)
+
+
+def test_the_start_warm_up_leaves_nothing_behind(make_tiny_engine):
+    """``warmup`` (on by default on CUDA, forced here): its throwaway prompts leave no
+    block referenced or cached, no counter moved, and change no later output."""
+    cold, warm = make_tiny_engine(), make_tiny_engine(warmup=True)
+    st = warm.stats()
+    assert st.free_blocks == st.total_blocks and st.cached_blocks == 0
+    assert (st.steps, st.sampled_tokens, st.preemptions, st.prefix_cache_query_tokens) == (0,) * 4
+    assert not warm.seqs and not warm.has_work()
+    reqs = lambda: [GenerationRequest(chat(d), greedy(8)) for d in DOCS]  # noqa: E731
+    assert ([o.token_ids for o in outputs(warm, reqs())[1].values()]
+            == [o.token_ids for o in outputs(cold, reqs())[1].values()])

@@ -105,6 +105,11 @@ class EngineConfig(ConfigModel):
     # its forward first, then handles the tokens the step before sampled while the device
     # computes. None: on where the device is CUDA; true also runs it on the CPU (tests)
     overlap: bool | None = None
+    # warm up at start (LLMEngine.warm_up): throwaway prompts of the shapes that pick the
+    # device kernels' compiled variants (block tables 1, 3 and 16+ blocks wide, a long
+    # prefill, decode steps), so no user's first request pays for a Triton compile. None:
+    # on where the device is CUDA; true also runs it on the CPU (tests)
+    warmup: bool | None = None
     jump_forward: bool = Field(
         default_factory=lambda: os.environ.get("RAYGUIDE_JUMP_FORWARD", "1") == "1")
 

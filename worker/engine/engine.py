@@ -41,7 +41,7 @@ from worker.engine.config import EngineConfig
 from worker.guided.detokenizer import IncrementalDetokenizer
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
-from worker.engine.sampling import ARSamplingStrategy, Sampler
+from worker.engine.sampling import ARSamplingStrategy, Sampler, SamplingParams
 from worker.engine.scheduler import Scheduler
 from core.request import GenerationRequest, RequestOutput
 from worker.engine.sequence import Sequence, SeqStatus
@@ -154,6 +154,40 @@ class LLMEngine:
         self.overlap = (config.overlap if config.overlap is not None
                         else self.runner.device.type == "cuda")
         self._ahead: _Sampled | None = None  # the last step's draw, not yet handled
+        self.warmup_s = None  # seconds the start's warm-up took (None: none ran)
+        if config.warmup or (config.warmup is None and self.runner.device.type == "cuda"):
+            self.warmup_s = self.warm_up()
+
+    def warm_up(self) -> float:
+        """Runs throwaway prompts through the step so the device kernels' variants a
+        worker will need are compiled before any request: Triton specializes an integer
+        argument by whether it is 1 or a multiple of 16, and the block table's width (the
+        longest context's blocks in the batch) is one, so tables 1, 3, 16 and up to 128
+        blocks wide, prefill and decode tiles, and the long prefill's matmul shapes. What
+        it leaves: nothing (no block cached or referenced, the counters as they were).
+        Returns its seconds."""
+        t0 = time.perf_counter()
+        size = self.blocks.block_size
+        longest = min(self.max_model_len - 4, 2048,
+                      (self.blocks.num_blocks - 8) * size // 2)
+        lengths = sorted({n for n in (size // 2, 3 * size - 2, 16 * size - 2, longest)
+                          if 0 < n <= longest})
+        caching, self.blocks.prefix_caching = self.blocks.prefix_caching, False
+        counters = (self.blocks.query_tokens, self.blocks.hit_tokens, self.num_steps,
+                    self.num_sampled, self.scheduler.num_preemptions)
+        try:
+            vocab = self.model.config.vocab_size
+            self.generate([GenerationRequest(
+                [(7 * i + n) % vocab for i in range(n)],
+                SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+                request_id=f"warm-up-{n}") for n in lengths])
+        finally:
+            self.blocks.prefix_caching = caching
+            (self.blocks.query_tokens, self.blocks.hit_tokens, self.num_steps,
+             self.num_sampled, self.scheduler.num_preemptions) = counters
+        seconds = time.perf_counter() - t0
+        logger.info("warmed up in %.2f s (prompts of %s tokens)", seconds, lengths)
+        return seconds
 
     # requests ---------------------------------------------------------------------------
 
