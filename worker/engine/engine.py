@@ -170,17 +170,20 @@ class LLMEngine:
         size = self.blocks.block_size
         longest = min(self.max_model_len - 4, 2048,
                       (self.blocks.num_blocks - 8) * size // 2)
-        lengths = sorted({n for n in (size // 2, 3 * size - 2, 16 * size - 2, longest)
+        # each alone (a batch's table is as wide as its longest row's), its 3 tokens
+        # within the same number of blocks as its prompt
+        lengths = sorted({n for n in (size // 2, 3 * size - 4, 16 * size - 4, longest)
                           if 0 < n <= longest})
         caching, self.blocks.prefix_caching = self.blocks.prefix_caching, False
         counters = (self.blocks.query_tokens, self.blocks.hit_tokens, self.num_steps,
                     self.num_sampled, self.scheduler.num_preemptions)
         try:
             vocab = self.model.config.vocab_size
-            self.generate([GenerationRequest(
-                [(7 * i + n) % vocab for i in range(n)],
-                SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
-                request_id=f"warm-up-{n}") for n in lengths])
+            for n in lengths:
+                self.generate([GenerationRequest(
+                    [(7 * i + n) % vocab for i in range(n)],
+                    SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+                    request_id=f"warm-up-{n}")])
         finally:
             self.blocks.prefix_caching = caching
             (self.blocks.query_tokens, self.blocks.hit_tokens, self.num_steps,
