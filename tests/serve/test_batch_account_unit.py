@@ -251,3 +251,14 @@ def test_summary_file(tmp_path):
     assert path == out + ".summary.json"
     assert data["rows"] == len(LINES) == sum(data["outcomes"].values())
     assert data["valid_share"] == round(6 / len(LINES), 4)
+
+
+def test_the_summary_counts_prompt_tokens_cached_and_computed():
+    acc = batch_account.Account()
+    for prompt, cached in ((600, 0), (610, 592), (605, 592)):
+        acc.add({"id": 1, "finish_reason": "stop", "text": "x",
+                 "usage": {"prompt_tokens": prompt, "cached_tokens": cached,
+                           "completion_tokens": 3}})
+    acc.add({"id": 2, "finish_reason": "error", "error": "bad", "usage": {}})
+    assert acc.summary()["prompt_tokens"] == {"total": 1815, "cached": 1184, "computed": 631}
+    assert "prompt tokens: 1815 (1184 cached, 631 computed)" in acc.table()

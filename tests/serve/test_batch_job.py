@@ -172,11 +172,12 @@ def test_order_errors_and_concurrency(tmp_path):
     assert [r["line"] for r in rows] == [i for i in range(1, 42) if i != 14]
     assert rows[3]["id"] == 4 and "not valid JSON" in rows[3]["error"]
     assert rows[5]["finish_reason"] == "error" and "boom" in rows[5]["error"]
-    assert rows[5]["usage"] == {"prompt_tokens": 3, "completion_tokens": 0}
+    assert rows[5]["usage"] == {"prompt_tokens": 3, "cached_tokens": 0, "completion_tokens": 0}
     assert rows[7]["error"] == "prompt is too long"
     assert rows[9]["json"] == {"a": 1} and "error" not in rows[9]
     assert rows[0] == {"id": "p0", "line": 1, "text": "echo n0", "finish_reason": "stop",
-                       "usage": {"prompt_tokens": 3, "completion_tokens": 2},
+                       "usage": {"prompt_tokens": 3, "cached_tokens": 0,
+                                 "completion_tokens": 2},
                        "max_tokens": 256, "outcome": "valid"}
     assert counts == batch_job.BatchCounts(done=40, errors=3)
     assert 1 < client.max_in_flight <= 4

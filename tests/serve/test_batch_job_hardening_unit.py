@@ -124,7 +124,8 @@ def test_transient_failure_is_retried(tmp_path, failure):
     client = Client({"flaky": [failure, failure]})
     rows, counts, _, _ = run(tmp_path, [{"id": "f", "prompt": "flaky"}], client)
     assert rows == [{"id": "f", "line": 1, "text": "echo flaky", "finish_reason": "stop",
-                     "usage": {"prompt_tokens": 2, "completion_tokens": 2},
+                     "usage": {"prompt_tokens": 2, "cached_tokens": 0,
+                               "completion_tokens": 2},
                      "max_tokens": 16, "outcome": "valid"}]
     ids = [rid for _, rid in client.calls]
     assert ids == ["batch-t-1", "batch-t-1-r1", "batch-t-1-r2"]  # each try its own id
