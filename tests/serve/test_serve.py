@@ -317,6 +317,30 @@ def test_tenants_are_apart(svc):
     wait_idle()
 
 
+def test_a_shared_system_prompt_is_computed_once_per_tenant(svc):
+    """Prefix caching over HTTP, without sessions: a tenant's second request with the same
+    long system prompt reports it cached (``usage.prompt_tokens_details``); another
+    tenant sending the very same prompt starts from nothing of the first's."""
+    system = "You label support tickets for the billing team. " * 12
+
+    def send(key, text):
+        r = http(svc, "POST", "/v1/chat/completions", key=key, json={
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": text}], "max_tokens": 2,
+            "temperature": 0})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        return usage["prompt_tokens"], usage.get("prompt_tokens_details", {}).get(
+            "cached_tokens", 0)
+
+    assert send(GLOBEX_KEY, "My card was charged twice.")[1] == 0
+    total, cached = send(GLOBEX_KEY, "Where is my refund?")
+    assert cached >= len(system) // 8 and cached < total  # the system prompt, not the question
+    assert send(ACME_KEY, "My card was charged twice.")[1] == 0  # not globex's
+    assert send(ACME_KEY, "Where is my refund?")[1] >= cached  # acme's own
+    wait_idle()
+
+
 def test_bad_schema_fails_alone(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
