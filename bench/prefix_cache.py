@@ -193,7 +193,7 @@ def cluster_part(args, model: str, figs: dict) -> str:
         handles = launch.up(ClusterConfig(
             model=model, num_workers=workers, worker={"num_cpus": 0.1, "num_threads": 1},
             engine={"num_kv_blocks": blocks, "progress": False},
-            scheduler={} if routed else {"prefix_margin_tokens": -1}))
+            scheduler={"prefix_margin_tokens": args.margin if routed else -1}))
         try:
             client = RuntimeClient(handles["scheduler"])
             r = asyncio.run(cluster_round(client, prompts, prefix_len, 8, 4))
@@ -279,6 +279,8 @@ def batch_part(args, model: str | None, figs: dict) -> str:
 def main() -> None:
     ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="abc", help="which parts to run (a, b, c)")
+    ap.add_argument("--margin", type=int, default=4096,
+                    help="(b): the scheduler's prefix_margin_tokens with prefix routing")
     args = ap.parse_args()
     from worker.models import loader
 

@@ -103,7 +103,7 @@ class WorkerEntry:
 class RoutingTable:
     def __init__(self, max_queued_tokens: int = 65536, session_idle_timeout_s: float = 600.0,
                  affinity_margin_tokens: int = 2048, max_sessions_per_worker: int = 1024,
-                 max_sessions: int = 16384, prefix_margin_tokens: int = 2048):
+                 max_sessions: int = 16384, prefix_margin_tokens: int = 4096):
         self.max_queued_tokens = max_queued_tokens
         self.max_sessions_per_worker = max_sessions_per_worker
         self.max_sessions = max_sessions
