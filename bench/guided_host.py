@@ -9,11 +9,12 @@ output), guided against unguided (the same prompts, no grammar, EOS ignored, eac
 many tokens as its guided answer had), at batch 8 and 32: output tokens a second, and the
 longest step over the median step. Every guided answer's validity is counted.
 
-(a) the tiny random-weight model (its forward nearly free, so the host is what is
-measured) at batch 64 and 256, each row replaying one of (b)'s recorded answers (its
-logits lean on the recorded token; where the output leaves the record, the model's own
-choice): host microseconds per row per decode step, guided and unguided (the same tokens,
-no grammar), the guided mask's parts per row (fill, apply, accept: ``StepTimings``), the
+(a) the tiny random-weight model at batch 64 and 256, each row replaying one of (b)'s
+recorded answers (its logits lean on the recorded token; where the output leaves the
+record, the model's own choice): host microseconds per row per decode step (the step's
+time less its forward's, which is not free even for the tiny model on a CPU: its output
+layer is the real vocabulary's; rows parked on a search count as rows of the batch),
+guided and unguided (the same tokens, no grammar), the guided mask's parts per row (fill, apply, accept: ``StepTimings``), the
 searches' share (``search_cpu_ms``), and the longest step over the median.
 
 Keys: host_us_per_row_b64_guided, host_us_per_row_b64_unguided, host_us_per_row_b256_guided,
@@ -76,8 +77,10 @@ def mix() -> list[tuple[str, GrammarSpec, str, int | None]]:
 def engine_of(model_dir, **cfg) -> LLMEngine:
     # guided and unguided rows run the same prompts: prefix caching (bench/prefix_cache.py)
     # off, so neither side's prefill is the other's cache hit
-    return LLMEngine(EngineConfig(progress=False, prefix_caching=False, **cfg),
-                     model_dir=model_dir)
+    # (the model named in the config: LLMEngine's model_dir argument only describes a
+    # model passed in, and alone it loaded the default model, so (a) measured that)
+    return LLMEngine(EngineConfig(progress=False, prefix_caching=False, model=str(model_dir),
+                                  **cfg))
 
 
 def budgets(engine, rows, default: int) -> list[int]:
@@ -138,7 +141,9 @@ def real_model(model_dir, batch: int, rows, record: dict, default: int = 160) ->
 
 def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
     """(a): the tiny model at ``batch`` rows replaying recorded answers."""
-    engine = engine_of(model_dir, max_num_seqs=batch, num_kv_blocks=8 * batch + 256,
+    # room for every row's whole answer (the long ones run to about 500 tokens): a
+    # preempted row would leave the batch this measures
+    engine = engine_of(model_dir, max_num_seqs=batch, num_kv_blocks=40 * batch + 256,
                        max_num_batched_tokens=max(2048, 8 * batch))
     names = [n for n, *_ in rows if record.get(n)]
     by_name = {n: (spec, prompt) for n, spec, prompt, _ in rows}
@@ -156,8 +161,13 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
         reqs.append(r)
     forward = engine.runner.run
 
+    fwd = [0.0]  # this step's forward time (the tiny model's is not free on a CPU: its
+    # 49,152-word output layer alone is about 150 us a row), taken out of the host time
+
     def scripted(scheduled):
+        t0 = time.perf_counter()
         logits, rows_ = forward(scheduled)
+        fwd[0] += time.perf_counter() - t0
         idx, want = [], []
         for i, s in enumerate([s for s in scheduled if s.samples]):
             rec, out = script[s.seq.request_id], s.seq.output_ids
@@ -174,10 +184,12 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
         engine.add_request(r)
     per_row, parts, steps = [], {"fill": [], "apply": [], "accept": []}, []
     while engine.has_work():
+        fwd[0] = 0.0
         t = time.perf_counter()
         engine.step()
-        took = time.perf_counter() - t
-        n = len(engine.scheduler.running)
+        took = time.perf_counter() - t - fwd[0]  # the host's part of the step
+        # rows in the batch: running, and parked while their search runs (sliced)
+        n = len(engine.scheduler.running) + len(engine.scheduler.parked)
         if n >= batch * 3 // 4 and engine.num_steps > 2:  # decode steps of a full batch
             per_row.append(took / n * 1e6)
             steps.append(took)

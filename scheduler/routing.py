@@ -55,8 +55,12 @@ from core.errors import NoWorkers, Overloaded, TooManySessions
 # (a flood of them is Overloaded) and spread over workers as requests do
 CHECK_COST_TOKENS = 512
 # prefix keys remembered per worker: 64 prompts of the longest keyed length (16k characters),
-# far more of the short shared instructions that prefix routing is for
+# far more of the short shared instructions that prefix routing is for; fewer where the
+# worker's KV cache holds less (its load report's total_blocks and block_size, a key
+# standing for about PREFIX_KEY_TOKENS tokens): what the table believes a worker holds
+# then ages out about when the worker's own LRU cache lets it go
 PREFIX_KEYS_PER_WORKER = 4096
+PREFIX_KEY_TOKENS = 64
 
 
 @dataclass
@@ -90,8 +94,18 @@ class WorkerEntry:
         for key in reversed(keys):  # the shortest prefix is the last to be forgotten
             self.prefixes[key] = None
             self.prefixes.move_to_end(key)
-        while len(self.prefixes) > PREFIX_KEYS_PER_WORKER:
+        while len(self.prefixes) > self.prefix_capacity:
             self.prefixes.popitem(last=False)
+
+    @property
+    def prefix_capacity(self) -> int:
+        """How many prefix keys this worker's KV cache could hold (PREFIX_KEYS_PER_WORKER
+        before its first load report)."""
+        blocks = self.load.get("total_blocks")
+        if not blocks:
+            return PREFIX_KEYS_PER_WORKER
+        tokens = blocks * self.load.get("block_size", 16)
+        return max(1, min(PREFIX_KEYS_PER_WORKER, tokens // PREFIX_KEY_TOKENS))
 
     @property
     def queued_tokens(self) -> int:

@@ -259,3 +259,18 @@ def test_the_client_sends_the_prompts_keys_in_its_cache_scope():
     asyncio.run(main())
     assert sent == [prefix_keys(prompt), prefix_keys(prompt, "tacme"), None]
     assert len(sent[0]) == 16 and sent[0] != sent[1]
+
+
+def test_a_worker_is_believed_to_hold_what_its_kv_cache_could():
+    """A worker whose cache holds 64 blocks of 16 tokens (1,024 tokens, about 16 keys of 64
+    tokens) is remembered holding its newest 16 keys: an older prefix ages out of the
+    table about when the worker's LRU cache drops it, and routing stops counting on it."""
+    t = table(2)
+    w0 = t.workers["w0"]
+    assert w0.prefix_capacity == routing.PREFIX_KEYS_PER_WORKER  # before a load report
+    t.update_load("w0", {"total_blocks": 64, "block_size": 16})
+    assert w0.prefix_capacity == 16
+    w0.remember_prefix([f"old{i}" for i in range(8)])
+    w0.remember_prefix([f"new{i}" for i in range(12)])
+    assert len(w0.prefixes) == 16 and w0.prefix_match(["new0"]) == 1
+    assert w0.prefix_match([f"old{i}" for i in range(8)]) == 4  # its 4 shortest are left

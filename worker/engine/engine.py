@@ -67,6 +67,7 @@ class EngineStats(GuidedCounters):
     waiting_tokens: int
     free_blocks: int
     total_blocks: int
+    block_size: int
     session_blocks: int
     live_sessions: int
     preemptions: int
@@ -107,8 +108,9 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if model is None:
-            model_dir = loader.resolve_model_dir(config.model, progress=config.progress)
+        if model is None:  # a model_dir given alone is the model to load
+            model_dir = loader.resolve_model_dir(model_dir or config.model,
+                                                 progress=config.progress)
             model = loader.load_model(model_dir, device=config.device, dtype=config.dtype,
                                       progress=config.progress)
         if tokenizer is None:
@@ -647,6 +649,7 @@ class LLMEngine:
             waiting_tokens=sum(s.num_pending for s in sched.waiting),
             free_blocks=self.blocks.num_free,
             total_blocks=self.blocks.num_blocks,
+            block_size=self.blocks.block_size,
             session_blocks=self.blocks.num_session_blocks,
             cached_blocks=self.blocks.num_cached,
             prefix_cache_query_tokens=self.blocks.query_tokens,
