@@ -1,5 +1,11 @@
 """The batch job's input (deploy/batch_job.py): each JSONL line read into an ``Item``, the
-request it becomes or what is wrong with it, and which lines a run does (the plan)."""
+request it becomes or what is wrong with it, and which lines a run does (the plan).
+
+``parse_row`` is the one conversion of a row to a request: the batch job's lines and the
+Ray Data processor's rows (deploy/data.py) both go through it. A row may give its
+sampling fields and its format at the top level (the batch line's shape) or inside
+``sampling_params`` (``ray.data.llm``'s shape: ``{"max_tokens": .., "structured_outputs":
+{"json": ..}}``); the two are read as one."""
 
 from __future__ import annotations
 
@@ -15,8 +21,12 @@ from core.request import GenerationRequest
 from deploy import dialects
 from deploy.openai_api import MAX_SEED
 
-FORMAT_KEYS = ("schema", "response_format", "regex", "choice")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+# ray.data.llm's row field for the sampling fields (and vLLM's structured_outputs, or its
+# older name guided_decoding)
+SAMPLING_PARAMS = "sampling_params"
+SAMPLING_PARAMS_KEYS = frozenset(SamplingParams.__dataclass_fields__) | {
+    *MAX_TOKENS_KEYS, "structured_outputs", "guided_decoding", "response_format"}
 JSON_KINDS = ("json_schema", "json_object")
 # the job's requests are one client of the grammar cache's compile queue (each HTTP client
 # has its own line: deploy/openai_api.client_identity), so a job with many new grammars
@@ -105,6 +115,32 @@ def params_of(obj: dict, defaults: dict) -> SamplingParams:
         raise LineError(str(exc)) from None
 
 
+def flat_row(obj: dict) -> dict:
+    """The row with its ``sampling_params`` (ray.data.llm's shape) read as its own keys.
+    A key given both there and at the top level, or one there that is no sampling field
+    (vLLM's ``n``, ``logprobs`` as a bool, ...), is a LineError naming it; keys whose
+    value is null count as absent (Arrow gives every row the keys any row has)."""
+    sp = obj.get(SAMPLING_PARAMS)
+    if sp is None:
+        return obj
+    if not isinstance(sp, dict):
+        raise LineError(f"`{SAMPLING_PARAMS}` must be an object")
+    given = {k: v for k, v in sp.items() if v is not None}
+    unknown = sorted(set(given) - SAMPLING_PARAMS_KEYS)
+    if unknown:
+        raise LineError(f"`{SAMPLING_PARAMS}` has fields rayguide does not take: "
+                        f"{', '.join(unknown)}; it takes {', '.join(sorted(SAMPLING_PARAMS_KEYS))}")
+    if "guided_decoding" in given:
+        if "structured_outputs" in given:
+            raise LineError("give `structured_outputs` or `guided_decoding`, not both")
+        given["structured_outputs"] = given.pop("guided_decoding")
+    twice = sorted(k for k in given if obj.get(k) is not None)
+    if twice:
+        raise LineError(f"{', '.join(twice)}: given in the row and in `{SAMPLING_PARAMS}`; "
+                        "give each once")
+    return {**{k: v for k, v in obj.items() if k != SAMPLING_PARAMS}, **given}
+
+
 def parse_line(text: str | None, line: int, *, defaults: dict,
                default_grammar: GrammarSpec | None, run_tag: str) -> Item:
     """The Item for one input line (text None: not UTF-8); its ``error`` says what is
@@ -117,15 +153,24 @@ def parse_line(text: str | None, line: int, *, defaults: dict,
         return Item(line, line, error=f"line {line} is not valid JSON: {exc}")
     except RecursionError:
         return Item(line, line, error=f"line {line} is nested too deeply to read")
+    if not isinstance(obj, dict):
+        return Item(line, line, error=f"line {line} is not a JSON object")
+    return parse_row(obj, line, defaults=defaults, default_grammar=default_grammar,
+                     request_id=f"batch-{run_tag}-{line}")
+
+
+def parse_row(obj: dict, line: int, *, defaults: dict, default_grammar: GrammarSpec | None,
+              request_id: str) -> Item:
+    """The Item for one row (a parsed batch line, a Ray Data row): its request, or in
+    ``error`` what is wrong with the row. Never raises for the row's content."""
     item = Item(line, line_id(obj, line))
     try:
-        if not isinstance(obj, dict):
-            raise LineError(f"line {line} is not a JSON object")
         if obj.get("id") is not None and not _valid_id(obj["id"]):
             raise LineError("`id` must be a string or an integer")
+        obj = flat_row(obj)
         grammar = grammar_of(obj, default_grammar)
         item.request = GenerationRequest(prompt_of(obj), params_of(obj, defaults),
-                                         request_id=f"batch-{run_tag}-{line}", grammar=grammar,
+                                         request_id=request_id, grammar=grammar,
                                          client=BATCH_CLIENT)
         item.is_json = grammar is not None and grammar.kind in JSON_KINDS
         item.grammar = grammar_id(grammar) if grammar is not None else None

@@ -1,4 +1,5 @@
-"""The batch job's output (deploy/batch_job.py): a line's result row, and the output file:
+"""The batch job's output (deploy/batch_job.py): a line's result row (also the Ray Data
+processor's, deploy/data.py, as columns: ``columns_of``), and the output file:
 its lock for the run's length, the resume's scan, the appends, and settling each line to
 one row (an atomic rewrite that drops only rows whose replacement is on disk). Nothing is
 opened through a symbolic link."""
@@ -57,6 +58,10 @@ def _accounted(row: dict, item: Item, out: RequestOutput | None = None) -> dict:
         row["grammar_engine"] = out.grammar_engine
     if out is not None and out.loop_cuts:
         row["loop_cuts"] = out.loop_cuts
+    if out is not None and out.closed_early:
+        row["closed_early"] = True
+    if out is not None and out.approximated:
+        row["approximated"] = list(out.approximated)
     if item.attempt > 1:
         row["attempt"] = item.attempt
     row["outcome"] = outcome_of(row)
@@ -81,6 +86,57 @@ def result_row(item: Item, out: RequestOutput) -> dict:
         except (ValueError, RecursionError):
             pass  # cut short by max_tokens (or beyond what Python reads): the text is there
     return _accounted(row, item, out)
+
+
+# The Ray Data processor's output columns (deploy/data.py), with their Arrow types:
+# ray.data.llm's three, then ours. ``guided`` is null for a row without a grammar.
+GUIDED_FIELDS = {"validation": "string", "validation_error": "string", "closed_early": "bool",
+                 "loop_cuts": "int64", "engine": "string", "approximated": "list<string>"}
+COLUMNS = {"generated_text": "string", "num_generated_tokens": "int64",
+           "num_input_tokens": "int64", "num_cached_tokens": "int64",
+           "finish_reason": "string", "outcome": "string", "guided": GUIDED_FIELDS,
+           "grammar": "string", "max_tokens": "int64", "error": "string", "error_kind": "string"}
+
+
+def columns_of(row: dict) -> dict:
+    """A result row (``result_row`` / ``error_row``) as the processor's columns (every key
+    of COLUMNS): the same row, named as ``ray.data.llm`` names its outputs."""
+    usage = row.get("usage") or {}
+    guided = None
+    if row.get("grammar") is not None:
+        guided = {"validation": row.get("validation"),
+                  "validation_error": row.get("validation_error"),
+                  "closed_early": bool(row.get("closed_early")),
+                  "loop_cuts": row.get("loop_cuts") or 0,
+                  "engine": row.get("grammar_engine"),
+                  "approximated": list(row.get("approximated") or [])}
+    return {"generated_text": row.get("text") or "",
+            "num_generated_tokens": usage.get("completion_tokens") or 0,
+            "num_input_tokens": usage.get("prompt_tokens") or 0,
+            "num_cached_tokens": usage.get("cached_tokens") or 0,
+            "finish_reason": row.get("finish_reason"), "outcome": row["outcome"],
+            "guided": guided, "grammar": row.get("grammar"),
+            "max_tokens": row.get("max_tokens"), "error": row.get("error"), "error_kind": row.get("error_kind")}
+
+
+def row_of_columns(cols: dict) -> dict:
+    """The result row a processor's output row holds (what ``batch_account`` reads): the
+    inverse of ``columns_of`` for the fields the account uses."""
+    guided = cols.get("guided") or {}
+    row = {"text": cols.get("generated_text"), "finish_reason": cols.get("finish_reason"),
+           "outcome": cols.get("outcome"),
+           "usage": {"prompt_tokens": cols.get("num_input_tokens") or 0,
+                     "cached_tokens": cols.get("num_cached_tokens") or 0,
+                     "completion_tokens": cols.get("num_generated_tokens") or 0}}
+    for key, value in (("grammar", cols.get("grammar")), ("max_tokens", cols.get("max_tokens")),
+                       ("error", cols.get("error")),
+                       ("error_kind", cols.get("error_kind")),
+                       ("validation", guided.get("validation")),
+                       ("loop_cuts", guided.get("loop_cuts")),
+                       ("grammar_engine", guided.get("engine"))):
+        if value:
+            row[key] = value
+    return row
 
 
 def scan_output(path: str, retry_errors: bool, *, retry_failed: bool = False,

@@ -26,7 +26,9 @@ from core.json_schema import nested_deeper
 MAX_SCHEMA_DEPTH = 64
 
 VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-BATCH_KEYS = ("schema", "response_format", "regex", "choice")
+# a batch line's (and a Ray Data row's: deploy/data.py) format keys; structured_outputs is
+# vLLM's, as ray.data.llm rows give it inside sampling_params
+BATCH_KEYS = ("schema", "response_format", "regex", "choice", "structured_outputs")
 
 
 class DialectError(GrammarError):
@@ -109,12 +111,15 @@ def from_response_format(rf: Any) -> GrammarSpec | None:
 
 def structured_outputs(so: Any) -> GrammarSpec:
     """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar,
-    structural_tag (``json: true`` is any JSON object)."""
+    structural_tag, json_object (``json: true`` and ``json_object: true`` are any JSON
+    object; ``json_object: false`` is as if absent)."""
     makers = {"json": json_schema, "regex": GrammarSpec.regex, "choice": GrammarSpec.choice,
-              "grammar": GrammarSpec.ebnf, "structural_tag": GrammarSpec.structural_tag}
+              "grammar": GrammarSpec.ebnf, "structural_tag": GrammarSpec.structural_tag,
+              "json_object": lambda _: GrammarSpec.json_object()}
     if not isinstance(so, dict):
         raise DialectError("structured_outputs must be an object", "structured_outputs")
-    given = [k for k in so if so[k] is not None and k != "backend"]
+    given = [k for k in so if so[k] is not None and k != "backend"
+             and not (k == "json_object" and so[k] is False)]
     if len(given) != 1 or given[0] not in makers:
         raise DialectError(f"structured_outputs needs exactly one of {sorted(makers)}; "
                            f"got {sorted(given)}", "structured_outputs")
@@ -194,8 +199,9 @@ def from_openai(fields: dict[str, Any]) -> GrammarSpec | None:
 
 
 def from_batch_line(obj: dict, default: GrammarSpec | None) -> GrammarSpec | None:
-    """The batch job's per-line format: one of ``schema``, ``response_format``, ``regex``,
-    ``choice``; else the job's default."""
+    """The batch job's per-line format (also a Ray Data row's): one of ``schema``,
+    ``response_format``, ``regex``, ``choice``, ``structured_outputs`` (with its
+    ``backend``); else the job's default."""
     given = [k for k in BATCH_KEYS if obj.get(k) is not None]
     if len(given) > 1:
         raise DialectError(f"give at most one format, got {', '.join(given)}", given[1])
@@ -207,6 +213,8 @@ def from_batch_line(obj: dict, default: GrammarSpec | None) -> GrammarSpec | Non
         return json_schema(value, "schema")
     if key == "response_format":
         return from_response_format(value)
+    if key == "structured_outputs":
+        return with_engine(structured_outputs(value), engine_from({key: value}))
     if key == "regex":
         if not isinstance(value, str):
             raise DialectError("regex must be a string", "regex")
