@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import uuid
 from typing import Any, Callable
 
@@ -129,8 +128,9 @@ def _short_start(prompt) -> str:
 
 
 class RowSender:
-    """One actor of the pool: a RuntimeClient on an event loop of its own (a thread), kept
-    for the actor's life, and the in-flight cap shared by the batches it works on."""
+    """One actor of the pool: a RuntimeClient, kept for the actor's life, and the in-flight
+    cap shared by the batches it works on. ``__call__`` is a coroutine: Ray Data runs it on
+    the actor's one event loop, several batches at once."""
 
     def __init__(self, config: dict):
         from cluster.client import RuntimeClient
@@ -143,19 +143,13 @@ class RowSender:
             dialects.json_schema(schema, "json_schema") if schema is not None else None)
         self.tag = uuid.uuid4().hex[:8]
         self.batches = itertools.count()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="rayguide-data-loop",
-                         daemon=True).start()
         self.client = RuntimeClient()
-        self.slots = asyncio.run_coroutine_threadsafe(self._slots(), self.loop).result()
+        self.slots: asyncio.Semaphore | None = None  # made on the loop the batches run on
 
-    async def _slots(self) -> asyncio.Semaphore:
-        return asyncio.Semaphore(self.config.max_in_flight)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist()
-        results = asyncio.run_coroutine_threadsafe(self.run(rows), self.loop).result()
-        return with_columns(batch, results)
+    async def __call__(self, batch: pa.Table) -> pa.Table:
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(self.config.max_in_flight)
+        return with_columns(batch, await self.run(batch.to_pylist()))
 
     def item(self, row: Any, index: int, tag: str) -> Item:
         try:
@@ -217,12 +211,15 @@ class Processor:
         if self.preprocess is not None:
             ds = ds.map(self.preprocess)
         c = self.config
+        # blocks of one batch each (a streaming split, no shuffle): a large input block
+        # would be one task, its batches on one actor
+        ds = ds.repartition(target_num_rows_per_block=c.batch_size)
         ds = ds.map_batches(
             RowSender, fn_constructor_args=(c.model_dump(),), batch_format="pyarrow",
             batch_size=c.batch_size, num_cpus=c.num_cpus, udf_modifying_row_count=False,
             compute=ActorPoolStrategy(size=c.concurrency,
                                       max_concurrent_calls_per_actor=c.batches_per_actor,
-                                      max_tasks_in_flight_per_actor=c.batches_per_actor + 1))
+                                      max_tasks_in_flight_per_actor=c.batches_per_actor))
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)
         return ds
