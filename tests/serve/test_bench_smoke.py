@@ -67,6 +67,9 @@ BENCHES = {
     "prefix_cache.py": {"computed_over_unique_tokens", "speedup_shared_prefix", "ttft_p50_ratio",
                         "cluster_hit_rate_routed", "cluster_hit_rate_load_only",
                         "batch_job_speedup"},
+    "data_pipeline.py": {"rows", "jsonl_s", "processor_s", "ratio_processor_vs_jsonl",
+                         "steady_ratio_processor_vs_jsonl", "rows_out_jsonl",
+                         "rows_out_processor", "valid_share_processor"},
     "fidelity.py": {"pass_share_auto", "pass_share_xgrammar", "pass_share_llguidance",
                     "invalid_accepted_auto", "invalid_accepted_llguidance_served",
                     "compile_p99_ms_llguidance_served", "compile_p99_ms_auto",
@@ -99,7 +102,7 @@ def test_every_bench_has_a_smoke_run():
 # no verdict.
 SMOKE_JOBS = int(os.environ.get("RAYGUIDE_SMOKE_JOBS", "2"))
 LONGEST_FIRST = ("cluster.py", "grammar_cache.py", "clients.py", "load.py", "startup.py",
-                 "grammar_check.py", "realworld.py", "gpu.py")
+                 "data_pipeline.py", "grammar_check.py", "realworld.py", "gpu.py")
 SWEEP = ("-m", "bench.clients", "--sweep")
 
 
