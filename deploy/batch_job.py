@@ -10,11 +10,15 @@ Input: one JSON object per line (blank lines are ignored).
 - at most one format: ``schema`` (a JSON schema, or OpenAI's ``{name, schema, strict}``),
   ``response_format`` (OpenAI: ``{"type": "json_schema", "json_schema": {"name": ..,
   "schema": {..}}}``, ``{"type": "json_object"}``, ``{"type": "text"}``, or
-  ``{"type": "regex_schema", "regex_schema": ".."}``), ``regex`` (a pattern) or ``choice``
-  (a list of strings). ``--schema FILE`` applies to every line that names none of these.
+  ``{"type": "regex_schema", "regex_schema": ".."}``), ``regex`` (a pattern), ``choice``
+  (a list of strings) or ``structured_outputs`` (vLLM's). ``--schema FILE`` applies to every
+  line that names none of these.
 - sampling: ``max_tokens`` (or ``max_new_tokens``), ``temperature``, ``top_p``, ``top_k``,
   ``seed``, ``stop`` (a string or a list), and the other ``SamplingParams`` fields; the
   flags ``--max-tokens`` (256) and ``--temperature`` (0: greedy) are the defaults.
+- ``sampling_params``: ray.data.llm's shape, its fields (and ``structured_outputs``) read as
+  the line's own (deploy/batch_input.py ``parse_row``: the Ray Data processor's rows,
+  deploy/data.py, go through the same conversion).
 - ``id``: a string or an integer, unique in the file (an id on several lines exits 2,
   naming the id and its lines); without one, the line number (1-based) is the id. Other
   keys are ignored (keep your metadata there).
@@ -39,6 +43,8 @@ Every row also carries its account (deploy/batch_account.py): ``outcome`` (``val
 ``closed_at_budget``, ``loop_cut``, ``invalid``, ``refused``, ``grammar_error`` or
 ``infrastructure``), ``grammar`` (the line's grammar id, as ``POST /v1/grammars`` gives it),
 ``max_tokens``, ``grammar_engine`` (the backend that served it), ``loop_cuts``,
+``closed_early`` (closed at the budget), ``approximated`` (keywords the grammar only
+approximates),
 ``attempt`` (from 2 on: a retry) and ``attempts`` (on a row kept over its retry: the runs
 of the line in all). The job ends with a table of the output's rows by outcome
 and by grammar (stderr), and writes it as JSON to ``OUTPUT.summary.json`` (rows,

@@ -23,7 +23,7 @@ STARTS_RAY = re.compile(r"\bray\.init\(|\bCluster\(|\blaunch\.up\(|\bservice\.st
 HEAVY = ("torch", "transformers", "xgrammar")
 LIGHT = ["worker.actor", "cluster.client", "scheduler.actor", "core.params", "core.request",
          "worker.engine.sequence", "grammar_cache.actor", "cluster.launch", "deploy.service",
-         "deploy.serve_app", "cli.main"]
+         "deploy.serve_app", "cli.main", "deploy.data"]
 
 
 @pytest.mark.parametrize("module", LIGHT)

@@ -227,7 +227,9 @@ def check_command(tokens: list[str], monkeypatch) -> None:
             module, argv = args[1], args[2:]
         else:
             path = ROOT / args[0]
-            assert path.is_file(), f"{where}: no file {args[0]}"
+            if not path.is_file():  # a script the README writes out: its block runs in Ray
+                _check_readme_script(args[0], where)
+                return
             module, argv = ".".join(Path(args[0]).with_suffix("").parts), args[1:]
         assert not usage, f"{where}: write a python command as it is run, no [options]"
         _module_main(module, argv, monkeypatch)
@@ -274,6 +276,19 @@ def check_command(tokens: list[str], monkeypatch) -> None:
         assert name in UNCHECKED_COMMANDS, f"the README shows an unknown command: {where}"
 
 
+def _check_readme_script(name: str, where: str) -> None:
+    """``python NAME`` for a file the README writes out (a Python block whose first line is
+    ``# NAME``): the block parses, and every name it imports from this repository exists."""
+    blocks = [b for b in _blocks(_text(), "python") if b.lstrip().startswith(f"# {name}\n")]
+    assert blocks, f"{where}: no file {name}, and no README block `# {name}` that writes it"
+    for node in ast.walk(ast.parse(blocks[0])):
+        if isinstance(node, ast.ImportFrom) and node.module and (
+                ROOT / node.module.split(".")[0]).is_dir():
+            mod = importlib.import_module(node.module)
+            for alias in node.names:
+                assert hasattr(mod, alias.name), f"{name}: no {node.module}.{alias.name}"
+
+
 def _all_commands(text: str) -> list[list[str]]:
     cmds = [c for block in _blocks(text, "bash") for c in _commands(block)]
     for span in _spans(text):
@@ -302,6 +317,9 @@ def _known_names() -> set[str]:
     from deploy.settings import AppSettings
     from core.errors import ErrorKind
     from deploy.batch_account import OUTCOMES
+    from deploy.batch_input import SAMPLING_PARAMS, SAMPLING_PARAMS_KEYS
+    from deploy.batch_output import COLUMNS, GUIDED_FIELDS
+    from deploy.data import ProcessorConfig
 
     class _Out:
         pass
@@ -309,7 +327,10 @@ def _known_names() -> set[str]:
     return (_fields(ClusterConfig) | _fields(AppSettings) | set(api.ChatCompletionRequest
             .model_fields) | set(api.CompletionRequest.model_fields)
             | set(api.GrammarCheckRequest.model_fields) | set(guided_report(_Out()))
-            | {k.value for k in ErrorKind} | OPENAI_NAMES | BATCH_OUTPUT | set(OUTCOMES))
+            | {k.value for k in ErrorKind} | OPENAI_NAMES | BATCH_OUTPUT | set(OUTCOMES)
+            # the Ray Data processor's rows, columns and config (deploy/data.py)
+            | {SAMPLING_PARAMS} | SAMPLING_PARAMS_KEYS | set(COLUMNS) | set(GUIDED_FIELDS)
+            | set(ProcessorConfig.model_fields) | {"structural_tag"})
 
 
 def _config_path(dotted: str) -> bool:
