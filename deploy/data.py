@@ -229,15 +229,11 @@ def _check_runtime() -> None:
     """Fails the pipeline's construction, not its first batch, when no runtime runs."""
     import ray
 
-    from scheduler.actor import NAMESPACE, SCHEDULER_NAME
+    from cluster import launch
 
     if not ray.is_initialized():
         ray.init()
-    try:
-        ray.get_actor(SCHEDULER_NAME, namespace=NAMESPACE)
-    except ValueError:
-        raise ValueError("no rayguide runtime on this Ray cluster: start one with "
-                         "`rayguide up` (or `rayguide up --address HEAD:6379`) first") from None
+    launch.handles()  # raises ValueError naming what is missing, and `rayguide up`
 
 
 def build_processor(config: ProcessorConfig | dict | None = None, *,
