@@ -356,3 +356,23 @@ def test_previous_response_id_continues_the_tenants_conversation(tmp_path):
     with pytest.raises(APIError) as err:
         create(srv, "acme-key-1234", input="x", previous_response_id="resp_nope")
     assert err.value.status == 400 and err.value.param == "previous_response_id"
+
+
+@pytest.mark.parametrize("body", [
+    {"input": [1]}, {"input": [{"type": ["message"]}]},
+    {"input": [{"role": "user", "content": [{"type": {"x": 1}}]}]},
+    {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+    {"input": [{"type": "function_call", "name": 3}]},
+    {"input": [{"type": "function_call_output", "call_id": "c", "output": {"x": 1}}]},
+    {"text": {"format": "json"}}, {"text": {"format": {"type": ["json_schema"]}}},
+    {"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "extra": 1}}},
+    {"text": {"verbosity": "high"}}, {"text": {"fmt": {}}},
+    {"tools": ["get_weather"]}, {"tools": [{"type": "function", "name": "f",
+                                            "parameters": "not a schema"}]},
+    {"tool_choice": {"type": "function", "name": 7}}, {"tool_choice": 3},
+    {"input": "x" * 300_000},
+])
+def test_hostile_shapes_are_4xx_never_a_crash(body):
+    with pytest.raises(APIError) as err:
+        turn(**body)
+    assert 400 <= err.value.status < 500
