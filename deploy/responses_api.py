@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -49,7 +49,8 @@ UNSUPPORTED = {
                                "context is refused, never truncated"),
 }
 
-# built-in (hosted) tools OpenAI runs itself: nothing here runs them
+# a Responses function tool's fields; a tool of another type is a hosted one (web_search,
+# file_search, ...) that OpenAI runs itself: refused, nothing here runs it
 FUNCTION_TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 
 
@@ -112,7 +113,6 @@ class Turn:
     messages: list[dict]
     echo: dict[str, Any]
     store: bool = True
-    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
 
 
 def new_response_id() -> str:
@@ -169,7 +169,7 @@ def plan_response(req: ResponsesRequest, history: list[dict] | None, limits: Lim
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "truncation": "disabled", "user": req.user,
             "store": req.store}
-    return Turn(plan, new_response_id(), history, messages, echo, req.store, text_format)
+    return Turn(plan, new_response_id(), history, messages, echo, req.store)
 
 
 def input_messages(items: str | list) -> tuple[list[dict], list[str]]:
