@@ -10,6 +10,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai import omit
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai._models import construct_type
@@ -376,3 +378,28 @@ def test_hostile_shapes_are_4xx_never_a_crash(body):
     with pytest.raises(APIError) as err:
         turn(**body)
     assert 400 <= err.value.status < 500
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False)
+    | st.text(max_size=12) | st.sampled_from(["function", "message", "json_schema", "text",
+                                             "input_text", "user", "required", "auto"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["type", "name", "role", "content", "text", "schema", "format",
+                         "parameters", "call_id", "arguments", "output", "x"]),
+        inner, max_size=4), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(sorted(rapi.ResponsesRequest.model_fields)),
+                            _json, max_size=6))
+def test_generated_bodies_are_planned_or_refused(body):
+    """Any body: a Turn whose answer assembles, or an APIError (4xx), nothing else."""
+    body.setdefault("input", "hi")
+    try:
+        t = rapi.plan_response(api.parse_request(rapi.ResponsesRequest, body), None,
+                               Limits(), api.Served(4096))
+    except APIError as err:
+        assert 400 <= err.status < 500
+        return
+    Response.model_validate(events.response_body(t, output(t, "{}"), "m"))
