@@ -73,7 +73,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     previous_response_id: str | None = None
     store: bool = True
-    metadata: dict[str, Any] | None = None  # echoed back
+    metadata: dict[str, Any] | None = None  # echoed back (OpenAI's bounds: _check_metadata)
     user: str | None = None
     service_tier: str | None = None  # accepted and ignored, as on the chat route
     background: bool | None = None
@@ -135,6 +135,7 @@ def plan_response(req: ResponsesRequest, history: list[dict] | None, limits: Lim
         value = getattr(req, name)
         if value is not None and value != off:
             raise bad_request(why, name)
+    _check_metadata(req.metadata)
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise bad_request(f"max_output_tokens must be >= 1, got {req.max_output_tokens}",
                           "max_output_tokens")
@@ -170,6 +171,19 @@ def plan_response(req: ResponsesRequest, history: list[dict] | None, limits: Lim
             "tools": req.tools or [], "truncation": "disabled", "user": req.user,
             "store": req.store}
     return Turn(plan, new_response_id(), history, messages, echo, req.store)
+
+
+def _check_metadata(metadata: dict | None) -> None:
+    """OpenAI's bounds: at most 16 pairs, keys up to 64 characters, string values up to
+    512."""
+    if not metadata:
+        return
+    if len(metadata) > 16:
+        raise bad_request(f"metadata has {len(metadata)} pairs; at most 16", "metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise bad_request("metadata keys are at most 64 characters and values strings "
+                              f"of at most 512; {key[:64]!r} is not", f"metadata.{key[:64]}")
 
 
 def input_messages(items: str | list) -> tuple[list[dict], list[str]]:

@@ -403,3 +403,9 @@ def test_generated_bodies_are_planned_or_refused(body):
         assert 400 <= err.status < 500
         return
     Response.model_validate(events.response_body(t, output(t, "{}"), "m"))
+
+
+def test_metadata_is_echoed_within_openais_bounds():
+    assert turn(metadata={"job": "nightly"}).echo["metadata"] == {"job": "nightly"}
+    assert refused(metadata={"n": 1}).param == "metadata.n"
+    assert refused(metadata={f"k{i}": "v" for i in range(17)}).param == "metadata"
