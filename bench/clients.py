@@ -1,5 +1,6 @@
 """Real client libraries against `rayguide serve` at server defaults (issue 27): openai's
-``chat.completions.parse()``, instructor in ``JSON_SCHEMA`` mode and langchain's
+``chat.completions.parse()`` and ``responses.parse()`` (issue 61: POST /v1/responses),
+instructor in ``JSON_SCHEMA`` mode and langchain's
 ``with_structured_output(method="json_schema")``, each asked for ordinary pydantic models
 (a city, a book with its author, a shopping list, a ticket with an enum and optionals, a
 product with constraints, an event with a uuid and dates) x several prompts, plus the raw
@@ -17,8 +18,9 @@ parsed_share_<path>_<engine>, length_share_<engine>, loop_cut_share_<engine>.
 Nothing is set that a new user would not set: no temperature, no max_tokens (the server's
 defaults: the model's recommended sampling, the default budget, the loop guard on), and no
 client retries (``max_retries=0`` everywhere: a retry would hide a failed answer). Every
-HTTP response is recorded under the clients (an httpx transport), so the output figures
-cover all four paths. ``--json`` keys: parsed_share_openai, parsed_share_instructor,
+HTTP response is recorded under the clients (an httpx transport; a Response object is read
+as the chat answer it is), so the output figures cover all five paths. ``--json`` keys:
+parsed_share_openai, parsed_share_responses, parsed_share_instructor,
 parsed_share_langchain (the client returned an object), parsed_share_raw (the raw answer
 validates against the model), loop_share (answers whose text still holds a repeated
 span, see ``report.repeated_span``), loop_cut_share (answers the loop guard cut),
@@ -190,7 +192,7 @@ PROMPTS = {
                  "Summarize the test scores 55, 67, 72, 88, 90, 94, 99.",
                  "Statistics of 0.001, 0.002, 0.0035, 0.004."],
 }
-PATHS = ("openai", "instructor", "langchain", "raw")
+PATHS = ("openai", "responses", "instructor", "langchain", "raw")
 
 
 def cases(quick: bool, smoke: bool) -> list[tuple[type[BaseModel], str]]:
@@ -201,10 +203,23 @@ def cases(quick: bool, smoke: bool) -> list[tuple[type[BaseModel], str]]:
 
 # --- what the figures are made of ----------------------------------------------------------
 
+def _as_chat(response: dict) -> dict:
+    """A Response object (POST /v1/responses) as the chat completion the figures read:
+    its text, its finish (the budget: "length"), its guided report and its usage."""
+    text = "".join(part.get("text", "") for item in response.get("output", [])
+                   if item.get("type") == "message" for part in item.get("content", []))
+    reason = "length" if (response.get("incomplete_details") or {}).get(
+        "reason") == "max_output_tokens" else "stop"
+    return {"choices": [{"message": {"content": text}, "finish_reason": reason,
+                         "guided": response.get("guided")}],
+            "usage": {"completion_tokens": (response.get("usage") or {}).get(
+                "output_tokens", 0)}}
+
+
 class _Recorder(httpx.BaseTransport):
-    """An httpx transport that keeps every chat completion the clients receive, and per
-    job (``local.job``, set by the thread that runs it: the clients are synchronous) the
-    last one it received."""
+    """An httpx transport that keeps every chat completion (and Response, read as one:
+    ``_as_chat``) the clients receive, and per job (``local.job``, set by the thread that
+    runs it: the clients are synchronous) the last one it received."""
 
     def __init__(self):
         self.inner = httpx.HTTPTransport()
@@ -215,9 +230,12 @@ class _Recorder(httpx.BaseTransport):
 
     def handle_request(self, request):
         response = self.inner.handle_request(request)
-        if request.url.path.endswith("/chat/completions") and response.status_code == 200:
+        path = request.url.path
+        if path.endswith(("/chat/completions", "/responses")) and response.status_code == 200:
             response.read()
             body = json.loads(response.content)
+            if path.endswith("/responses"):
+                body = _as_chat(body)
             with self.lock:
                 self.bodies.append(body)
                 job = getattr(self.local, "job", None)
@@ -257,6 +275,12 @@ def _ask(path: str, model: type[BaseModel], prompt: str, base_url: str,
         if parsed is None:
             raise ValueError("parse() returned no object")
         return parsed
+    if path == "responses":
+        r = client.responses.parse(model=MODEL_NAME, instructions=_system(model),
+                                   input=prompt, text_format=model)
+        if r.output_parsed is None:
+            raise ValueError("responses.parse() returned no object")
+        return r.output_parsed
     if path == "instructor":
         import instructor
 

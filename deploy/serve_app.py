@@ -46,11 +46,14 @@ from core.request import RequestOutput
 from deploy import exposure
 from deploy import openai_api as api
 from deploy import responses
+from deploy import responses_api as rapi
+from deploy import responses_events
 from deploy import tenants
 from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_line,
                            too_large)
 from deploy.metrics import Metrics
 from deploy.openai_api import Plan
+from deploy.response_store import ResponseStore
 from deploy.settings import AppSettings
 from core.config import config_error_message
 
@@ -193,6 +196,9 @@ class OpenAIServer:
         self._metrics = Metrics()
         self._cache = None  # the grammar cache actor's handle, for /metrics
         self._open_streams = 0  # SSE streams writing now (they share stream_events_per_s)
+        self._stored = ResponseStore(self.settings.responses_ttl_s,
+                                     self.settings.responses_max_stored,
+                                     self.settings.responses_max_stored_chars)
 
     # endpoints --------------------------------------------------------------------------
 
@@ -226,6 +232,74 @@ class OpenAIServer:
     @fastapi_app.post("/v1/completions", openapi_extra=_body_schema(api.CompletionRequest))
     async def completions(self, request: Request):
         return await self._serve(request, api.CompletionRequest, api.plan_completion)
+
+    @fastapi_app.post("/v1/responses", openapi_extra=_body_schema(rapi.ResponsesRequest))
+    async def create_response(self, request: Request):
+        """OpenAI's Responses API: the request planned as the chat request it means
+        (deploy/responses_api.py), run like one, answered as a Response object or its
+        event stream (deploy/responses_events.py); with ``store`` (the default), its
+        conversation kept for ``previous_response_id`` (deploy/response_store.py)."""
+        started = time.monotonic()
+        route = "/v1/responses"
+        try:
+            self._auth(request)
+            parsed = api.parse_request(rapi.ResponsesRequest, await self._body(request))
+            await self._check_model(parsed.model)
+            client = self._client(request, parsed.user)
+            turn = rapi.plan_response(parsed, self._conversation(parsed, client),
+                                      self.limits, self._served, client,
+                                      named=await self._named(parsed.grammar_id, client))
+            model = self._model(turn.plan)
+            if turn.plan.stream:
+                opened = await self._open_all(turn.plan)
+                stream = responses_events.ResponseStream(turn, model)
+                response = StreamingResponse(
+                    self._kept(turn, client, stream,
+                               self._sse(turn.plan, opened, started, stream)),
+                    media_type="text/event-stream")
+            else:
+                outputs = await self._outputs(turn.plan)
+                response = responses_events.response_body(turn, outputs[0], model)
+                self._keep(turn, client, response)
+            self._metrics.request(route, 200, time.monotonic() - started)
+            return response
+        except APIError as exc:
+            self._metrics.request(route, exc.status, time.monotonic() - started)
+            raise
+
+    def _conversation(self, parsed, client: str) -> list[dict] | None:
+        """The stored conversation ``previous_response_id`` names (None: no id); a 404
+        naming it when this tenant has none under it here."""
+        previous = parsed.previous_response_id
+        if previous is None:
+            return None
+        rapi.check_previous_id(previous)
+        found = self._stored.get(api.cache_scope(client), previous)
+        if found is None:
+            raise APIError(404, f"no stored response {previous!r} for this API key's tenant "
+                                "on this replica: it was made with store: false, by another "
+                                "tenant, on another replica (with num_replicas > 1), or over "
+                                f"{self.settings.responses_ttl_s:g} s ago (responses_ttl_s) "
+                                "or pushed out by newer ones; send the conversation as input "
+                                "instead", param="previous_response_id",
+                           code="response_not_found")
+        return found
+
+    def _keep(self, turn, client: str, response: dict | None) -> None:
+        """Stores the conversation after ``response`` under its id for the client's
+        tenant (``store: false``, or a failed response: nothing)."""
+        if turn.store and response is not None and response["status"] != "failed":
+            self._stored.put(api.cache_scope(client), turn.id,
+                             responses_events.conversation(turn, response))
+
+    async def _kept(self, turn, client: str, stream, events) -> AsyncIterator[str]:
+        """``events``, then the finished stream's conversation stored (``_keep``)."""
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+        self._keep(turn, client, stream.final)
 
     @fastapi_app.post("/v1/grammars", openapi_extra=_body_schema(api.GrammarCheckRequest))
     async def check_grammar(self, request: Request):
@@ -580,6 +654,12 @@ class OpenAIServer:
         return outputs
 
     async def _complete(self, plan: Plan) -> dict:
+        outputs = await self._outputs(plan)
+        return responses.response_body(plan, outputs, self._model(plan))
+
+    async def _outputs(self, plan: Plan) -> list[RequestOutput]:
+        """The plan's finished outputs (validation "retry" resampled); a failed one raises
+        its APIError."""
         try:
             outputs = await self._run(plan, plan.requests)
             if plan.validation == "retry":
@@ -591,7 +671,7 @@ class OpenAIServer:
                 raise for_kind(out.error_kind, out.error or "generation failed",
                                request_id=out.request_id)
         self._metrics.tokens(sum(o.completion_tokens for o in outputs))
-        return responses.response_body(plan, outputs, self._model(plan))
+        return outputs
 
     async def _resample_invalid(self, plan: Plan, outputs: list) -> list:
         """validation "retry": a choice whose finished JSON failed its schema is sampled
@@ -629,11 +709,13 @@ class OpenAIServer:
         others = max(0, self._open_streams - 1)  # a lone stream writes every token at once
         return min(s.stream_interval_ms / 1e3, others / s.stream_events_per_s)
 
-    async def _sse(self, plan: Plan, opened: list, started: float) -> AsyncIterator[str]:
-        """Pumps every choice's stream into one queue and writes what StreamAssembler
-        makes of it: all that came since the last write, one event per choice, at most
-        every ``_write_gap()``; samples interleave as they are produced."""
-        assembler = responses.StreamAssembler(plan, self._model(plan))
+    async def _sse(self, plan: Plan, opened: list, started: float,
+                   assembler=None) -> AsyncIterator[str]:
+        """Pumps every choice's stream into one queue and writes what ``assembler`` (the
+        chat and completion routes' StreamAssembler unless given: the Responses route's
+        ResponseStream) makes of it: all that came since the last write, one event per
+        choice, at most every ``_write_gap()``; samples interleave as they are produced."""
+        assembler = assembler or responses.StreamAssembler(plan, self._model(plan))
         # bounded: while the writer waits for its gap, a choice's chunks gather (merged)
         # in the runtime client's inbox instead of passing through here one by one
         queue: asyncio.Queue = asyncio.Queue(maxsize=len(opened))

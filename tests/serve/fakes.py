@@ -4,6 +4,7 @@ no metrics. Import them (``from tests.serve.fakes import edge_server``)."""
 
 import deploy.serve_app as serve_app
 from deploy import openai_api as api
+from deploy.response_store import ResponseStore
 from deploy.settings import AppSettings
 
 # the server class itself, under Ray Serve's deployment wrapper
@@ -34,4 +35,8 @@ def edge_server(runtime, **settings):
     inst.limits = inst.settings.limits
     inst.runtime = runtime
     inst._models, inst._served, inst._metrics = ["m"], api.Served(), NoMetrics()
+    inst._open_streams = 0
+    s = inst.settings
+    inst._stored = ResponseStore(s.responses_ttl_s, s.responses_max_stored,
+                                 s.responses_max_stored_chars)
     return inst

@@ -49,7 +49,7 @@ OPENAI_NAMES = {
     "finish_reason", "tool_calls", "reasoning_content", "prompt_tokens_details",
     "cached_tokens", "model_extra", "response_format", "json_schema", "json_object",
     "regex_schema", "tool_choice", "max_tokens", "include_usage", "stream_options",
-    "extra_body",
+    "extra_body", "function_call", "function_call_output", "output_parsed",
 }
 # batch output lines (deploy/batch_job.py writes them; not a model's fields)
 BATCH_OUTPUT = {"finish_reason", "error_kind"}
@@ -314,6 +314,7 @@ def _known_names() -> set[str]:
     from cluster.config import ClusterConfig
     from deploy import openai_api as api
     from deploy.responses import guided_report
+    from deploy.responses_api import ResponsesRequest
     from deploy.settings import AppSettings
     from core.errors import ErrorKind
     from deploy.batch_account import OUTCOMES
@@ -326,7 +327,8 @@ def _known_names() -> set[str]:
 
     return (_fields(ClusterConfig) | _fields(AppSettings) | set(api.ChatCompletionRequest
             .model_fields) | set(api.CompletionRequest.model_fields)
-            | set(api.GrammarCheckRequest.model_fields) | set(guided_report(_Out()))
+            | set(api.GrammarCheckRequest.model_fields) | set(ResponsesRequest.model_fields)
+            | set(guided_report(_Out()))
             | {k.value for k in ErrorKind} | OPENAI_NAMES | BATCH_OUTPUT | set(OUTCOMES)
             # the Ray Data processor's rows, columns and config (deploy/data.py)
             | {SAMPLING_PARAMS} | SAMPLING_PARAMS_KEYS | set(COLUMNS) | set(GUIDED_FIELDS)
@@ -436,17 +438,22 @@ def test_every_key_name_exists():
 
 def test_python_examples_send_known_fields():
     """``extra_body={...}`` and the request's keyword arguments in the Python examples are
-    fields of the chat request model."""
+    fields of the chat request model (``client.responses.*``: of the Responses one)."""
     from deploy import openai_api as api
+    from deploy.responses_api import ResponsesRequest
 
-    fields = set(api.ChatCompletionRequest.model_fields)
-    client_args = {"extra_body", "model", "messages"}
+    chat_fields = set(api.ChatCompletionRequest.model_fields)
+    client_args = {"extra_body", "model", "messages", "text_format"}
     checked = 0
     for block in _blocks(_text(), "python"):
         for node in ast.walk(ast.parse(block)):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in ("create", "parse")):
+                    and node.func.attr in ("create", "parse", "stream")):
                 continue
+            owner = node.func.value
+            fields = (set(ResponsesRequest.model_fields)
+                      if isinstance(owner, ast.Attribute) and owner.attr == "responses"
+                      else chat_fields)
             for kw in node.keywords:
                 assert kw.arg in fields | client_args, f"unknown request field {kw.arg}"
                 if kw.arg == "extra_body" and isinstance(kw.value, ast.Dict):
