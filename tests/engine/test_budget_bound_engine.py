@@ -130,7 +130,8 @@ def test_an_undecided_budget_does_not_search_on_every_step(make_tiny_engine, row
     # (and no witness: the schema's own short instance would decide the budget at once,
     # test_a_witness_decides_a_budget_the_searches_cannot below)
     monkeypatch.setattr(output_policy, "start_witness", lambda *a: None)
-    engine = make_tiny_engine(loop_guard=False, closing_probe_ms=0.0)  # it repeats itself
+    engine = make_tiny_engine(loop_guard=False, closing_probe_ms=0.0,  # it repeats itself
+                              schema_closing=False)  # the searches (a schema closes unsearched)
     engine.guided.closer.time_limit_s = 0.0
     scripted(engine, '{"store": "' + "the market by the river, " * 30)
     searches = engine.guided.closer.stats["searches"]

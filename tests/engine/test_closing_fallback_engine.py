@@ -38,7 +38,8 @@ def generate(engine, schema, max_tokens, engine_name="auto"):
 @pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
 def test_an_output_closes_on_the_probe_s_path_when_every_search_is_cut_short(
         make_tiny_engine, engine_name):
-    engine = make_tiny_engine(closing_search_ms=0.0, closing_probe_ms=30_000.0)
+    engine = make_tiny_engine(closing_search_ms=0.0, closing_probe_ms=30_000.0,
+                              schema_closing=False)  # the searches themselves
     scripted(engine, '{"titles": [' + '{"title": "Titles"}, ' * 60)
     chunks, final = generate(engine, LONG_CLOSE, 160, engine_name)
     text = "".join(c.text for c in chunks)
@@ -56,7 +57,7 @@ def test_without_a_probe_the_cut_short_searches_leave_it_unclosed(make_tiny_engi
     """The same request with the probe's long time off: the searches alone give up and
     the output runs to its budget (what the fallback is for; flagged, never labelled
     valid)."""
-    engine = make_tiny_engine(closing_search_ms=0.0, closing_probe_ms=0.0)
+    engine = make_tiny_engine(closing_search_ms=0.0, closing_probe_ms=0.0, schema_closing=False)
     scripted(engine, '{"titles": [' + '{"title": "Titles"}, ' * 60)
     _, final = generate(engine, LONG_CLOSE, 160)
     assert final.finish_reason == "length" and not final.closed_early

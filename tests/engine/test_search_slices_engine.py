@@ -43,7 +43,8 @@ def slow_searches(monkeypatch):
 @pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
 def test_a_slow_search_holds_its_own_row_and_never_the_batch(make_tiny_engine, slow_searches,
                                                             engine_name):
-    engine = make_tiny_engine(closing_probe_ms=60_000.0, search_step_floor_ms=FLOOR_MS)
+    engine = make_tiny_engine(closing_probe_ms=60_000.0, search_step_floor_ms=FLOOR_MS,
+                              schema_closing=False)  # (a JSON schema closes unsearched)
     scripted(engine, '{"titles": [' + '{"title": "Titles"}, ' * 60)
     guided = GenerationRequest([{"role": "user", "content": "go"}],
                                SamplingParams(max_new_tokens=160, temperature=0.0),

@@ -78,6 +78,12 @@ class EngineConfig(ConfigModel):
     # (microseconds) until it is emitted, so the output closes even where no search fits
     # in closing_search_ms. At most twice a request; it costs that request's time only
     closing_probe_ms: float = Field(2000.0, ge=0)
+    # JSON grammars close from their schema (worker/guided/json_closing.py): the completion
+    # is read off the schema as the output goes, with no search on the engine thread; the
+    # searches above serve the other grammars, and a JSON state the schema closer does not
+    # know (a partial string under a pattern). False: every grammar searches (the benches'
+    # other side)
+    schema_closing: bool = True
     # the searches' share of the engine thread (worker/guided/search_slices.py): all of a
     # step's closing searches together take at most this share of the engine's own recent
     # step time, and at least search_step_floor_ms; a search not done by then goes on in

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from worker.guided.closing import Completion
+from worker.guided.json_closing import JsonScan, SchemaNodes
 from core.params import LoopGuardParams
 from worker.guided.loop_guard import LoopCut, LoopGuard, closer_ids, token_shapes
 from core.request import RequestOutput
@@ -91,6 +92,12 @@ class OutputState:
     tick: int = 0  # the state's number: one more after each token (answers are of one)
     answers: dict = field(default_factory=dict)
     answers_tick: int = 0
+    # the schema closer's reader of the output (json_closing.py; None: not built yet or
+    # not a JSON grammar) and where the document begins in the output
+    scan: JsonScan | None = None
+    scan_from: int = 0
+    schema_row: bool = False  # a JSON grammar's row: the schema closer serves it
+    jump: int = 0  # ... how many tokens one choice can add to its completion (at most)
 
     def reset_closing(self, at: int) -> None:
         """After a cut (the output now ``at`` tokens) the output is another: no closing
@@ -100,6 +107,7 @@ class OutputState:
         self.closing_failed = False
         self.closing_giveups = self.closing_retry_at = 0
         self.closing_probed = False
+        self.scan = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +154,8 @@ class PolicyStats:
     closing_steered: int = 0  # sampled tokens replaced: the output could not have closed
     closing_searches: int = 0  # completion searches run near the end of a budget
     closing_reused: int = 0  # ... skipped: the last step's path still closes (replayed)
+    # closing paths written from the schema (json_closing.py): no search was needed
+    closing_schema: int = 0
     # outputs closed on the probe's dive path because every search was cut short
     closing_fallbacks: int = 0
     budget_checks: int = 0  # guided requests whose budget was checked at admission
@@ -180,6 +190,8 @@ class OutputPolicy:
         # grammar key -> a lower bound on its shortest output in tokens (shortest_bound.py)
         self._bounds: OrderedDict[str, int] = OrderedDict()
         self._capacity: TokenCapacity | None = None  # of the vocabulary (first use)
+        # grammar key -> the schema's nodes for the schema closer (None: not a JSON grammar)
+        self._schemas: OrderedDict[str, SchemaNodes | None] = OrderedDict()
 
     # admission ----------------------------------------------------------------------------
 
@@ -208,6 +220,9 @@ class OutputPolicy:
             # with stop strings the text is checked as it is made: nothing is held back
             st.hold = 0 if seq.params.stop else params.hold_tokens
         st.released = st.base = seq.num_output  # a continuation's was streamed already
+        st.scan, st.scan_from = None, 0
+        st.schema_row = self._schema_nodes(seq) is not None
+        st.jump = self._schema_jump(seq) if st.schema_row else 0
         if not seq.guide.thinking_now:  # a thought's plan waits for its answer (begin_answer)
             self._plan_close_at_start(seq, matcher)
         return None
@@ -218,6 +233,7 @@ class OutputPolicy:
         thought)."""
         st = seq.guide.ending
         st.released = st.base = seq.num_output
+        st.scan, st.scan_from = None, seq.num_output
         if st.closing_estimate is not None:
             st.closing_estimate = (seq.num_output, st.closing_estimate[1])
         if st.closing_path is not None:
@@ -472,6 +488,12 @@ class OutputPolicy:
         its length is what closing such an output takes. A shortest output of 27 tokens
         (Github_hard/o60179 after a grammar check) left the window at its default, and an
         answer at 256 tokens was cut inside a string; the dive's 129 closes it."""
+        need = self._schema_need(seq)
+        if need is not None:  # the schema closer's, from the start: the witness (no search)
+            if need + _GUARD_ZONE > self.config.closing_window:
+                seq.guide.ending.closing_estimate = (seq.num_output, need)
+                seq.guide.ending.prior_estimate = need
+            return
         facts = seq.guide.compiled.facts
         dive = facts.get("start_dive")
         if dive is None and facts.get("start_dives", 0) < _START_DIVES:
@@ -579,6 +601,17 @@ class OutputPolicy:
         st = seq.guide.ending
         if not cfg.closing_window or st.closing_failed:
             return None
+        est = st.closing_estimate
+        if st.schema_row and (est is None or left <= est[1] + max(st.jump, _GROWTH * (
+                seq.num_output - est[0])) + _GUARD_ZONE + cfg.closing_margin):
+            # a schema's row: what closing needs is read off the schema as the output
+            # goes (json_closing.py, no search), whenever it could have grown to the
+            # tokens left; so closing begins in time whatever optional values the output
+            # opened, without a dive
+            need = self._schema_need(seq)
+            if need is not None:
+                st.closing_estimate = (seq.num_output, need)
+                st.closing_probed = True
         if (st.closing_estimate is None and not st.closing_probed
                 and left <= 2 * cfg.closing_window):
             self._probe_closing(seq)
@@ -593,7 +626,7 @@ class OutputPolicy:
             # (within _GUARD_ZONE of it, every step searches: the guard in _keep_closable
             # needs this step's path, and one token such as ', {"' can add more than that)
             at, need = est
-            if left > max(need + _GROWTH * (seq.num_output - at),
+            if left > max(need + max(st.jump, _GROWTH * (seq.num_output - at)),
                           need + _GUARD_ZONE) + cfg.closing_margin:
                 return None
         matcher = seq.guide.matcher
@@ -608,6 +641,13 @@ class OutputPolicy:
             # is emitted
             self.stats.closing_reused += 1
             found = Completion(carried, False)
+        elif (written := self._schema_path(seq, matcher)) is not None and len(written) <= left:
+            # the schema says what is left (json_closing.py): no search. Taken as the
+            # reference (slack 0): it may be a little longer than the shortest, which
+            # only closes a little early (one that does not fit: the search may know a
+            # shorter)
+            self.stats.closing_schema += 1
+            found, slack = Completion(written, False), 0
         else:
             pending = self.guided.closer.pending_bytes(seq.output_ids)
             found = self._ask(seq, "fitting", lambda c, m: c.fitting(m, left, pending=pending),
@@ -658,6 +698,9 @@ class OutputPolicy:
         for estimate in (st.closing_estimate and st.closing_estimate[1], st.prior_estimate):
             if estimate:
                 window = max(window, estimate + _GUARD_ZONE + self.config.closing_margin)
+        if st.jump and st.closing_estimate:  # a schema's row: room for its longest choice
+            window = max(window, st.closing_estimate[1] + st.jump + _GUARD_ZONE
+                         + self.config.closing_margin)
         return window
 
     def _probe_closing(self, seq: GuidedRow) -> None:
@@ -682,6 +725,11 @@ class OutputPolicy:
         dive of a large grammar takes about 0.1 s, and each loop cut needs a new one), the
         others the search's own caps."""
         st = seq.guide.ending
+        written = self._schema_path(seq, matcher)
+        if written is not None:
+            self.stats.closing_probes += 1
+            st.fallback = (seq.num_output, written)
+            return written
         closer = self.guided.closer
         caps = {}
         probe_s = self.config.closing_probe_ms / 1000
@@ -788,6 +836,14 @@ class OutputPolicy:
                     slack = min(slack, at_path[2])
                 seq.guide.ending.closing_path = (seq.num_output + 1, again, max(slack, 0))
                 return None
+        written = self._schema_path(seq, probe, token)
+        if written is not None:  # the schema's completion after this token (no search)
+            self.stats.closing_schema += 1
+            if len(written) <= left:
+                seq.guide.ending.closing_path = (seq.num_output + 1, written, 0)
+                return None
+            self.stats.closing_steered += 1
+            return path[0]
         if unsure and left > len(path) + _GUARD_ZONE:
             self.stats.closing_steered += 1  # (no search: see above)
             return path[0]
@@ -800,6 +856,91 @@ class OutputPolicy:
             return None
         self.stats.closing_steered += 1
         return path[0]
+
+    # the schema closer (json_closing.py) ---------------------------------------------------
+
+    def _schema_nodes(self, seq: GuidedRow) -> SchemaNodes | None:
+        kind = seq.grammar.kind
+        if (kind not in _LOOP_KINDS or self.guided.closer.encode is None
+                or not getattr(self.config, "schema_closing", True)):
+            return None
+        key = seq.grammar.key(self.guided.fingerprint)
+        if key not in self._schemas:
+            schema = seq.grammar.parsed if kind == "json_schema" else {"type": "object"}
+            self._schemas[key] = SchemaNodes(schema) if isinstance(schema, (dict, bool)) else None
+            while len(self._schemas) > _BUDGET_MEMO_SIZE:
+                self._schemas.popitem(last=False)
+        else:
+            self._schemas.move_to_end(key)
+        return self._schemas[key]
+
+    def _scan(self, seq: GuidedRow) -> JsonScan | None:
+        """The row's reader of its document, fed up to its newest token (incremental:
+        one token's bytes a step; rebuilt after a cut, which clears it)."""
+        st = seq.guide.ending
+        nodes = self._schema_nodes(seq)
+        if nodes is None:
+            return None
+        ids = seq.output_ids
+        scan = st.scan
+        if scan is None or scan.tokens > len(ids) - st.scan_from:
+            scan = st.scan = JsonScan(nodes)
+        vocab = self.guided.closer.vocab
+        for t in ids[st.scan_from + scan.tokens:]:
+            scan.feed_bytes(vocab[t])
+        scan.tokens = len(ids) - st.scan_from
+        return scan
+
+    def _schema_jump(self, seq: GuidedRow) -> int:
+        """The most tokens one choice of the model adds to the row's completion
+        (``SchemaNodes.jumps``), once per grammar."""
+        nodes = self._schema_nodes(seq)
+        if nodes.jump is None:
+            texts = nodes.jumps(_LAYOUTS[0])
+            nodes.jump = max((len(self.guided.closer.encode(t)) for t in texts), default=0)
+        return nodes.jump
+
+    def _schema_need(self, seq: GuidedRow) -> int | None:
+        """The schema closer's completion length in tokens, unverified (an estimate: a
+        path is verified before it is taken); None where it has none."""
+        scan = self._scan(seq)
+        if scan is None:
+            return None
+        rest = scan.completion(_LAYOUTS[0])
+        if rest is None:
+            return None
+        return len(self.guided.closer.encode(rest)) if rest else 0
+
+    def _schema_path(self, seq: GuidedRow, matcher, token: int | None = None) -> list[int] | None:
+        """The schema closer's completion of the output (and ``token`` after it, which
+        ``matcher`` has accepted already) as tokens: replayed on a fork of ``matcher``
+        (every token accepted, the grammar may end after) and the whole text valid for the
+        schema; else None (the caller searches)."""
+        scan = self._scan(seq)
+        if scan is None or scan.broken:
+            return None
+        closer = self.guided.closer
+        if token is not None:
+            scan = scan.clone()
+            scan.feed_bytes(closer.vocab[token])
+        text = None
+        for layout in _LAYOUTS:
+            rest = scan.completion(layout)
+            if rest is None:
+                return None
+            tokens = closer.encode(rest) if rest else []
+            probe = matcher.fork()
+            if not (all(probe.accept_token(t) for t in tokens) and probe.is_completed()):
+                continue
+            if seq.grammar.kind == "json_schema":
+                if text is None:
+                    ids = seq.output_ids[seq.guide.ending.scan_from:]
+                    text = b"".join(closer.vocab[t] for t in ids + (
+                        [token] if token is not None else [])).decode("utf-8", "replace")
+                if validate_json(seq.grammar.parsed, text + rest) is not None:
+                    continue
+            return tokens
+        return None
 
     def _ask(self, seq: GuidedRow, name, search, matcher, shared=None) -> "_Answer":
         """``search(closer, matcher)`` for this request's current state, on a fork of
@@ -893,4 +1034,5 @@ def remember_start_path(compiled, path: list[int]) -> None:
 
 
 _BUDGET_MEMO_SIZE = 4096  # (grammar, budget) admission verdicts kept
+_LAYOUTS = ((", ", ": "), (",", ":"))  # JSON's usual layouts, tried in turn
 _MEMO_UNSURE_S = 5.0  # how long a verdict from searches cut short is reused

@@ -73,6 +73,7 @@ class GuidedConfig(Protocol):
     closing_margin: int
     closing_search_ms: float
     closing_probe_ms: float
+    schema_closing: bool
     search_step_share: float
     search_step_floor_ms: float
     loop_guard: bool

@@ -1,0 +1,76 @@
+"""The schema closer (worker/guided/json_closing.py): for every prefix of a valid document,
+the completion it writes makes a document the schema accepts (or it says None)."""
+
+import json
+
+import pytest
+
+from worker.guided.json_closing import JsonScan, SchemaNodes
+from worker.guided.validation import validate_json
+
+pytestmark = pytest.mark.unit
+
+LONG_OBJECTS = {"type": "object", "properties": {"items": {
+    "type": "array", "minItems": 12, "items": {
+        "type": "object", "properties": {k: {"type": "string", "minLength": 24}
+                                         for k in ("name", "detail", "source")},
+        "required": ["name", "detail", "source"]}}}, "required": ["items"]}
+MIXED = {"type": "object", "properties": {
+    "color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 3},
+    "flags": {"anyOf": [{"type": "null"}, {"type": "array", "items": {"type": "boolean"},
+                                           "minItems": 2}]},
+    "ref": {"$ref": "#/$defs/point"}, "note": {"type": "string"}},
+    "required": ["color", "n", "flags", "ref"],
+    "$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"},
+                                                         "y": {"type": "number"}},
+                        "required": ["x", "y"]}}}
+CASES = [
+    (LONG_OBJECTS, {"items": [{"name": f"The Louvre, Paris, France {i}", "detail": "x" * 30,
+                               "source": "https://example.org/louvre"} for i in range(12)]}),
+    (MIXED, {"color": "green", "n": 12, "flags": [True, False, True], "ref": {"x": 1.5, "y": -2},
+             "note": "a \"quoted\" word, a \\ and \u00e9"}),
+    (MIXED, {"note": "first", "color": "red", "n": 3, "flags": None, "ref": {"y": 1e3, "x": 0}}),
+]
+
+
+def complete(schema, text, layout=(", ", ": ")):
+    scan = JsonScan(SchemaNodes(schema))
+    scan.feed(text)
+    return scan.completion(layout)
+
+
+@pytest.mark.parametrize("schema, value", CASES)
+@pytest.mark.parametrize("layout", [(", ", ": "), (",", ":")])
+def test_every_prefix_of_a_valid_document_completes_valid(schema, value, layout):
+    text = json.dumps(value, separators=layout)
+    for i in range(len(text) + 1):
+        rest = complete(schema, text[:i], layout)
+        assert rest is not None, (text[:i],)
+        assert validate_json(schema, text[:i] + rest) is None, (text[:i], rest)
+
+
+def test_the_separator_written_is_finished_in_the_layout():
+    assert complete({"type": "array", "items": {"type": "integer"}, "minItems": 2},
+                    "[1,") == " 0]"
+
+
+def test_what_it_does_not_know_is_none_and_a_clone_is_independent():
+    patterned = {"type": "object", "properties": {"d": {"type": "string", "pattern": "^[0-9]{4}$"}},
+                 "required": ["d"]}
+    assert complete(patterned, '{"d": "12') is None  # a partial string under a pattern
+    assert complete(patterned, '{"d": ') == '"0000"}'
+    assert complete({"type": "object"}, "{} x") is None  # not one JSON document
+    scan = JsonScan(SchemaNodes(LONG_OBJECTS))
+    scan.feed('{"items": [')
+    other = scan.clone()
+    other.feed('{"name": "')
+    assert scan.completion().startswith('{"name": "') and other.completion().startswith("a" * 24)
+
+
+def test_the_longest_choice_is_an_optional_object_of_required_keys():
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string"},
+        "details": {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(6)},
+                    "required": [f"k{i}" for i in range(6)]}}, "required": ["a"]}
+    longest = SchemaNodes(schema).jumps((", ", ": "))[0]
+    assert longest.startswith(', "details": {') and longest.count('"k') == 6
