@@ -35,3 +35,23 @@ def test_a_stop_token_where_the_grammar_may_end_feeds_nothing_after_it(make_tiny
     out = engine.generate([req])[req.request_id]
     assert out.text == "1" and out.finish_reason == "stop", (out.text, out.finish_reason)
     assert fed_after_end == []
+
+
+@pytest.mark.parametrize("engine_name", ["xgrammar", "llguidance"])
+def test_a_fixed_width_pattern_is_kept_closable_without_a_search_per_token(
+        make_tiny_engine, engine_name):
+    """A phone number's digits inside the closing window: each sampled digit takes the
+    place of the closing path's first one, so the guard keeps the path's rest (no
+    search); it searched at every digit (72 searches for 8 such rows in
+    bench/guided_host.py)."""
+    engine = make_tiny_engine()
+    answer = "(555) 123-9876"
+    scripted(engine, answer)
+    spec = GrammarSpec.regex(r"\(\d{3}\) \d{3}-\d{4}", engine=engine_name)
+    req = GenerationRequest([{"role": "user", "content": "A phone number?"}],
+                            SamplingParams(max_new_tokens=20, temperature=0.0), grammar=spec)
+    stats = engine.guide.policy.stats
+    before = stats.closing_searches
+    out = engine.generate([req])[req.request_id]
+    assert out.text == answer and out.finish_reason == "stop", (out.text, out.finish_reason)
+    assert stats.closing_searches == before

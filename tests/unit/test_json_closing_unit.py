@@ -36,7 +36,12 @@ CASES = [
 def complete(schema, text, layout=(", ", ": ")):
     scan = JsonScan(SchemaNodes(schema))
     scan.feed(text)
-    return scan.completion(layout)
+    parts = scan.completion_parts(layout)  # the pieces the closing estimate counts
+    whole = scan.completion(layout)
+    assert (parts is None and whole is None) or "".join(parts) == whole
+    if parts and scan.stack:  # every open container has its piece, after the value's
+        assert len(parts) >= len(scan.stack)
+    return whole
 
 
 @pytest.mark.parametrize("schema, value", CASES)

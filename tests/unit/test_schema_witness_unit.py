@@ -100,6 +100,9 @@ class AcceptAll:
     def accept_token(self, token):
         return True
 
+    def accept_tokens(self, tokens):
+        return True
+
     def is_completed(self):
         return True
 

@@ -107,6 +107,13 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def accept_token(self, token: int) -> bool: ...
 
+    def accept_tokens(self, tokens) -> bool:
+        """Accepts ``tokens`` in turn; False at the first one refused (the matcher then
+        stands after the ones before it: callers replay paths on a fork). A library that
+        takes a list in one call overrides it (replaying a closing path of hundreds of
+        tokens is then one call, not hundreds)."""
+        return all(self.accept_token(t) for t in tokens)
+
     @abstractmethod
     def rollback(self, num_tokens: int) -> None: ...
 

@@ -253,7 +253,7 @@ class CompletionSearch:
                 if self._late():
                     break
                 child = m.fork()
-                if not all(child.accept_token(t) for t in tokens):
+                if not child.accept_tokens(tokens):
                     continue
                 h, child_row = self._fill(child)
                 child_ctx = ctx if h == hist[-1] else hist[-1]
@@ -314,7 +314,7 @@ class CompletionSearch:
                     if self._late():
                         return None
                     child = m.fork()
-                    if not all(child.accept_token(t) for t in tokens):
+                    if not child.accept_tokens(tokens):
                         continue
                     h, child_row = self._fill(child)
                     child_ctx = ctx if h == hist[-1] else hist[-1]
@@ -552,7 +552,7 @@ class CompletionSearch:
         if not again or len(again) >= len(path):
             return path
         probe = matcher.fork()
-        if all(probe.accept_token(t) for t in again) and probe.is_completed():
+        if probe.accept_tokens(again) and probe.is_completed():
             return again
         return path
 

@@ -430,12 +430,21 @@ class JsonScan:
     def completion(self, layout: tuple[str, str] = (", ", ": ")) -> str | None:
         """Text that, after what was fed, ends the document validly for the schema (as
         far as these rules see: the caller validates), or None."""
+        parts = self.completion_parts(layout)
+        return None if parts is None else "".join(parts)
+
+    def completion_parts(self, layout: tuple[str, str] = (", ", ": ")) -> list[str] | None:
+        """``completion`` in pieces: the open value's rest, then each open container's,
+        innermost first. The outer pieces stay the same while the model writes inside an
+        inner value, so a caller that counts each piece's tokens once (the closing
+        estimate, every step of a long answer) tokenizes only what changed."""
         if self.broken or self.pending:
             return None
         if self.done:
-            return ""
+            return []
         if not self.started:
-            return self.nodes.witness(self.nodes.root, layout)
+            text = self.nodes.witness(self.nodes.root, layout)
+            return None if text is None else [text]
         try:
             return self._complete(layout)
         except (_Unknown, _NoWitness, RecursionError):
@@ -447,7 +456,7 @@ class JsonScan:
             raise _Unknown
         return text
 
-    def _complete(self, layout: tuple[str, str]) -> str:
+    def _complete(self, layout: tuple[str, str]) -> list[str]:
         out: list[str] = []
         s = self.scalar
         frames = [f.clone() for f in self.stack]
@@ -470,7 +479,7 @@ class JsonScan:
             out.append(self._close_frame(frames[i], layout, pad if i == len(frames) - 1 else ""))
             if i:
                 self._done_in(frames[i - 1])
-        return "".join(out)
+        return out
 
     @staticmethod
     def _done_in(frame: _Frame) -> None:

@@ -401,6 +401,23 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._key = None
         return True
 
+    def accept_tokens(self, tokens) -> bool:
+        # the tokens before any stop token in one call (llguidance consumes a list);
+        # a stop token, and what follows it, one at a time as accept_token takes them
+        tokens = list(tokens)
+        cut = next((i for i, t in enumerate(tokens) if t in self.stop_token_ids), len(tokens))
+        head = tokens[:cut]
+        if head:
+            if self.terminated:
+                return False
+            done = self.inner.try_consume_tokens(head)
+            if done:
+                self._steps.extend([1] * done)
+                self._key = None
+            if done != len(head):
+                return False
+        return all(self.accept_token(t) for t in tokens[cut:])
+
     def accept_string(self, text: str) -> bool:
         if self.terminated or self.tokenizer is None:
             return False

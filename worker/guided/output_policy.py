@@ -192,6 +192,7 @@ class OutputPolicy:
         self._capacity: TokenCapacity | None = None  # of the vocabulary (first use)
         # grammar key -> the schema's nodes for the schema closer (None: not a JSON grammar)
         self._schemas: OrderedDict[str, SchemaNodes | None] = OrderedDict()
+        self._piece_tokens: dict[str, int] = {}  # _schema_need: tokens per completion piece
 
     # admission ----------------------------------------------------------------------------
 
@@ -342,7 +343,7 @@ class OutputPolicy:
             if forced and forced.encode().startswith(
                     b"".join(self.guided.closer.vocab[t] for t in closers)):
                 return False
-        return all(probe.accept_token(t) for t in closers)
+        return probe.accept_tokens(closers)
 
     def _cut(self, seq: GuidedRow, cut: LoopCut) -> None:
         """Rolls the output, its matcher and its KV back to ``cut.keep`` tokens, then
@@ -399,7 +400,7 @@ class OutputPolicy:
                         and not seq.guide.ending.start_forced):
             return
         probe = matcher.fork()
-        if all(probe.accept_token(t) for t in path):
+        if probe.accept_tokens(path):
             seq.guide.ending.forced_path = path
 
     def _budget_too_small(self, seq: GuidedRow, matcher) -> str | None:
@@ -826,10 +827,12 @@ class OutputPolicy:
             return None  # a stop token where the grammar may end: the output ends here
         closer = self.guided.closer
         # no search where the path still closes after this token: as it was (another word
-        # in a string), or what is left of its text once the token's own is taken off
-        # (' "' sampled where the path begins '""'). Its slack (see _carried_path) grows
-        # by one unless it got one shorter, or the token left the parser where it was
-        for again in (path, closer.rest_after(path, token)):
+        # in a string), its rest with the token in its first one's place (a digit for
+        # a digit in a fixed-width pattern: a phone number's regex searched at every
+        # digit), or what is left of its text once the token's own is taken off (' "'
+        # sampled where the path begins '""'). Its slack (see _carried_path) grows by one
+        # unless it got one shorter, or the token left the parser where it was
+        for again in (path, path[1:], closer.rest_after(path, token)):
             if again is not None and len(again) <= left and _closes(probe, again):
                 slack = at_path[2] + 1 - (len(path) - len(again))
                 if closer.same_place(matcher, probe):
@@ -902,14 +905,29 @@ class OutputPolicy:
 
     def _schema_need(self, seq: GuidedRow) -> int | None:
         """The schema closer's completion length in tokens, unverified (an estimate: a
-        path is verified before it is taken); None where it has none."""
+        path is verified before it is taken); None where it has none. Counted piece by
+        piece (``JsonScan.completion_parts``), each piece's count kept: a long answer's
+        completion is hundreds of tokens, asked for every step near the budget, and only
+        its innermost piece changes from one step to the next. A sum of pieces may count
+        a token or two more than the whole (a merge across a seam): closing then begins
+        that much earlier."""
         scan = self._scan(seq)
         if scan is None:
             return None
-        rest = scan.completion(_LAYOUTS[0])
-        if rest is None:
+        parts = scan.completion_parts(_LAYOUTS[0])
+        if parts is None:
             return None
-        return len(self.guided.closer.encode(rest)) if rest else 0
+        counts, encode, need = self._piece_tokens, self.guided.closer.encode, 0
+        for part in parts:
+            if not part:
+                continue
+            n = counts.get(part)
+            if n is None:
+                if len(counts) >= _PIECES_KEPT:
+                    counts.clear()
+                n = counts[part] = len(encode(part))
+            need += n
+        return need
 
     def _schema_path(self, seq: GuidedRow, matcher, token: int | None = None) -> list[int] | None:
         """The schema closer's completion of the output (and ``token`` after it, which
@@ -930,7 +948,7 @@ class OutputPolicy:
                 return None
             tokens = closer.encode(rest) if rest else []
             probe = matcher.fork()
-            if not (all(probe.accept_token(t) for t in tokens) and probe.is_completed()):
+            if not (probe.accept_tokens(tokens) and probe.is_completed()):
                 continue
             if seq.grammar.kind == "json_schema":
                 if text is None:
@@ -1014,7 +1032,7 @@ def _closes(matcher, tokens: list[int]) -> bool:
     """Whether ``tokens`` take the matcher's output to where it may end (tried on a fork:
     microseconds)."""
     probe = matcher.fork()
-    return all(probe.accept_token(t) for t in tokens) and probe.is_completed()
+    return probe.accept_tokens(tokens) and probe.is_completed()
 
 def start_witness(grammar, matcher, closer) -> tuple | None:
     """A JSON-schema grammar's witness as tokens from ``matcher`` (at the grammar's start;
@@ -1036,3 +1054,4 @@ def remember_start_path(compiled, path: list[int]) -> None:
 _BUDGET_MEMO_SIZE = 4096  # (grammar, budget) admission verdicts kept
 _LAYOUTS = ((", ", ": "), (",", ":"))  # JSON's usual layouts, tried in turn
 _MEMO_UNSURE_S = 5.0  # how long a verdict from searches cut short is reused
+_PIECES_KEPT = 8192  # completion pieces whose token count _schema_need keeps

@@ -95,7 +95,7 @@ def witness_tokens(schema, matcher, encode: Callable[[str], list[int]]) -> list[
             return None  # the rules missed a keyword: the layout does not matter
         tokens = encode(text)
         probe = matcher.fork()
-        if all(probe.accept_token(t) for t in tokens) and probe.is_completed():
+        if probe.accept_tokens(tokens) and probe.is_completed():
             return tokens
     return None
 
