@@ -9,7 +9,8 @@ output), guided against unguided (the same prompts, no grammar, EOS ignored, eac
 many tokens as its guided answer had), at batch 8 and 32: output tokens a second, and the
 longest step over the median step. Every guided answer's validity is counted.
 
-(a) the tiny random-weight model at batch 64 and 256, each row replaying one of (b)'s
+(a) the tiny random-weight model at batch 64 and 256, 4 requests a row of the batch
+(the batch stays full as rows end), each replaying one of (b)'s
 recorded answers (its logits lean on the recorded token; where the output leaves the
 record, the model's own choice): host microseconds per row per decode step (the step's
 time less its forward's, which is not free even for the tiny model on a CPU: its output
@@ -56,6 +57,7 @@ LONG_STRINGS = {"type": "object", "properties": {"lines": {
     "type": "array", "minItems": 16, "items": {"type": "string", "minLength": 24}}},
     "required": ["lines"]}
 LONG = ("long_objects", "long_strings")
+ROUNDS = 4  # (a): requests per row of the batch
 
 
 def mix() -> list[tuple[str, GrammarSpec, str, int | None]]:
@@ -149,7 +151,10 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
     by_name = {n: (spec, prompt) for n, spec, prompt, _ in rows}
     script: dict[str, list[int]] = {}
     reqs = []
-    for i in range(batch):
+    # ROUNDS times the batch's rows, so the batch stays full as rows end (the mix's answers
+    # run from 2 to about 500 tokens: a batch of its rows alone was full for its first few
+    # steps only, which held every grammar's first-use costs)
+    for i in range(batch * ROUNDS):
         name = names[i % len(names)]
         spec, prompt = by_name[name]
         tokens = record[name]

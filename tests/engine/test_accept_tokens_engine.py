@@ -36,3 +36,23 @@ def test_a_list_is_accepted_as_its_tokens_one_by_one(manager, engine):
             assert many.state_key() == one.state_key()
             many.rollback(len(tokens))
             assert many.accept_tokens(tokens) and many.is_completed() == one.is_completed()
+
+
+@pytest.mark.parametrize("engine", ["xgrammar", "llguidance"])
+def test_allows_says_what_the_mask_says_and_changes_nothing(manager, engine):
+    import torch
+    guided, tok = manager
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {
+        "n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]},
+        engine=engine)
+    compiled = guided.get_grammar(spec).result(timeout=60)
+    for prefix in ('{"n": ', '{"n": 12, "s": "a', '{"n": 1, "s": "x"}'):
+        m = guided.new_matcher(compiled)
+        assert m.accept_tokens(tok(prefix, add_special_tokens=False)["input_ids"])
+        mask = torch.zeros((1, (len(tok) + 31) // 32), dtype=torch.int32)
+        m.fill_bitmask(mask)
+        words = mask[0].tolist()
+        key = m.state_key()
+        for t in list(range(0, len(tok), 97)) + [tok.eos_token_id]:
+            assert m.allows(t) == bool((words[t >> 5] >> (t & 31)) & 1), (prefix, t)
+        assert m.state_key() == key  # nothing accepted, nothing left behind

@@ -55,6 +55,9 @@ class LiteralThenLetters:
     def find_jump_forward_string(self) -> str:
         return self.literal[len(self.out):].decode()
 
+    def allows(self, t: int) -> bool:  # (what its mask says of t)
+        return self._fits(VOCAB[t])
+
     def fill_next_token_bitmask(self, mask) -> None:
         mask.zero_()
         for t, v in enumerate(VOCAB):

@@ -114,6 +114,11 @@ class GrammarMatcher(ABC):
         tokens is then one call, not hundreds)."""
         return all(self.accept_token(t) for t in tokens)
 
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next (the matcher is left as it was). A library
+        that can tell without a copy of the matcher overrides it."""
+        return self.fork().accept_token(token)
+
     @abstractmethod
     def rollback(self, num_tokens: int) -> None: ...
 

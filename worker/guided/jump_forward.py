@@ -35,6 +35,9 @@ import numpy as np
 import torch
 
 
+_MERGE_TRIES = 16  # longer tokens _may_merge tries one by one before it fills a mask
+
+
 @dataclass
 class Jump:
     """Forced tokens, already accepted by the matcher. ``replaces_last``: they replace the
@@ -152,6 +155,13 @@ class JumpForward:
             return self.vocab[token][-1:].isspace()
         longer = self._longer_than(token)
         if longer.size == 0:
+            return False
+        # a few candidates tried first (microseconds each): inside a string nearly any
+        # of them is allowed; a whole-vocabulary mask only where none of them is
+        for candidate in longer[:_MERGE_TRIES].tolist():
+            if matcher.allows(candidate):
+                return True
+        if longer.size <= _MERGE_TRIES:
             return False
         if self._mask is None:
             self._mask = torch.zeros((1, (len(self.vocab) + 31) // 32), dtype=torch.int32)

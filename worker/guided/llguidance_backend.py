@@ -401,6 +401,13 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._key = None
         return True
 
+    def allows(self, token: int) -> bool:
+        if self.terminated:
+            return False
+        if token in self.stop_token_ids:
+            return self.inner.is_accepting()
+        return self.inner.validate_tokens([token]) == 1  # (consumes nothing)
+
     def accept_tokens(self, tokens) -> bool:
         # the tokens before any stop token in one call (llguidance consumes a list);
         # a stop token, and what follows it, one at a time as accept_token takes them

@@ -832,11 +832,14 @@ class OutputPolicy:
         # digit), or what is left of its text once the token's own is taken off (' "'
         # sampled where the path begins '""'). Its slack (see _carried_path) grows by one
         # unless it got one shorter, or the token left the parser where it was
-        for again in (path, path[1:], closer.rest_after(path, token)):
+        # (tried lazily: the text's re-encoding only where the first two fail)
+        for again in (path, path[1:], None):
+            if again is None:
+                again = closer.rest_after(path, token)
             if again is not None and len(again) <= left and _closes(probe, again):
                 slack = at_path[2] + 1 - (len(path) - len(again))
-                if closer.same_place(matcher, probe):
-                    slack = min(slack, at_path[2])
+                if slack > at_path[2] and closer.same_place(matcher, probe):
+                    slack = at_path[2]
                 seq.guide.ending.closing_path = (seq.num_output + 1, again, max(slack, 0))
                 return None
         written = self._schema_path(seq, probe, token)

@@ -140,6 +140,12 @@ class XGrammarMatcher(GrammarMatcher):
         self._key = None
         self.inner.rollback(num_tokens)
 
+    def allows(self, token: int) -> bool:
+        if self.inner.is_terminated() or not self.inner.accept_token(token):
+            return False
+        self.inner.rollback(1)  # (the state, and its key, as they were)
+        return True
+
     def fork(self) -> "XGrammarMatcher":
         return XGrammarMatcher(self.inner.fork(), self.vocab_size)
 
