@@ -170,11 +170,15 @@ class JumpForward:
         # numpy, not torch: a few small operations a forced token, on every guided row
         return bool(((self._words[longer >> 5] >> (longer & 31)) & 1).any())
 
+    def prepare(self) -> None:
+        """The vocabulary sorted by bytes (``_longer_than`` reads it), built once."""
+        if self._sorted is None:
+            self._sorted = sorted((b, i) for i, b in enumerate(self.vocab) if b)
+
     def _longer_than(self, token: int) -> np.ndarray:
         got = self._longer.get(token)
         if got is None:
-            if self._sorted is None:
-                self._sorted = sorted((b, i) for i, b in enumerate(self.vocab) if b)
+            self.prepare()
             head = self.vocab[token]
             ids = []
             if head:

@@ -28,6 +28,7 @@ one ``OutputState`` in a fixed order per token; the searches they call live else
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
@@ -194,6 +195,20 @@ class OutputPolicy:
         self._schemas: OrderedDict[str, SchemaNodes | None] = OrderedDict()
         self._piece_tokens: dict[str, int] = {}  # _schema_need: tokens per completion piece
 
+    def prepare(self) -> None:
+        """The vocabulary's tables that a first request would otherwise build on the
+        engine thread, half a second in all on the default model: the bound's token
+        capacity and cover tables, the loop guard's closers and shapes. Idempotent; run
+        beside the engine at its start (GuidedPath.build)."""
+        if self._capacity is None:
+            self._capacity = _vocab_tables(self.guided.closer.vocab)[0]
+        if self._closers is None:
+            self._loop_tables()
+
+    def _loop_tables(self) -> None:
+        _, closers, shapes = _vocab_tables(self.guided.closer.vocab)
+        self._shapes, self._closers = shapes, closers  # (closers last: they are the flag)
+
     # admission ----------------------------------------------------------------------------
 
     def admit(self, seq: GuidedRow, matcher) -> str | None:
@@ -214,8 +229,7 @@ class OutputPolicy:
             return too_small
         params = seq.guide.loop_guard or self.loop_defaults
         if self._closers is None:
-            self._closers = closer_ids(self.guided.closer.vocab)
-            self._shapes = token_shapes(self.guided.closer.vocab)
+            self._loop_tables()
         if params.enabled and seq.grammar.kind in _LOOP_KINDS and {"s", "a", "o"} <= self._closers.keys():
             st.loop = LoopGuard(params, self.guided.closer.vocab, self._closers, self._shapes)
             # with stop strings the text is checked as it is made: nothing is held back
@@ -539,7 +553,7 @@ class OutputPolicy:
             self._bounds.move_to_end(key)
             return bound
         if self._capacity is None:
-            self._capacity = TokenCapacity(self.guided.closer.vocab)
+            self._capacity = _vocab_tables(self.guided.closer.vocab)[0]
         bound = self._bounds[key] = self._capacity.bound(seq.grammar.parsed)
         while len(self._bounds) > _BUDGET_MEMO_SIZE:
             self._bounds.popitem(last=False)
@@ -1018,6 +1032,29 @@ _RETRY_BASE = 4  # the k-th give-up is retried _RETRY_BASE ** k tokens later
 _TRUSTED_SLACK = 2  # a path at most this much longer than the shortest is emitted unsearched
 _UNKNOWN = 1 << 30  # the slack of a path that no search stands behind
 _GROWTH = 3  # how much one token may lengthen the shortest completion (see _maybe_close)
+
+
+_VOCAB_TABLES: OrderedDict = OrderedDict()  # vocabulary -> (capacity, closers, shapes)
+_VOCAB_LOCK = threading.Lock()
+
+
+def _vocab_tables(vocab: list[bytes]) -> tuple:
+    """A vocabulary's tables (``TokenCapacity`` with its cover tables, the loop guard's
+    ``closer_ids`` and ``token_shapes``), built once per process for each vocabulary
+    (engines of one model share them; read-only once built). Built outside the lock: two
+    threads that ask at once may both build, and one copy is kept."""
+    key = (len(vocab), hash(tuple(vocab)))
+    with _VOCAB_LOCK:
+        got = _VOCAB_TABLES.get(key)
+    if got is None:
+        capacity = TokenCapacity(vocab)
+        capacity.prepare()
+        got = (capacity, closer_ids(vocab), token_shapes(vocab))
+        with _VOCAB_LOCK:
+            got = _VOCAB_TABLES.setdefault(key, got)
+            while len(_VOCAB_TABLES) > 4:
+                _VOCAB_TABLES.popitem(last=False)
+    return got
 
 
 def _gave_up(seq: GuidedRow) -> None:

@@ -54,6 +54,7 @@ from worker.guided.reasoning import (OPEN, Thinking, from_template, generation_p
 from worker.guided.validation import not_checked
 
 logger = logging.getLogger(__name__)
+_BUILD_LOCK = threading.Lock()
 
 _ANSWER_SLACK = 8  # tokens a thought leaves above the answer's known length (reasoning.py)
 
@@ -149,7 +150,23 @@ class GuidedPath:
                 threading.Thread(target=bitmask.warmup, daemon=True).start()
             elif device.type == "cuda":  # pinned: its copy to the GPU is async
                 manager.bitmask = manager.bitmask.pin_memory()
-        return cls(config, tokenizer, manager=manager, eos_ids=eos_ids, remaining=remaining)
+        path = cls(config, tokenizer, manager=manager, eos_ids=eos_ids, remaining=remaining)
+        if manager is not None:  # the vocabulary's tables, off the engine thread
+            threading.Thread(target=path.prepare, name="guided-prepare", daemon=True).start()
+        return path
+
+    def prepare(self) -> None:
+        """Builds what the first guided request would otherwise build on the engine
+        thread (a new grammar's admission stalled the batch for half a second: the
+        bound's cover tables, the loop guard's tables, jump-forward's sorted vocabulary).
+        Each is published whole; a request that comes first builds its own."""
+        try:
+            self.policy.prepare()
+            jumper = self.jumper
+            if jumper is not None:
+                jumper.prepare()
+        except Exception:  # (a preparation, never a failure: the request builds it)
+            logger.exception("preparing the guided path's tables failed")
 
     @property
     def jumper(self) -> JumpForward | None:
@@ -157,7 +174,10 @@ class GuidedPath:
         if self.manager is None or not self.config.jump_forward:
             return None
         if self._jumper is None:
-            self._jumper = JumpForward(self.manager.closer.vocab, _encoder(self.tokenizer))
+            with _BUILD_LOCK:  # (prepare builds it beside the engine's first requests)
+                if self._jumper is None:
+                    self._jumper = JumpForward(self.manager.closer.vocab,
+                                               _encoder(self.tokenizer))
         return self._jumper
 
     def stats(self) -> dict:
