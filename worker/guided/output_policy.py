@@ -622,8 +622,14 @@ class OutputPolicy:
             # a schema's row: what closing needs is read off the schema as the output
             # goes (json_closing.py, no search), whenever it could have grown to the
             # tokens left; so closing begins in time whatever optional values the output
-            # opened, without a dive
-            need = self._schema_need(seq)
+            # opened, without a dive. Where the guard has just replayed a closing path
+            # from this very state (_keep_closable), its length is that estimate: no
+            # reading of the schema (a long answer near its budget did, every step)
+            at = st.closing_path
+            if at is not None and at[0] == seq.num_output and at[2] < _UNKNOWN:
+                need = len(at[1])
+            else:
+                need = self._schema_need(seq)
             if need is not None:
                 st.closing_estimate = (seq.num_output, need)
                 st.closing_probed = True
