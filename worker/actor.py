@@ -12,6 +12,7 @@ scheduler routes on, ``health`` answers when the engine loop is alive.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import socket
 import threading
@@ -116,6 +117,12 @@ class WorkerActor:
                     "generation_defaults": self.generation_defaults})
             except ValueError:
                 pass  # no scheduler yet: it finds workers by name when it starts
+        # what the start built (Ray, torch, the tokenizer, the model, about half a million
+        # objects) is kept out of the cyclic collector's full passes: each took 0.2 s of
+        # the engine thread, a step 10x the median (bench/guided_host.py); what requests
+        # make later is collected as before
+        gc.collect()
+        gc.freeze()
 
     def _cache_fetch(self, name: str, namespace: str, config: "GrammarCacheConfig"):
         """The engine's grammar source: a factory the engine calls with its tokenizer
