@@ -108,6 +108,14 @@ class WorkerActor:
         self._channels: dict = {}  # channel id -> worker.channel.Channel (front ends')
         if self.grammar_client is not None and grammar_cache is not None:
             self._start_replicator(*grammar_cache)
+        # what the start built (Ray, torch, the tokenizer, the model, about half a million
+        # objects) is kept out of the cyclic collector's full passes: each took 0.2 s of
+        # the engine thread, a step 10x the median (bench/guided_host.py); what requests
+        # make later is collected as before. Before registering: registration says the
+        # worker is ready (a collection after it, seconds on a loaded machine, sent a
+        # restarted worker's session elsewhere)
+        gc.collect()
+        gc.freeze()
         if scheduler is not None:
             try:
                 handle = ray.get_actor(scheduler[0], namespace=scheduler[1])
@@ -117,12 +125,6 @@ class WorkerActor:
                     "generation_defaults": self.generation_defaults})
             except ValueError:
                 pass  # no scheduler yet: it finds workers by name when it starts
-        # what the start built (Ray, torch, the tokenizer, the model, about half a million
-        # objects) is kept out of the cyclic collector's full passes: each took 0.2 s of
-        # the engine thread, a step 10x the median (bench/guided_host.py); what requests
-        # make later is collected as before
-        gc.collect()
-        gc.freeze()
 
     def _cache_fetch(self, name: str, namespace: str, config: "GrammarCacheConfig"):
         """The engine's grammar source: a factory the engine calls with its tokenizer
