@@ -33,6 +33,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n alternatives per token (0..20); None: off
+    # speculative decoding for this request (worker/engine/speculative.py); None: the
+    # engine's default (``engine.speculative``). It changes speed, never the tokens
+    speculative: bool | None = None
 
     def __post_init__(self):
         def bad(name, why):
@@ -61,6 +64,8 @@ class SamplingParams:
             bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            bad("speculative", "must be true, false or null")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
 
@@ -74,6 +79,9 @@ class SamplingParams:
             raise ValueError("; ".join(unknown_key_message(f"sampling.{k}", known)
                                        for k in unknown))
         return cls(**values)
+
+    def speculate(self, default: bool) -> bool:
+        return default if self.speculative is None else self.speculative
 
     @property
     def greedy(self) -> bool:

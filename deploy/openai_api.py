@@ -78,6 +78,9 @@ class _Request(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    # rayguide: speculative decoding for this request (null: the server's default); it
+    # changes the speed, never the tokens
+    speculative: bool | None = None
     stop_token_ids: list[int] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -392,7 +395,7 @@ def _params(req: _Request, limits: Limits, max_tokens: int | None, served: Serve
         budget = min(budget, context - 1)
     p: dict[str, Any] = {"max_new_tokens": budget, **served.sampling}
     for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
-                 "top_k", "min_p", "repetition_penalty", "ignore_eos"):
+                 "top_k", "min_p", "repetition_penalty", "ignore_eos", "speculative"):
         value = getattr(req, name)
         if value is not None:
             p[name] = value

@@ -115,6 +115,7 @@ def scripted(engine, text):
             logits[i, script[len(out)] if follow else eos] = 100.0
         return logits, rows
 
+    engine.drafter = None  # its logits are scripted one row a sampling row: no drafts
     engine.runner.run = run_scripted
 
 

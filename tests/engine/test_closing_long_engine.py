@@ -59,6 +59,7 @@ def rambling_after_script(engine, text):
                 logits[i, words[len(out) % len(words)]] = 120.0  # over EOS and closers
         return logits, rows
 
+    engine.drafter = None  # its logits are scripted one row a sampling row: no drafts
     engine.runner.run = run_rambling
 
 

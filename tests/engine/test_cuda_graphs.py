@@ -244,3 +244,32 @@ def test_cuda_guided_rows_with_jump_forward_and_overlap(model_dir):
     assert answers(graphs=True, overlap=True) == ref
     assert answers(graphs=True, overlap=False) == ref
     assert answers(graphs=False, overlap=True) == ref
+
+
+def test_draft_rows_take_the_graph_runner_and_give_the_output_without_drafts(model_dir):
+    """Speculation: a row brings its pending token and a draft, and needs the logits after
+    each (``ScheduledSeq.num_logits``); such steps still fit a graph, and the output is the
+    eager runner's without drafts, token for token (the tiny model repeats itself, so its
+    drafts are often right)."""
+    reqs = lambda: [GenerationRequest(p + " " + p, greedy(24)) for p in PROMPTS]  # noqa: E731
+    plain = [o.token_ids for o in run(_cpu_engine(model_dir, False, speculative=False),
+                                      reqs())]
+    engine = _cpu_engine(model_dir, True, speculative=True)
+    logits_rows = []
+    real = engine.runner.graphs.run
+    engine.runner.graphs.run = lambda s: logits_rows.append(
+        sum(x.num_logits for x in s if x.samples)) or real(s)
+    assert [o.token_ids for o in run(engine, reqs())] == plain
+    assert engine.stats().accepted_draft_tokens > 0
+    assert max(logits_rows) > len(PROMPTS)  # graph steps gave a draft's logits
+
+
+@pytest.mark.cuda
+def test_cuda_drafts_with_graphs_give_the_output_without(model_dir):
+    reqs = lambda: [GenerationRequest(chat(p + " " + p), greedy(32))  # noqa: E731
+                    for p in PROMPTS * 2]
+    plain = [o.token_ids for o in run(_cuda_engine(model_dir, True, overlap=False,
+                                                   speculative=False), reqs())]
+    engine = _cuda_engine(model_dir, True, overlap=False, speculative=True)
+    assert [o.token_ids for o in run(engine, reqs())] == plain
+    assert engine.stats().accepted_draft_tokens > 0

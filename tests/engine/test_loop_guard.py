@@ -185,6 +185,7 @@ def scripted(engine, text):
                     logits[i, t] = 50.0 - rank
         return logits, rows
 
+    engine.drafter = None  # its logits are scripted one row a sampling row: no drafts
     engine.runner.run = run_scripted
 
 

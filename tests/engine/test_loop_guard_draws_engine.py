@@ -54,6 +54,7 @@ def looping(engine):
                 logits[i, cycle[len(seq.output_ids) % len(cycle)]] = 100.0
         return logits, rows
 
+    engine.drafter = None  # its logits are scripted one row a sampling row: no drafts
     engine.runner.run = run_looping
 
 

@@ -57,6 +57,7 @@ def scripted(engine, thought: str, answer: str, end: str, seen: list | None = No
             logits[i, nxt] = 100.0
         return logits, rows
 
+    engine.drafter = None  # its logits are scripted one row a sampling row: no drafts
     engine.runner.run = run_scripted
     if seen is not None:
         add = engine.guided.add_matcher

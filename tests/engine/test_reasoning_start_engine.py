@@ -38,6 +38,7 @@ def script(engine, text: str, ids: list[int] | None = None) -> list[int]:
             logits[i, nxt] = 100.0
         return logits, rows
 
+    engine.drafter = None  # its logits are scripted one row a sampling row: no drafts
     engine.runner.run = run_scripted
     return ids
 
@@ -65,6 +66,7 @@ def script_text(engine, ids: list[int]) -> None:
             logits[i, eos if nxt is None else nxt] = 100.0
         return logits, rows
 
+    engine.drafter = None  # its logits are scripted one row a sampling row: no drafts
     engine.runner.run = run_scripted
 
 

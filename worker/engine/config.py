@@ -118,6 +118,16 @@ class EngineConfig(ConfigModel):
     warmup: bool | None = None
     jump_forward: bool = Field(
         default_factory=lambda: os.environ.get("RAYGUIDE_JUMP_FORWARD", "1") == "1")
+    # speculative decoding (worker/engine/speculative.py): a decoding row's draft from its
+    # own prompt and output, cut where its grammar refuses, computed in its forward and
+    # kept as far as the tokens drawn equal it (outputs unchanged). The default for
+    # requests that do not say (their ``speculative``); $RAYGUIDE_SPECULATIVE=0 sets it
+    # off. Not in the overlapped step
+    speculative: bool = Field(
+        default_factory=lambda: os.environ.get("RAYGUIDE_SPECULATIVE", "1") == "1")
+    # the longest draft (a row's adapts below it; with up to 8 forced tokens before it,
+    # a CUDA graph's row of 16 holds it)
+    speculative_tokens: int = Field(8, ge=1, le=8)
 
     @property
     def step_token_budget(self) -> int:

@@ -134,11 +134,11 @@ class DecodeGraphs:
         self.capture = capture
         device = next(model.parameters()).device
         t, r = self.max_tokens, max_rows
-        # layout: tokens [t] | positions [t] | slots [t] | tiles [t, 4] | sampled [r] |
-        # tables [r, mb]
+        # layout: tokens [t] | positions [t] | slots [t] | tiles [t, 4] | sampled [t] (a
+        # row's last token's, or each of a draft's) | tables [r, mb]
         self._off = {"tokens": 0, "positions": t, "slots": 2 * t, "tiles": 3 * t,
-                     "sampled": 7 * t, "tables": 7 * t + r}
-        total = 7 * t + r + r * max_blocks
+                     "sampled": 7 * t, "tables": 8 * t}
+        total = 8 * t + r * max_blocks
         self.staging = HostStaging(total, stream or CopyStream(device))
         self.static = torch.zeros(total, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
@@ -240,7 +240,7 @@ class DecodeGraphs:
         a, o, bs, mb = self.staging.take(), self._off, self.block_size, self.max_blocks
         tiles = self._tiles(a)
         sampled: list[int] = []
-        t = 0
+        t = r = 0
         for i, s in enumerate(scheduled):
             seq, n = s.seq, s.num_tokens
             start = seq.num_computed
@@ -253,8 +253,10 @@ class DecodeGraphs:
                 t += 1
             used = -(-(start + n) // bs)
             a[o["tables"] + i * mb:o["tables"] + i * mb + used] = table[:used]
-            if s.samples:
-                a[o["sampled"] + len(sampled)] = t - 1
+            if s.samples:  # the logits after its last token (after each, for a draft)
+                for q in range(t - s.num_logits, t):
+                    a[o["sampled"] + r] = q
+                    r += 1
                 sampled.append(i)
         size = next(b for b in self.sizes if b >= t)
         self._pad(a, t, size)
@@ -271,7 +273,7 @@ class DecodeGraphs:
                 graph = None
         if graph is None:
             out = self._forward(size)
-        if t == len(sampled):  # one token a row, every row samples: rows in order
+        if t == r:  # every token's logits, in order
             return out[:t], sampled
-        rows = self.static[o["sampled"]:o["sampled"] + len(sampled)].long()
+        rows = self.static[o["sampled"]:o["sampled"] + r].long()
         return out.index_select(0, rows), sampled

@@ -43,6 +43,7 @@ from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTi
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.sampling import ARSamplingStrategy, Sampler, SamplingParams
 from worker.engine.scheduler import Scheduler
+from worker.engine.speculative import Drafter
 from core.request import GenerationRequest, RequestOutput
 from worker.engine.sequence import Sequence, SeqStatus
 from worker.guided.guided_process import GrammarFetchFactory, GuidedDecodingManager
@@ -50,6 +51,10 @@ from worker.guided.request import GuidedCounters, GuidedPath, Outcome
 from worker.models import loader
 
 logger = logging.getLogger(__name__)
+
+# speculation: a row drafts after at most this many pending tokens (its sampled one and
+# what jump-forward forced after it: a CUDA graph's row holds 16 tokens)
+MAX_DRAFTING_PENDING = 8
 
 # a request draws at most this many tokens per token of its max_new_tokens: what loop cuts
 # give back is generated again only up to there (see _remaining)
@@ -83,6 +88,11 @@ class EngineStats(GuidedCounters):
     grammar_cache: dict = field(default_factory=dict)
     session_ids: list = field(default_factory=list)  # sessions with KV or requests here
     sampled_tokens: int = 0  # tokens sampled (one per sampling row and step)
+    # speculation: draft tokens computed, those the draws then equalled (an acceptance
+    # rate), rows with a drafter's state (0 when nothing runs: nothing leaks)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    drafting_rows: int = 0
 
 
 @dataclass
@@ -156,6 +166,9 @@ class LLMEngine:
         self.overlap = (config.overlap if config.overlap is not None
                         else self.runner.device.type == "cuda")
         self._ahead: _Sampled | None = None  # the last step's draw, not yet handled
+        # speculation (see _verify): drafts for the plain step's decoding rows
+        self.drafter = (Drafter(config.speculative_tokens, self.eos_ids)
+                        if not self.overlap else None)
         self.warmup_s = None  # seconds the start's warm-up took (None: none ran)
         if config.warmup or (config.warmup is None and self.runner.device.type == "cuda"):
             self.warmup_s = self.warm_up()
@@ -337,30 +350,127 @@ class LLMEngine:
                 return outputs
             return outputs + self._unschedulable()
         self.num_steps += 1
+        drafts = self._draft(scheduled) if self.drafter is not None else {}
         sampling = [s.seq for s in scheduled if s.samples]
         inputs = self.strategy.make_sampling_inputs(sampling)
         proc = FusedLogitsProcessor(inputs, self.guided)
         try:
             proc.prepare()  # the bitmask fill overlaps the forward
+            t0 = time.perf_counter()
             logits, rows = self.runner.run(scheduled)
+            if self.drafter is not None:  # what a forward of so many tokens takes
+                if logits.device.type == "cuda":
+                    torch.cuda.synchronize(logits.device)
+                self.drafter.cost.add(sum(s.num_tokens for s in scheduled),
+                                      time.perf_counter() - t0)
         except Exception as exc:  # a failed forward fails its batch, not the engine
             logger.exception("model step failed")
+            for seq in drafts:
+                seq.take_draft()
             return outputs + [self._finish(s.seq, "error", error=f"model step failed: {exc}",
                                            error_kind=ErrorKind.INTERNAL) for s in scheduled]
         self._computed(scheduled)
+        if drafts:
+            return outputs + self._verify(sampling, logits, drafts, inputs, proc)
         if sampling:
-            result = self.sampler(logits, inputs.rows, proc)
-            held = self.guide.steer(sampling, result.token_ids, result.logprobs)
-            status = proc.accept_token(result.token_ids, skip=held)
-            self.num_sampled += len(sampling)
-            for i, (seq, tok, lp) in enumerate(zip(sampling, result.token_ids,
-                                                   result.logprobs)):
-                if i in held:  # its token waits for a search's verdict
-                    self.scheduler.park(seq)
-                else:
-                    outputs.append(self._append_token(seq, tok, lp, status.get(i)))
+            outputs += self._draw(sampling, logits, inputs, proc)
+        return outputs
+
+    def _draw(self, sampling: list[Sequence], logits, inputs, proc) -> list[RequestOutput]:
+        """The plain step's draw for ``sampling`` (their logits, one row each): penalties,
+        masks, the tokens, then each row's hooks (``_append_token``)."""
+        result = self.sampler(logits, inputs.rows, proc)
+        held = self.guide.steer(sampling, result.token_ids, result.logprobs)
+        status = proc.accept_token(result.token_ids, skip=held)
+        self.num_sampled += len(sampling)
+        outputs = []
+        for i, (seq, tok, lp) in enumerate(zip(sampling, result.token_ids, result.logprobs)):
+            if i in held:  # its token waits for a search's verdict
+                self.scheduler.park(seq)
+            else:
+                outputs.append(self._append_token(seq, tok, lp, status.get(i)))
         self.last_timings = proc.timings
         return outputs
+
+    # Speculation (worker/engine/speculative.py). A decoding row's draft is put after its
+    # pending token (``Sequence.put_draft``), so the forward computes the KV of all of them
+    # and the logits after each. The draft is taken off again before anything is drawn;
+    # then the rows are drawn position by position, each round exactly a plain step's
+    # draw (``_draw``: the row's penalties over its output so far, its matcher where it
+    # stands, its own generator's next number, every hook). A row goes on to the next
+    # position while the token drawn equals its draft's and its hooks left it as it was
+    # (running, nothing forced or cut): that token's KV was computed with the draft and
+    # counts (``keep_ahead_kv``). So a draft decides how many tokens a forward yields,
+    # never which: outputs are those of one token a step (tests/engine/
+    # test_speculative_engine.py). Not in the overlapped step, whose next forward is
+    # launched before this one's tokens are drawn.
+
+    def _draft(self, scheduled) -> dict[Sequence, list[int]]:
+        """Puts a draft after each decoding row's pending tokens (its sampled token, and
+        any forced text after it), within the step's token budget, the row's own budget
+        and the KV blocks free; returns them."""
+        room = self.config.step_token_budget - sum(s.num_tokens for s in scheduled)
+        batch = sum(1 for s in scheduled if s.samples)
+        drafts = {}
+        for s in scheduled:
+            seq = s.seq
+            if room <= 0:
+                break
+            if (not s.samples or seq.ahead is not None or s.num_tokens > MAX_DRAFTING_PENDING
+                    or seq.num_computed < seq.num_prompt
+                    or not seq.params.speculate(self.config.speculative)):
+                continue  # a prompt's prefill (or a long forced text) drafts next step
+            draft = self.drafter.propose(seq, min(room, self._remaining(seq) - 1), batch)
+            if not draft or not self.blocks.grow(seq.block_table,
+                                                 len(seq.token_ids) + len(draft)):
+                continue
+            seq.put_draft(draft)
+            s.num_tokens += len(draft)
+            s.num_logits = 1 + len(draft)
+            room -= len(draft)
+            drafts[seq] = draft
+        if drafts:  # single-token rows first, as the runner's batch has them
+            scheduled.sort(key=lambda s: not s.is_decode)
+        return drafts
+
+    def _verify(self, sampling, logits, drafts, inputs, proc) -> list[RequestOutput]:
+        """Draws the rows of a step with drafts, position by position (see above); one
+        chunk a request."""
+        first, at = {}, 0
+        for seq in sampling:  # the logits' rows: each sampling row's, in turn
+            first[seq] = at
+            at += 1 + len(drafts.get(seq, ()))
+        for seq in drafts:
+            seq.take_draft()
+        merged: dict[str, RequestOutput] = {}
+        rows, j = sampling, 0
+        while rows:
+            index = [first[seq] + j for seq in rows]
+            positions = [len(seq.token_ids) for seq in rows]
+            if j:
+                inputs = self.strategy.make_sampling_inputs(rows)
+                proc = FusedLogitsProcessor(inputs, self.guided)
+                proc.prepare()
+            for out in self._draw(rows, logits.index_select(
+                    0, torch.tensor(index, device=logits.device)), inputs, proc):
+                if out.request_id in merged:
+                    merged[out.request_id].merge(out)
+                else:
+                    merged[out.request_id] = out
+            going = []
+            for seq, p in zip(rows, positions):
+                draft = drafts.get(seq)
+                if draft is None:
+                    continue
+                if j < len(draft):
+                    seq.keep_ahead_kv(p, draft[j])
+                if (j < len(draft) and seq.status is SeqStatus.RUNNING
+                        and seq.num_computed == p + 1 == len(seq.token_ids)):
+                    going.append(seq)
+                else:
+                    self.drafter.settle(seq.request_id, len(draft), j)
+            rows, j = going, j + 1
+        return list(merged.values())
 
     # Overlap. On a GPU the forward is launched and runs on its own; what the host does
     # after a draw (the matchers' accept, jump-forward, the loop guard, closing, stop
@@ -589,6 +699,8 @@ class LLMEngine:
         its KV for its session's next turn)."""
         self.seqs.pop(seq.request_id, None)
         self._draws.pop(seq.request_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(seq.request_id)
         try:
             if waiting:
                 self.waiting_for_grammar.remove(seq)
@@ -664,5 +776,8 @@ class LLMEngine:
             session_ids=sorted(set(self.blocks.sessions) | {
                 s.session_id for s in self.seqs.values() if s.session_id is not None}),
             sampled_tokens=self.num_sampled,
+            draft_tokens=self.drafter.draft_tokens if self.drafter else 0,
+            accepted_draft_tokens=self.drafter.accepted_tokens if self.drafter else 0,
+            drafting_rows=len(self.drafter.rows) if self.drafter else 0,
             **self.guide.stats(),
         )

@@ -79,8 +79,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
-        """Returns (logits [R, V] fp32, indices into ``scheduled`` of the R sampling rows).
-        A sequence samples when this step computes its last pending token."""
+        """Returns (logits [R, V] fp32, indices into ``scheduled`` of the sampling rows).
+        A sequence samples when this step computes its last pending token; it has
+        ``num_logits`` rows of logits in turn (a draft's positions; else one)."""
         if self.graphs is not None and self.graphs.fits(scheduled):
             return self.graphs.run(scheduled)
         if self.tiled:
@@ -100,8 +101,8 @@ class ModelRunner:
                 decodes.append((seq.block_table, ctx))
             else:
                 prefills.append((seq.block_table, ctx, n))
-            if s.samples:
-                sample_rows.append(len(tokens) - 1)
+            if s.samples:  # the logits after its last token (after each, for a draft)
+                sample_rows.extend(range(len(tokens) - s.num_logits, len(tokens)))
                 sample_idx.append(i)
         batch = AttentionBatch.build(decodes, prefills, self.block_size, self.device)
         hidden = self.model(
@@ -146,7 +147,7 @@ class ModelRunner:
                 for j in range(0, n, PREFILL_TILE_TOKENS):
                     prefill_tiles += (i, first + j, min(PREFILL_TILE_TOKENS, n - j), start + j)
             if s.samples:
-                rows.append(first + n - 1)
+                rows.extend(range(first + n - s.num_logits, first + n))
                 sample_idx.append(i)
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in (t + [0] * (width - len(t)))]

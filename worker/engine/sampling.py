@@ -51,7 +51,9 @@ class ARSamplingStrategy:
 
     def make_sampling_inputs(self, seqs) -> SamplingInputs:
         """One row per sequence, in order; a row its grammar masks carries the matcher."""
-        rows = [SamplingRow(s.params, s.generator, s.prompt_ids, s.output_ids) for s in seqs]
+        rows = [SamplingRow(s.params, s.generator, s.prompt_ids,
+                            s.token_ids[s.num_prompt:len(s.token_ids) - s.draft])
+                for s in seqs]  # a draft in place (speculation) is not output yet
         matchers = [s.guide.mask_matcher if s.guide is not None else None for s in seqs]
         return SamplingInputs(rows, matchers)
 

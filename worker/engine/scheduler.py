@@ -24,6 +24,7 @@ from worker.engine.sequence import Sequence, SeqStatus
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # new tokens computed for it this step
+    num_logits: int = 1  # logits it needs when it samples: its last ones (a draft's: more)
 
     @property
     def is_decode(self) -> bool:

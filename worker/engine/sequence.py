@@ -54,6 +54,7 @@ class Sequence:
         # end of token_ids so the next forward computes it, and is taken off before its
         # hooks run (None: none)
         self.ahead: int | None = None
+        self.draft = 0  # speculation: draft tokens at the end of token_ids (during a forward)
         # its guided part (worker/guided/request.py: its grammar's matcher, a thought, the
         # output policy's state), None: plain. The engine and scheduler only call its hooks
         self.guide = None
@@ -111,6 +112,19 @@ class Sequence:
         if (self.num_computed == position and len(self.token_ids) > position
                 and self.token_ids[position] == token):
             self.num_computed = position + 1
+
+    def put_draft(self, tokens: list[int]) -> None:
+        """Speculation (engine.py): a draft goes after the pending token so the forward
+        computes its KV; ``take_draft`` takes it off before anything is drawn."""
+        self.token_ids.extend(tokens)
+        self.draft = len(tokens)
+
+    def take_draft(self) -> None:
+        """Takes the draft off the end; its KV counts only as ``keep_ahead_kv`` gives it
+        back, token by token, while the drawn tokens equal it."""
+        del self.token_ids[len(self.token_ids) - self.draft:]
+        self.draft = 0
+        self.num_computed = min(self.num_computed, len(self.token_ids))
 
     def replace_released(self, tokens: list[int]) -> None:
         """The newest output token, released to the chunk being built (not sent yet, its KV
