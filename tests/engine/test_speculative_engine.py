@@ -159,6 +159,27 @@ def test_samples_of_one_prompt_and_a_continuation(make_engine):
     assert idle(engine) == (0, 0, 0, 0, True)
 
 
+def test_a_reasoning_row(make_engine):
+    """A thought (no mask, its budget forcing the end marker), then a guided answer: the
+    phase switch sees the tokens one at a time with drafts as without."""
+    def run(engine):
+        reqs = [GenerationRequest(
+            "Question: extract the invoice as JSON.\n\n" + DOC + "\n<think>\n",
+            SamplingParams(max_new_tokens=120, temperature=0.0), thinking_token_budget=t,
+            grammar=GrammarSpec.json_schema(INVOICE), request_id=f"t{t}") for t in (12, 40)]
+        out = engine.generate(reqs)
+        return {k: (o.token_ids, o.text, o.reasoning, o.finish_reason, o.error)
+                for k, o in out.items()}
+
+    markers = {"start": "<think>", "end": "</think>"}
+    engine = make_engine(reasoning=markers, speculative=True)
+    on = run(engine)
+    assert on == run(make_engine(reasoning=markers, speculative=False))
+    assert all(o[2] and o[4] is None for o in on.values())  # each thought, then an answer
+    assert engine.stats().accepted_draft_tokens > 0
+    assert idle(engine) == (0, 0, 0, 0, True)
+
+
 def test_drafts_through_a_preemption(make_tiny_engine):
     """A KV cache of 14 blocks for four rows that each need about 6: rows are preempted
     (a draft's blocks taken with them) and recomputed. The tiny model's seeded draws

@@ -358,7 +358,10 @@ class LLMEngine:
             proc.prepare()  # the bitmask fill overlaps the forward
             t0 = time.perf_counter()
             logits, rows = self.runner.run(scheduled)
-            if self.drafter is not None:  # what a forward of so many tokens takes
+            # what a forward of so many output tokens takes (a prompt's prefill, whose
+            # long chunks cost less a token, is left out of the fit)
+            if self.drafter is not None and all(s.seq.num_computed >= s.seq.num_prompt
+                                                for s in scheduled):
                 if logits.device.type == "cuda":
                     torch.cuda.synchronize(logits.device)
                 self.drafter.cost.add(sum(s.num_tokens for s in scheduled),

@@ -2,7 +2,9 @@
 cache tensors, and returns the logits of the rows that sample.
 
 On the CPU (and on a device without Triton) the batch is built as ``AttentionBatch.build``
-describes. On a GPU the step's whole description (token ids, positions, cache slots, block
+describes; a row of at most ``DECODE_ROW_TOKENS`` tokens (a decode, jump-forward's forced
+text, a speculative draft) goes in as that many decode rows, each token attending to its
+own context in place, so only a prompt's long chunks take the prefill path. On a GPU the step's whole description (token ids, positions, cache slots, block
 tables, attention tiles, the sampled rows) is packed on the host into one int32 tensor and
 crosses to the device in one copy (``_tiled_batch``); the model's layers then take the
 device kernels (worker/models/triton_kernels.py). A decode-only step there replays a CUDA
@@ -22,6 +24,9 @@ from worker.models import triton_kernels
 from worker.models.llama import LlamaForCausalLM
 from worker.models.paged_attention import AttentionBatch
 from worker.models.triton_kernels import AttentionTiles
+
+# on the CPU path, a row of at most this many tokens attends as that many decode rows
+DECODE_ROW_TOKENS = 16
 
 # query tokens per prefill tile of the attention kernel (a tile also spans the query
 # heads that share one KV head)
@@ -90,19 +95,27 @@ class ModelRunner:
             return self.model.compute_logits(hidden.index_select(0, rows)), sample_idx
         tokens: list[int] = []
         positions: list[int] = []
-        decodes, prefills, sample_rows, sample_idx = [], [], [], []
-        for i, s in enumerate(scheduled):
+        decodes, prefills, last = [], [], {}
+        # a row of a few tokens (a decode, forced text, a draft) goes in as that many
+        # decode rows, each token its own query over its context read in place (its own
+        # and the row's earlier keys written first); such rows come first in the batch
+        order = sorted(range(len(scheduled)),
+                       key=lambda i: scheduled[i].num_tokens > DECODE_ROW_TOKENS)
+        for i in order:
+            s = scheduled[i]
             seq, n = s.seq, s.num_tokens
             start = seq.num_computed
             tokens.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            ctx = start + n
-            if s.is_decode:
-                decodes.append((seq.block_table, ctx))
+            if n <= DECODE_ROW_TOKENS:
+                decodes.extend((seq.block_table, p + 1) for p in range(start, start + n))
             else:
-                prefills.append((seq.block_table, ctx, n))
+                prefills.append((seq.block_table, start + n, n))
+            last[i] = len(tokens)
+        sample_rows, sample_idx = [], []
+        for i, s in enumerate(scheduled):
             if s.samples:  # the logits after its last token (after each, for a draft)
-                sample_rows.extend(range(len(tokens) - s.num_logits, len(tokens)))
+                sample_rows.extend(range(last[i] - s.num_logits, last[i]))
                 sample_idx.append(i)
         batch = AttentionBatch.build(decodes, prefills, self.block_size, self.device)
         hidden = self.model(

@@ -17,11 +17,13 @@ entry per n-gram size a token), the grammar's cut of a draft (a draft is walked 
 row's matcher and rolled back, so text the grammar refuses is never computed), and each
 draft's length, from what a draft token costs and how likely it is to be kept:
 
-- a forward's time is fitted as ``a + b * tokens`` over recent steps (``StepCost``). A
-  token drawn one a step costs the batch ``a / rows + b``; a draft token costs ``b``
-  whether kept or not. On a GPU at small batches ``b`` is next to nothing and drafts pay
-  almost always; on a CPU, whose matmuls are bound by compute, a batch of 8 rows pays
-  for a draft token only when it is kept more than about a third of the time.
+- a forward's time is fitted as ``a + b * tokens`` over recent steps without a prompt's
+  prefill (``StepCost``; a prompt's long chunks cost less a token). A token drawn one a
+  step costs the batch ``a / rows + b``; a draft token costs ``b`` whether kept or not.
+  On a GPU at small batches ``b`` is next to nothing and drafts pay almost always; on a
+  CPU, whose matmuls are bound by compute (the default model on 2 cores: a = 38 ms,
+  b = 3.7 ms), a batch of 8 rows pays for a draft token only when it is kept about half
+  the time, a batch of 1 when it is kept one time in ten.
 - a draft token is kept with a probability ``p`` learned from recent drafts (the chance
   that a draft token is kept given the one before it was): the lower of the row's own
   rate and the rate of all rows' drafts found by an n-gram as long. The i-th draft token

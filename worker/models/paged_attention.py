@@ -2,8 +2,10 @@
 
 The KV cache is split into fixed-size blocks; a sequence owns a list of blocks (its block
 table) and each of its tokens lives in one *slot* (``block_id * block_size + offset``).
-One engine step runs a flat batch of tokens through the model: first one token for every
-decoding sequence, then a chunk of tokens for every sequence that is (pre)filling. Linear
+One engine step runs a flat batch of tokens through the model: first the decode rows (one
+token each; a sequence's few new tokens, as forced text or a draft, are that many decode
+rows, each with its own context length), then a chunk of tokens for every sequence that is
+(pre)filling. Linear
 layers see all tokens at once; only attention is split:
 
 - decode rows: on x86-64 CPUs with AVX2, one C kernel (kernels/paged_attention_cpu.c)
