@@ -280,6 +280,9 @@ def make_engine(default_model_dir, default_model, default_tokenizer):
     def build(**overrides):
         overrides.setdefault("progress", False)
         overrides.setdefault("num_kv_blocks", 256)  # 4096 tokens: plenty, and quick to allocate
+        # tests check answers, not the machine's speed: CI's engine tier runs at nice 19
+        # beside the Ray tier, where a compile waited past the default 60 s
+        overrides.setdefault("grammar_timeout_s", 300.0)
         return LLMEngine(EngineConfig(**overrides), model=default_model,
                          tokenizer=default_tokenizer, model_dir=default_model_dir)
 
@@ -305,6 +308,7 @@ def make_tiny_engine(tiny_model_dir, tiny_model, default_tokenizer):
     def build(**overrides):
         overrides.setdefault("progress", False)
         overrides.setdefault("num_kv_blocks", 256)
+        overrides.setdefault("grammar_timeout_s", 300.0)  # as make_engine's
         return LLMEngine(EngineConfig(**overrides), model=tiny_model,
                          tokenizer=default_tokenizer, model_dir=tiny_model_dir)
 
