@@ -246,11 +246,15 @@ def test_cuda_guided_rows_with_jump_forward_and_overlap(model_dir):
     assert answers(graphs=False, overlap=True) == ref
 
 
-def test_draft_rows_take_the_graph_runner_and_give_the_output_without_drafts(model_dir):
+def test_draft_rows_take_the_graph_runner_and_give_the_output_without_drafts(model_dir,
+                                                                           monkeypatch):
     """Speculation: a row brings its pending token and a draft, and needs the logits after
     each (``ScheduledSeq.num_logits``); such steps still fit a graph, and the output is the
     eager runner's without drafts, token for token (the tiny model repeats itself, so its
     drafts are often right)."""
+    from worker.engine.speculative import StepCost
+
+    monkeypatch.setattr(StepCost, "add", lambda self, tokens, seconds: None)  # no timings
     reqs = lambda: [GenerationRequest(p + " " + p, greedy(24)) for p in PROMPTS]  # noqa: E731
     plain = [o.token_ids for o in run(_cpu_engine(model_dir, False, speculative=False),
                                       reqs())]
