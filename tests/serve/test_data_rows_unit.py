@@ -52,6 +52,8 @@ def line_item(obj, line=1):
     ({"prompt": "x", "sampling_params": {"response_format": {"type": "json_object"},
                                          "stop": ["\n"]}},
      {"prompt": "x", "response_format": {"type": "json_object"}, "stop": ["\n"]}),
+    ({"prompt": "x", "sampling_params": {"speculative": False}},
+     {"prompt": "x", "speculative": False}),
 ])
 def test_a_ray_data_llm_row_is_the_batch_line_it_says(llm_row, batch_line):
     a, b = row_item(llm_row), line_item(batch_line)
@@ -60,6 +62,15 @@ def test_a_ray_data_llm_row_is_the_batch_line_it_says(llm_row, batch_line):
     assert a.request.params == b.request.params
     assert a.request.grammar == b.request.grammar
     assert (a.is_json, a.grammar) == (b.is_json, b.grammar)
+
+
+def test_speculative_reaches_the_request_from_a_row_and_a_line():
+    # the per-request switch (core/params.py): a row or a line turns speculation off
+    # for itself; absent, the engine's default (None)
+    assert row_item({"prompt": "x", "sampling_params": {"speculative": False}}
+                    ).request.params.speculative is False
+    assert line_item({"prompt": "x", "speculative": True}).request.params.speculative is True
+    assert line_item({"prompt": "x"}).request.params.speculative is None
 
 
 def test_the_backend_and_the_other_grammar_kinds():
@@ -82,6 +93,7 @@ def test_the_backend_and_the_other_grammar_kinds():
         "regex": "a"}}}, "at most one format"),
     ({"sampling_params": {"max_tokens": 5}}, "no `prompt` or `messages`"),
     ({"prompt": "x", "sampling_params": {"temperature": -1.0}}, "temperature"),
+    ({"prompt": "x", "sampling_params": {"speculative": "yes"}}, "speculative"),
 ])
 def test_a_bad_row_says_what_is_wrong(obj, says):
     item = row_item(obj)
