@@ -3,7 +3,8 @@ the tokens the step before drew. Whatever the device, the output must be token f
 what the step without overlap gives: greedy and seeded rows, stop strings and ids, EOS,
 logprobs, penalties, guided rows with jump-forward and the loop guard, a preemption, an
 abort in flight, a session's second turn and a stream. Run on the CPU with overlap forced
-on (it is on by default only on CUDA)."""
+on (it is on by default only on CUDA), with speculation off: the overlapped step's
+steps with drafts are tests/engine/test_speculative_engine.py's."""
 
 import asyncio
 
@@ -74,7 +75,7 @@ def reference(default_model_dir, default_model, default_tokenizer):
 
 def test_overlap_gives_the_same_output(make_engine, reference):
     ref, jump_forward_tokens = reference
-    over = make_engine(overlap=True)
+    over = make_engine(overlap=True, speculative=False)
     assert over.overlap
     got = outputs(over, requests())
     assert got.keys() == ref.keys()
@@ -94,7 +95,7 @@ def test_overlap_through_a_preemption(make_tiny_engine):
     reqs = lambda: [GenerationRequest(chat(f"Story number {i} about a dog"), SamplingParams(  # noqa: E731
         max_new_tokens=48, temperature=0.8, seed=i), request_id=f"r{i}") for i in range(4)]
     plain = make_tiny_engine(overlap=False, num_kv_blocks=14)
-    over = make_tiny_engine(overlap=True, num_kv_blocks=14)
+    over = make_tiny_engine(overlap=True, num_kv_blocks=14, speculative=False)
     assert outputs(over, reqs()) == outputs(plain, reqs())
     assert over.scheduler.num_preemptions > 0
     assert idle(over) == (0, 0, 0, True)
@@ -102,7 +103,7 @@ def test_overlap_through_a_preemption(make_tiny_engine):
 
 def test_an_abort_in_flight_leaves_the_others_as_they_were(make_engine, reference):
     ref = reference[0]
-    over = make_engine(overlap=True)
+    over = make_engine(overlap=True, speculative=False)
     reqs = requests()
     for r in reqs:
         over.add_request(r)
@@ -138,7 +139,7 @@ def test_a_session_s_second_turn(make_tiny_engine):
         return first.token_ids, second.token_ids, second.cached_tokens
 
     ref = turns(make_tiny_engine(overlap=False))
-    got = turns(make_tiny_engine(overlap=True))
+    got = turns(make_tiny_engine(overlap=True, speculative=False))
     assert got == ref and got[2] > 0
 
 
@@ -146,7 +147,7 @@ def test_a_stream_with_overlap(make_engine, reference):
     from worker.engine.async_engine import AsyncEngine
 
     ref = reference[0]
-    aengine = AsyncEngine(make_engine(overlap=True))
+    aengine = AsyncEngine(make_engine(overlap=True, speculative=False))
 
     async def stream(r):
         return [c async for c in aengine.generate(r)]

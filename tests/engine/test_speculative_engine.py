@@ -126,6 +126,50 @@ def test_drafts_change_no_token(make_engine, engine_name):
     assert idle(engine) == (0, 0, 0, 0, True)
 
 
+def plain_steps(engine, monkeypatch):
+    """Counts the overlapped engine's steps that ran without overlap (with drafts)."""
+    count = collections.Counter()
+    step = engine._step_plain
+
+    def counted():
+        count["plain"] += 1
+        return step()
+
+    monkeypatch.setattr(engine, "_step_plain", counted)
+    return count
+
+
+def test_drafts_under_overlap_change_no_token(make_engine, monkeypatch):
+    """The overlapped step (the GPU's default) runs a step with drafts where drafts pay
+    (``_drafts_pay``: here always, the fit unfed), the others overlapped: the same tokens
+    as one token a step without overlap."""
+    reqs = requests("auto")
+    off = outputs(make_engine(speculative=False, overlap=False), reqs)
+    engine = make_engine(speculative=True, overlap=True)
+    count = plain_steps(engine, monkeypatch)
+    on = outputs(engine, requests("auto"))
+    for rid in off:
+        assert on[rid] == off[rid], rid
+    stats = engine.stats()
+    assert stats.accepted_draft_tokens > 20
+    assert 0 < count["plain"] < engine.num_steps  # steps of both kinds ran
+    assert idle(engine) == (0, 0, 0, 0, True)
+
+
+def test_overlap_keeps_its_steps_where_drafts_do_not_pay(make_engine, monkeypatch):
+    """A fitted forward cost, and hooks (measured) that take longer than the drafts would
+    save: no step gives up its overlap, and no draft is computed."""
+    engine = make_engine(speculative=True, overlap=True)
+    # a forward of a microsecond: a kept token saves less than any step's hooks take
+    engine.drafter.cost.a, engine.drafter.cost.b = 1e-6, 1e-9
+    engine.drafter.cost.fitted = True
+    count = plain_steps(engine, monkeypatch)
+    reqs = [GenerationRequest(chat("Repeat after me: " + DOC), SamplingParams(
+        max_new_tokens=40, temperature=0.0), request_id="copy")]
+    engine.generate(reqs)
+    assert count["plain"] == 0 and engine.stats().draft_tokens == 0
+
+
 def test_a_request_may_turn_drafts_off(make_engine):
     engine = make_engine(speculative=True)
     reqs = [GenerationRequest(chat("Repeat after me: " + DOC), SamplingParams(

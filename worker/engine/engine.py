@@ -166,9 +166,10 @@ class LLMEngine:
         self.overlap = (config.overlap if config.overlap is not None
                         else self.runner.device.type == "cuda")
         self._ahead: _Sampled | None = None  # the last step's draw, not yet handled
-        # speculation (see _verify): drafts for the plain step's decoding rows
-        self.drafter = (Drafter(config.speculative_tokens, self.eos_ids)
-                        if not self.overlap else None)
+        # speculation (see _verify): drafts for the plain step's decoding rows (overlapped,
+        # in the steps where they pay: _drafts_pay)
+        self.drafter = Drafter(config.speculative_tokens, self.eos_ids)
+        self._hooks_s: float | None = None  # overlap: the hooks' time a step (decayed mean)
         self.warmup_s = None  # seconds the start's warm-up took (None: none ran)
         if config.warmup or (config.warmup is None and self.runner.device.type == "cuda"):
             self.warmup_s = self.warm_up()
@@ -339,6 +340,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self.overlap:
             return self._step_overlapped()
+        return self._step_plain()
+
+    def _step_plain(self) -> list[RequestOutput]:
         outputs = self._begin_step()
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -405,8 +409,9 @@ class LLMEngine:
     # (running, nothing forced or cut): that token's KV was computed with the draft and
     # counts (``keep_ahead_kv``). So a draft decides how many tokens a forward yields,
     # never which: outputs are those of one token a step (tests/engine/
-    # test_speculative_engine.py). Not in the overlapped step, whose next forward is
-    # launched before this one's tokens are drawn.
+    # test_speculative_engine.py). The overlapped step launches its next forward before
+    # this one's tokens are drawn, so where drafts pay it runs this step instead
+    # (``_drafts_pay``).
 
     def _draft(self, scheduled) -> dict[Sequence, list[int]]:
         """Puts a draft after each decoding row's pending tokens (its sampled token, and
@@ -489,6 +494,12 @@ class LLMEngine:
     # gives (tests/engine/test_overlap_engine.py); chunks come one step later.
 
     def _step_overlapped(self) -> list[RequestOutput]:
+        if self.drafter is not None and self._drafts_pay():
+            # speculation: the last draw's hooks now, with no forward under them, then the
+            # plain step with drafts (a draft follows the row's token after its hooks)
+            drawn, self._ahead = self._ahead, None
+            outputs = self._timed_handle(drawn) if drawn is not None else []
+            return outputs + self._step_plain()
         outputs = self._begin_step()
         drawn, self._ahead = self._ahead, None
         scheduled = self.scheduler.schedule()
@@ -505,7 +516,7 @@ class LLMEngine:
             targets = [len(scheduled[i].seq.token_ids) for i in rows]
             self._computed(scheduled)
         if drawn is not None:
-            outputs += self._handle(drawn)  # the host's work, under the forward
+            outputs += self._timed_handle(drawn)  # the host's work, under the forward
         if not scheduled:
             if drawn is None and not self.guide.searching:
                 if self.waiting_for_grammar:  # nothing to run until a grammar is ready
@@ -537,6 +548,38 @@ class LLMEngine:
         self._ahead = _Sampled(proc, sampling, result.token_ids, result.logprobs)
         self.last_timings = proc.timings
         return outputs
+
+    def _timed_handle(self, drawn: "_Sampled") -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = self._handle(drawn)
+        took = time.perf_counter() - t0
+        self._hooks_s = took if self._hooks_s is None else 0.8 * self._hooks_s + 0.2 * took
+        return outputs
+
+    def _drafts_pay(self) -> bool:
+        """Overlap: whether this step drafts. A step with drafts runs without overlap (its
+        drafts follow the tokens the last step drew, after their hooks), so it pays when
+        the tokens its drafts are expected to yield save more forward time than the
+        hooks' time the overlap would have hidden (``_hooks_s``, measured)."""
+        if self._hooks_s is None:  # not measured yet: overlapped steps first
+            return False
+        batch = len(self.scheduler.running)
+        if not batch:
+            return False
+        cost = self.drafter.cost
+        # until the forward's fit has steps, any expected draft pays (the plain steps with
+        # drafts feed the fit); rows are asked until the answer is known
+        per_token = cost.a / batch + cost.b  # a token's share of a step, one a step
+        needed = self._hooks_s / per_token if cost.fitted and per_token > 0 else 0.0
+        kept = 0.0
+        for seq in self.scheduler.running:
+            if seq.num_computed < seq.num_prompt or not seq.params.speculate(
+                    self.config.speculative):
+                continue  # a prompt's prefill, a request without drafts
+            kept += self.drafter.expected(seq, batch)
+            if kept > needed:
+                return True
+        return False
 
     def _computed(self, scheduled) -> None:
         """A forward computed (or, overlapped, will have computed before any later one

@@ -177,6 +177,23 @@ class Drafter:
             draft = draft[:_allowed_prefix(matcher, draft)]
         return draft
 
+    def expected(self, seq, batch: int) -> float:
+        """The draft tokens ``seq`` is expected to keep if it drafted now (its lookup and
+        keep rates, not its grammar: the overlapped step's question whether to draft)."""
+        row = self.rows.get(seq.request_id)
+        if row is None:
+            row = self.rows[seq.request_id] = Lookup()
+        k = self.length(row, batch)
+        if k <= 0:
+            return 0.0
+        row.index(seq.token_ids)
+        draft = row.propose(seq.token_ids, k)
+        if not draft:
+            return 0.0
+        p = self.keep_rate(row, row.matched)
+        k = min(len(draft), self.length(row, batch, p))
+        return k if p >= 1 else p * (1 - p ** k) / (1 - p)  # p + p^2 + ... + p^k
+
     def settle(self, request_id: str, proposed: int, accepted: int) -> None:
         """A row's draft of ``proposed`` tokens had ``accepted`` of them drawn."""
         row = self.rows.get(request_id)
