@@ -3,7 +3,9 @@
 A model of a real shape (Llama-3-8B by default: hidden 4096, 32 layers, GQA 32/8,
 intermediate 14336, vocab 128256) with random weights drawn on the device, bf16, the
 default model's tokenizer (ids past it are never allowed under a grammar). Random weights
-decode as fast as real ones of the same shape.
+decode as fast as real ones of the same shape. Speculation off: one token a step, as HF's
+``generate`` (a random model's loops would keep prompt-lookup drafts wholesale;
+bench/speculative.py measures drafts on real outputs).
 
 1. The device's measured copy bandwidth and the bytes a batch-1 step reads: the limit.
 2. Decode tok/s at batch 1 / 8 / 32 / 64 (greedy, 128-token prompts, steps timed once every
@@ -383,6 +385,10 @@ def main() -> None:
         kw.setdefault("cuda_graphs", False)
         # rounds run the same prompts again: prefix caching (bench/prefix_cache.py) off
         kw.setdefault("prefix_caching", False)
+        # one token a step, as HF's generate: a random model's greedy output loops, so
+        # prompt-lookup drafts would be kept wholesale (bench/speculative.py measures
+        # speculation on real outputs)
+        kw.setdefault("speculative", False)
         return LLMEngine(EngineConfig(device=device.type, **kw), model=model, tokenizer=tok)
 
     long = min(2048, shape["max_position_embeddings"] - 8) if not smoke else 256

@@ -94,7 +94,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(device=device.type, progress=False,
                                     max_num_seqs=max(args.batch), kv_cache_gb=8.0,
                                     cuda_graphs=args.graphs, grammar_engine=args.engine,
-                                    prefix_caching=False),
+                                    prefix_caching=False, speculative=False),
                        model=model, tokenizer=tok)
     spec = GrammarSpec.json_schema(guided_schema(args.new))
     for b in args.batch:

@@ -9,7 +9,8 @@ output), guided against unguided (the same prompts, no grammar, EOS ignored, eac
 many tokens as its guided answer had), at batch 8 and 32: output tokens a second, and the
 longest step over the median step. Every guided answer's validity is counted.
 
-(a) the tiny random-weight model at batch 64 and 256, 4 requests a row of the batch
+(a) the tiny random-weight model at batch 64 and 256, speculation off (a step of one
+token a row; its script steers one row of logits a sequence), 4 requests a row of the batch
 (the batch stays full as rows end), each replaying one of (b)'s
 recorded answers (its logits lean on the recorded token; where the output leaves the
 record, the model's own choice): host microseconds per row per decode step (the step's
@@ -146,8 +147,11 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
     """(a): the tiny model at ``batch`` rows replaying recorded answers."""
     # room for every row's whole answer (the long ones run to about 500 tokens): a
     # preempted row would leave the batch this measures
+    # without speculation: the script below steers one row of logits a sequence (a draft
+    # gives a row several), and this measures the host's cost of a step of one token a row
+    # (with drafts on, the script steered the wrong rows and the answers left the record)
     engine = engine_of(model_dir, max_num_seqs=batch, num_kv_blocks=40 * batch + 256,
-                       max_num_batched_tokens=max(2048, 8 * batch))
+                       max_num_batched_tokens=max(2048, 8 * batch), speculative=False)
     names = [n for n, *_ in rows if record.get(n)]
     by_name = {n: (spec, prompt) for n, spec, prompt, _ in rows}
     script: dict[str, list[int]] = {}
