@@ -97,6 +97,9 @@ class RuntimeClient:
         self.failover_pauses: deque[float] = deque(maxlen=1024)  # death -> continuation sent
         self._workers: dict[str, object] = {}  # worker id -> handle, as routes revealed them
         self._in_flight: dict[str, int] = {}  # worker id -> this client's open requests
+        # requests that ended since the last route, told to the scheduler with the next
+        # (worker id, the route's epoch, expected tokens): RoutingTable.finished
+        self._ended: deque[tuple[str, int, int]] = deque(maxlen=4096)
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> worker id
         self._max_sessions = max_remembered_sessions
         # set while the scheduler is known to be down: a long poll on it (watch) fails the
@@ -173,10 +176,15 @@ class RuntimeClient:
             route = self._own_route(session_id, avoid)
             if route is not None:
                 return route
+        ended = {}
+        if self._ended:  # (sent once: a report lost with a failed call only waits for
+            # the worker's next load report)
+            ended = {"done": list(self._ended)}
+            self._ended.clear()
         try:
             route = await asyncio.wait_for(
                 self.scheduler.route.remote(session_id, expected, family, sorted(avoid),
-                                            keys),
+                                            keys, **ended),
                 self.route_timeout_s)
         except (*_WORKER_GONE, asyncio.TimeoutError) as exc:
             if isinstance(exc, ActorDiedError):
@@ -306,6 +314,8 @@ class RuntimeClient:
                                worker_id, attempt + 1)
             finally:
                 self._in_flight[worker_id] -= 1
+                if "epoch" in route:  # the scheduler's load for it ends with it
+                    self._ended.append((worker_id, route["epoch"], expected))
                 # the caller stopped early (client disconnected, task cancelled): free the
                 # request's KV and matcher on the worker now, not when it would have ended
                 if not finished:

@@ -52,8 +52,11 @@ class SchedulerConfig(ConfigModel):
     # a request goes to the worker that was sent the longest prefix of its prompt when that
     # worker's queued tokens are within this margin of the least-loaded worker's (negative:
     # off); past it the request spills to the least loaded, which then holds the prefix too.
-    # 4096 (about seven 600-token requests): bench/prefix_cache.py (b) hit 0.95 of the
-    # prefix tokens at 1.17x the mean load, where 2048 spilled more (0.84 at 1.05x)
+    # 4096 (about seven 600-token requests): once ended requests left the loads,
+    # bench/prefix_cache.py (b) hit 0.94-0.96 of the prefix tokens at 1.10-1.45x the mean
+    # load in six runs; 3072 balanced better (1.05-1.36x) but spilled more (0.84-0.96 in
+    # eleven runs: a spill to a worker with a small cache evicts a prefix there, and the
+    # misses cascade); 2048: 0.77-0.89
     prefix_margin_tokens: int = 4096
     # live sessions (each holds KV on its worker and rides every load report): a new
     # session past either cap is refused with a 429 naming session_id
@@ -175,13 +178,19 @@ class SchedulerActor:
 
     async def route(self, session_id: str | None = None, expected_tokens: int = 256,
                     grammar_family: str | None = None, avoid: list[str] | None = None,
-                    prefix_keys: list[str] | None = None) -> dict:
+                    prefix_keys: list[str] | None = None, done: list | None = None
+                    ) -> dict:
         """{"worker_id", "handle"} of the worker for this session (sticky), else of the worker
         holding the longest prefix of the prompt (``prefix_keys``, within the prefix margin),
         else of one holding the grammar (within the affinity margin), else the least loaded;
         raises Overloaded or NoWorkers (scheduler/routing.py). ``avoid``: workers the
-        request already died on (chosen only when no other worker is registered)."""
+        request already died on (chosen only when no other worker is registered).
+        ``done``: the caller's requests that ended since its last route, as (worker_id,
+        epoch, expected tokens) (``RoutingTable.finished``); the answer's ``epoch`` is the
+        one to send back for this request."""
         await self._ensure_started()
+        if done:
+            self.table.finished(done)
         try:
             entry = self.table.route(session_id, expected_tokens, grammar_family,
                                      avoid=frozenset(avoid or ()), prefix_keys=prefix_keys)
@@ -189,7 +198,7 @@ class SchedulerActor:
             self.counts.rejected += 1  # Overloaded or NoWorkers
             raise
         self.counts.routes += 1
-        return {"worker_id": entry.worker_id, "handle": entry.handle}
+        return {"worker_id": entry.worker_id, "handle": entry.handle, "epoch": entry.reports}
 
     async def end_session(self, session_id: str) -> bool:
         """Ends the session (its end is broadcast to every worker either way); True when

@@ -2,7 +2,12 @@
 worker each session lives on, which prompt prefixes each was sent, and the routing rule.
 
 A worker's load is its queued + running tokens, counting what was routed to it since its
-last load report (so a burst spreads before the next report). ``route`` picks, in order:
+last load report (so a burst spreads before the next report), less what of that has ended
+since (``finished``: clients report the requests that ended with their next route, each
+with the report epoch it was routed in; one routed before the last report is counted by
+that report, or had ended by then). Without it a burst of short requests between two
+reports piled up on the workers they went to, as if none had ended, and pushed a prefix's
+requests off the worker that holds it. ``route`` picks, in order:
 
 1. **session**: a live session's worker (its KV is there); refused (Overloaded) when that
    worker is over ``max_queued_tokens`` (sticky routing must not let one session queue
@@ -69,7 +74,8 @@ class WorkerEntry:
     handle: object
     node_id: str = ""
     load: dict = field(default_factory=dict)
-    routed_since_report: int = 0  # tokens routed here since the last load report
+    routed_since_report: int = 0  # tokens routed here since the last load report, still running
+    reports: int = 0  # load reports so far: the epoch a route answers with (see finished)
     last_report: float = 0.0
     families_since_report: set = field(default_factory=set)  # grammars sent here since
     # missed a load poll, or a caller saw a call fail, and the worker is not known dead:
@@ -160,8 +166,17 @@ class RoutingTable:
             entry.load = load
             entry.suspect = False
             entry.routed_since_report = 0
+            entry.reports += 1
             entry.families_since_report = set()
             entry.last_report = time.monotonic()
+
+    def finished(self, done) -> None:
+        """Requests that ended, as (worker_id, epoch, expected tokens): each routed since
+        its worker's last load report (the same epoch) no longer counts in its load."""
+        for worker_id, epoch, tokens in done:
+            entry = self.workers.get(worker_id)
+            if entry is not None and entry.reports == epoch:
+                entry.routed_since_report = max(0, entry.routed_since_report - tokens)
 
     def route(self, session_id: str | None, expected_tokens: int = 256,
               grammar_family: str | None = None,

@@ -196,11 +196,17 @@ def test_the_scheduler_actor_routes_by_prefix_and_counts_it():
     async def main():
         first = await s.route(None, 10, None, [], ["p1", "p2"])
         again = await s.route(None, 10, None, [], ["p1", "p2", "p3"])
+        queued = s.table.workers[first["worker_id"]].queued_tokens
+        await s.route(None, 10, None, [], ["q1"], done=[
+            (first["worker_id"], first["epoch"], 10), (again["worker_id"], again["epoch"], 10)])
+        # the two ended before the third was routed (to the same worker: both are empty
+        # now, and ties go by id)
+        assert s.table.workers[first["worker_id"]].queued_tokens == queued - 20 + 10
         return first, again, await s.stats()
     first, again, stats = asyncio.run(main())
     assert again["worker_id"] == first["worker_id"]
     assert s.table.prefix_margin_tokens == 4096
-    assert stats["prefix_routes"] == 1 and stats["routes"] == 2
+    assert stats["prefix_routes"] == 1 and stats["routes"] == 3
 
 
 class _Method:
@@ -274,3 +280,65 @@ def test_a_worker_is_believed_to_hold_what_its_kv_cache_could():
     w0.remember_prefix([f"new{i}" for i in range(12)])
     assert len(w0.prefixes) == 16 and w0.prefix_match(["new0"]) == 1
     assert w0.prefix_match([f"old{i}" for i in range(8)]) == 4  # its 4 shortest are left
+
+
+def test_a_request_that_ended_leaves_its_workers_load_before_the_next_report():
+    """Between two load reports a worker's load counts what was routed there; a request
+    reported ended with the epoch it was routed in leaves it (a burst of short requests no
+    longer piles up on the prefix's holder until it spills). One routed before the last
+    report is that report's to count: its end changes nothing."""
+    t = table(2)
+    t.update_load("w0", {"running_tokens": 0})
+    w0 = t.workers["w0"]
+    epoch = w0.reports
+    for _ in range(3):
+        assert t.route(None, 500, prefix_keys=["p1", "p2"]).worker_id == "w0"
+    assert w0.queued_tokens == 1500
+    t.finished([("w0", epoch, 500), ("w0", epoch, 500)])
+    assert w0.queued_tokens == 500
+    t.update_load("w0", {"running_tokens": 500})  # the third, counted by the report
+    t.finished([("w0", epoch, 500)])  # an older epoch: the report stands
+    assert w0.queued_tokens == 500
+    t.finished([("gone", 0, 500), ("w0", w0.reports, 10_000)])  # never below zero
+    assert w0.queued_tokens == 500 and w0.routed_since_report == 0
+
+
+def test_the_client_reports_its_ended_requests_with_its_next_route():
+    """RuntimeClient tells the scheduler of a request's end with its next route: the
+    worker, the epoch its route answered with, and the tokens it was expected to cost."""
+    import asyncio
+
+    from cluster.client import RuntimeClient
+    from core.params import SamplingParams
+    from core.request import GenerationRequest, RequestOutput
+
+    sent = []
+
+    class Worker:
+        def __init__(self):
+            def generate(req):
+                async def stream():
+                    ref = asyncio.get_running_loop().create_future()
+                    ref.set_result(RequestOutput(req.request_id, finished=True))
+                    yield ref
+                return stream()
+            self.generate = _Method(generate)
+            self.abort = _Method(lambda request_id: None)
+
+    class Scheduler:
+        def __init__(self, worker):
+            async def route(session_id, expected, family, avoid, keys=None, done=None):
+                sent.append((expected, done))
+                return {"worker_id": "w0", "handle": worker, "epoch": 7}
+
+            async def watch(timeout_s):
+                await asyncio.sleep(timeout_s)
+            self.route, self.watch = _Method(route), _Method(watch)
+
+    async def main():
+        client = RuntimeClient(scheduler=Scheduler(Worker()))
+        for n in (4, 8):
+            await client.complete(GenerationRequest("hello", SamplingParams(max_new_tokens=n)))
+    asyncio.run(main())
+    (first, none), (_, done) = sent
+    assert none is None and done == [("w0", 7, first)]
