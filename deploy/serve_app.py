@@ -53,6 +53,7 @@ from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_
                            too_large)
 from deploy.metrics import Metrics
 from deploy.openai_api import Plan
+from deploy.refusals import Refusals
 from deploy.response_store import ResponseStore
 from deploy.settings import AppSettings
 from core.config import config_error_message
@@ -196,6 +197,9 @@ class OpenAIServer:
         self._metrics = Metrics()
         self._cache = None  # the grammar cache actor's handle, for /metrics
         self._open_streams = 0  # SSE streams writing now (they share stream_events_per_s)
+        # checks' 429s, kept per client for their Retry-After: an ask before it is
+        # answered here (deploy/refusals.py)
+        self._check_refusals = Refusals()
         self._stored = ResponseStore(self.settings.responses_ttl_s,
                                      self.settings.responses_max_stored,
                                      self.settings.responses_max_stored_chars)
@@ -316,11 +320,26 @@ class OpenAIServer:
             parsed = api.parse_request(api.GrammarCheckRequest, await self._body(request))
             await self._check_model(parsed.model)
             client = self._client(request, parsed.user)
+            wait = self._check_refusals.wait_left(client)
+            if wait > 0:
+                # answered when its Retry-After has passed (asleep: no CPU), so a client
+                # that ignores it sends one body per connection per Retry-After
+                await asyncio.sleep(wait)
+                raise APIError(
+                    429, "this client's grammar checks were refused (the worker's compile "
+                    "queue holds its share) less than Retry-After ago; retry after it",
+                    type_="rate_limit_error", code="overloaded",
+                    headers={"Retry-After": str(max(1, round(wait)))})
             spec = api.check_spec(parsed, self.limits,
                                   await self._named(parsed.grammar_id, client))
             wait_s = (self.settings.grammar_check_wait_s if parsed.wait_s is None
                       else parsed.wait_s)
-            report = await self._check(spec, client, wait_s)
+            try:
+                report = await self._check(spec, client, wait_s)
+            except APIError as exc:
+                if exc.status == 429:
+                    self._check_refusals.refused(client, exc.headers.get("Retry-After"))
+                raise
             response = self._report_response(report)
             self._metrics.request(route, response.status_code, time.monotonic() - started)
             return response
