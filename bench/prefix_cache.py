@@ -12,7 +12,10 @@ second.
 each worker's KV holds about two of the prefixes), 4 distinct 512-token prefixes, 128
 requests in a random order, 8 at a time: the hit rate (prompt tokens found cached over the
 prefixes' tokens sent) with prefix-aware routing and with routing by load alone, and each
-worker's share of the requests (the most loaded over the mean).
+worker's share of the requests and of the tokens computed (prompt tokens not found cached,
+and output), the most loaded over the mean. (Four prefixes over three workers: a routing
+that kept each prefix on one worker would send one worker two of them, half the requests,
+1.5x the mean; the work those requests cost is what the tokens computed measure.)
 
 (c) The batch job's own loop (deploy/batch_job.process, a runtime of one worker, the
 default model) on 200 rows of one shared 600-token instruction and a short document each,
@@ -21,7 +24,7 @@ tokens computed and cached, and the valid share.
 
 Keys: computed_over_unique_tokens, speedup_shared_prefix, ttft_p50_ratio,
 cluster_hit_rate_routed, cluster_hit_rate_load_only, cluster_max_over_mean_routed,
-batch_job_speedup, batch_valid_share_on, batch_valid_share_off. ``--quick``: 16 requests in
+cluster_computed_max_over_mean_routed (and ``_load_only`` for both), batch_job_speedup, batch_valid_share_on, batch_valid_share_off. ``--quick``: 16 requests in
 (a), 64 in (b), 50 rows in (c); ``--smoke``: the tiny model everywhere, a few of each.
 """
 
@@ -155,7 +158,7 @@ def engine_part(args, model: str, figs: dict) -> str:
 async def cluster_round(client, prompts: list[tuple[int, str]], prefix_tokens: int,
                         concurrency: int, out_tok: int) -> dict:
     slots = asyncio.Semaphore(concurrency)
-    cached, per_worker = [0], {}
+    cached, per_worker, computed = [0], {}, {}
 
     async def one(prompt: str):
         async with slots:
@@ -163,11 +166,16 @@ async def cluster_round(client, prompts: list[tuple[int, str]], prefix_tokens: i
                 max_new_tokens=out_tok, temperature=0.0, ignore_eos=True)))
         cached[0] += min(out.cached_tokens, prefix_tokens)
         per_worker[out.worker_id] = per_worker.get(out.worker_id, 0) + 1
+        # the work it cost its worker: the prompt tokens computed (not found cached), and
+        # its output
+        computed[out.worker_id] = (computed.get(out.worker_id, 0) + out.prompt_tokens
+                                   - out.cached_tokens + out.completion_tokens)
 
     await asyncio.gather(*(one(p) for _, p in prompts))
-    loads = list(per_worker.values())
+    loads, work = list(per_worker.values()), list(computed.values())
     return {"hit_rate": cached[0] / (prefix_tokens * len(prompts)),
-            "max_over_mean": max(loads) / statistics.mean(loads), "per_worker": per_worker}
+            "max_over_mean": max(loads) / statistics.mean(loads), "per_worker": per_worker,
+            "computed_max_over_mean": max(work) / statistics.mean(work)}
 
 
 def cluster_part(args, model: str, figs: dict) -> str:
@@ -204,14 +212,17 @@ def cluster_part(args, model: str, figs: dict) -> str:
         key = "routed" if routed else "load_only"
         figs[f"cluster_hit_rate_{key}"] = round(r["hit_rate"], 3)
         figs[f"cluster_max_over_mean_{key}"] = round(r["max_over_mean"], 2)
+        figs[f"cluster_computed_max_over_mean_{key}"] = round(r["computed_max_over_mean"], 2)
         rows.append(["prefix-aware" if routed else "by load alone", round(r["hit_rate"], 3),
-                     round(r["max_over_mean"], 2),
+                     round(r["max_over_mean"], 2), round(r["computed_max_over_mean"], 2),
                      " ".join(str(v) for _, v in sorted(r["per_worker"].items()))])
     return (f"(b) {workers} workers (tiny model, KV for about two prefixes each), "
             f"{n_prefixes} prefixes of {prefix_len} tokens, {n_req} requests in a random "
             "order, 8 at a time:\n\n"
-            + table(["routing", "hit rate", "most loaded / mean", "requests per worker"],
-                    rows))
+            + table(["routing", "hit rate", "most requests / mean",
+                     "most tokens computed / mean", "requests per worker"], rows)
+            + "\n\n(tokens computed: a worker's prompt tokens not found cached, and its "
+              "output)")
 
 
 # (c) the batch job ----------------------------------------------------------------------
