@@ -457,6 +457,37 @@ class RuntimeClient:
                 return found
         return self._checked.get(owner, grammar_id)
 
+    async def remember_response(self, owner: str, response_id: str, messages: list[dict],
+                                ttl_s: float | None = None) -> bool:
+        """Keeps a Responses conversation in the shared cache actor, where every front end
+        finds it (core/response_store.py); False when the runtime runs without the actor,
+        it did not answer, or the conversation alone is over its bound (the caller's own
+        store still has it)."""
+        cache = await self._cache_actor()
+        if cache is None:
+            return False
+        try:
+            return bool(await asyncio.wait_for(
+                cache.remember_response.remote(owner, response_id, messages, ttl_s),
+                self.scheduler_wait_s))
+        except Exception as exc:  # noqa: BLE001 - kept by the caller's front end all the same
+            logger.warning("could not keep response %s in the grammar cache (%r); only this "
+                           "front end knows it", response_id, exc)
+            return False
+
+    async def stored_response(self, owner: str, response_id: str) -> list[dict] | None:
+        """The conversation ``owner`` stored under ``response_id`` in the shared cache
+        actor; None when it has none, or the runtime runs without it, or it did not
+        answer."""
+        cache = await self._cache_actor()
+        if cache is None:
+            return None
+        try:
+            return await asyncio.wait_for(cache.stored_response.remote(owner, response_id),
+                                          self.scheduler_wait_s)
+        except Exception:  # noqa: BLE001 - the actor down or slow: not found here
+            return None
+
     async def _cache_actor(self):
         """The shared grammar cache actor, looked up by name (None: the runtime runs
         without one)."""

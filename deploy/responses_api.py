@@ -1,6 +1,6 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a translation into the chat route's
 plan. No Ray and no HTTP here; deploy/serve_app.py does the I/O, deploy/responses_events.py
-shapes what goes back, deploy/response_store.py keeps conversations.
+shapes what goes back, core/response_store.py keeps conversations.
 
 A Responses request is rewritten as the chat request it means (``input`` items and the
 stored conversation as messages, ``instructions`` as the system message, ``text.format``

@@ -43,6 +43,7 @@ from core.errors import ErrorKind
 from core.grammar_spec import is_grammar_id
 from core.json_schema import nested_deeper
 from core.request import RequestOutput
+from core.response_store import ResponseStore
 from deploy import exposure
 from deploy import openai_api as api
 from deploy import responses
@@ -54,7 +55,6 @@ from deploy.errors import (APIError, bad_request, for_exception, for_kind, last_
 from deploy.metrics import Metrics
 from deploy.openai_api import Plan
 from deploy.refusals import Refusals
-from deploy.response_store import ResponseStore
 from deploy.settings import AppSettings
 from core.config import config_error_message
 
@@ -242,7 +242,8 @@ class OpenAIServer:
         """OpenAI's Responses API: the request planned as the chat request it means
         (deploy/responses_api.py), run like one, answered as a Response object or its
         event stream (deploy/responses_events.py); with ``store`` (the default), its
-        conversation kept for ``previous_response_id`` (deploy/response_store.py)."""
+        conversation kept for ``previous_response_id`` (core/response_store.py: in this
+        replica, and in the grammar cache actor, where every replica finds it)."""
         started = time.monotonic()
         route = "/v1/responses"
         try:
@@ -250,7 +251,7 @@ class OpenAIServer:
             parsed = api.parse_request(rapi.ResponsesRequest, await self._body(request))
             await self._check_model(parsed.model)
             client = self._client(request, parsed.user)
-            turn = rapi.plan_response(parsed, self._conversation(parsed, client),
+            turn = rapi.plan_response(parsed, await self._conversation(parsed, client),
                                       self.limits, self._served, client,
                                       named=await self._named(parsed.grammar_id, client))
             model = self._model(turn.plan)
@@ -264,46 +265,61 @@ class OpenAIServer:
             else:
                 outputs = await self._outputs(turn.plan)
                 response = responses_events.response_body(turn, outputs[0], model)
-                self._keep(turn, client, response)
+                await self._keep(turn, client, response)
             self._metrics.request(route, 200, time.monotonic() - started)
             return response
         except APIError as exc:
             self._metrics.request(route, exc.status, time.monotonic() - started)
             raise
 
-    def _conversation(self, parsed, client: str) -> list[dict] | None:
-        """The stored conversation ``previous_response_id`` names (None: no id); a 404
-        naming it when this tenant has none under it here."""
+    async def _conversation(self, parsed, client: str) -> list[dict] | None:
+        """The stored conversation ``previous_response_id`` names (None: no id): this
+        replica's copy, else the shared one in the grammar cache actor (another replica
+        answered it); a 404 naming it when this tenant has none under it."""
         previous = parsed.previous_response_id
         if previous is None:
             return None
         rapi.check_previous_id(previous)
-        found = self._stored.get(api.cache_scope(client), previous)
+        owner = api.cache_scope(client)
+        found = self._stored.get(owner, previous)
         if found is None:
-            raise APIError(404, f"no stored response {previous!r} for this API key's tenant "
-                                "on this replica: it was made with store: false, by another "
-                                "tenant, on another replica (with num_replicas > 1), or over "
-                                f"{self.settings.responses_ttl_s:g} s ago (responses_ttl_s) "
-                                "or pushed out by newer ones; send the conversation as input "
-                                "instead", param="previous_response_id",
-                           code="response_not_found")
+            found = await self.runtime.stored_response(owner, previous)
+        if found is None:
+            raise APIError(404, f"no stored response {previous!r} for this API key's tenant: "
+                                "it was made with store: false, by another tenant, over "
+                                f"{self.settings.responses_ttl_s:g} s ago (responses_ttl_s), "
+                                "or pushed out by newer ones (or the runtime restarted); send "
+                                "the conversation as input instead",
+                           param="previous_response_id", code="response_not_found")
         return found
 
-    def _keep(self, turn, client: str, response: dict | None) -> None:
+    async def _keep(self, turn, client: str, response: dict | None) -> None:
         """Stores the conversation after ``response`` under its id for the client's
-        tenant (``store: false``, or a failed response: nothing)."""
+        tenant, in this replica and in the shared cache actor, before the response is
+        answered (its id may be continued on any replica at once); ``store: false``, or a
+        failed response: nothing."""
         if turn.store and response is not None and response["status"] != "failed":
-            self._stored.put(api.cache_scope(client), turn.id,
-                             responses_events.conversation(turn, response))
+            owner, messages = api.cache_scope(client), responses_events.conversation(
+                turn, response)
+            self._stored.put(owner, turn.id, messages)
+            await self.runtime.remember_response(owner, turn.id, messages,
+                                                 self.settings.responses_ttl_s)
 
     async def _kept(self, turn, client: str, stream, events) -> AsyncIterator[str]:
-        """``events``, then the finished stream's conversation stored (``_keep``)."""
+        """``events``, the finished stream's conversation stored (``_keep``) before the
+        events that finish it are sent (the client may continue it at once, on any
+        replica)."""
+        kept = False
         try:
             async for event in events:
+                if not kept and stream.final is not None:
+                    kept = True
+                    await self._keep(turn, client, stream.final)
                 yield event
         finally:
             await events.aclose()
-        self._keep(turn, client, stream.final)
+        if not kept:
+            await self._keep(turn, client, stream.final)
 
     @fastapi_app.post("/v1/grammars", openapi_extra=_body_schema(api.GrammarCheckRequest))
     async def check_grammar(self, request: Request):

@@ -85,8 +85,9 @@ class AppSettings(BaseModel):
     # "compiling" (the compile goes on; GET /v1/grammars/{id} gives the report once done)
     grammar_check_wait_s: float = Field(5.0, ge=0, le=600, allow_inf_nan=False)
     # POST /v1/responses: the conversations previous_response_id continues, kept in each
-    # replica's memory (deploy/response_store.py) for responses_ttl_s, at most
-    # responses_max_stored of them and responses_max_stored_chars characters in all
+    # replica's memory (core/response_store.py) for responses_ttl_s, at most
+    # responses_max_stored of them and responses_max_stored_chars characters in all (and
+    # in the grammar cache actor, by its own bounds, for every replica)
     responses_ttl_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
     responses_max_stored: int = Field(10_000, ge=0)
     responses_max_stored_chars: int = Field(50_000_000, ge=0)

@@ -65,6 +65,7 @@ from core.fair_lines import FairLines
 from grammar_cache.hot_list import HotList
 from core.percentile import percentile
 from core.grammar_spec import GrammarSpec
+from core.response_store import ResponseStore
 from grammar_cache.stats import CacheStats
 
 __all__ = ["ACTOR_NAME", "NAMESPACE", "GrammarCache", "GrammarCacheActor", "GrammarCacheConfig",
@@ -216,6 +217,10 @@ class GrammarCache:
         self.distinct: OrderedDict[str, None] = OrderedDict()
         self.hot_list = HotList(config)
         self.checked = CheckedGrammars()  # POST /v1/grammars' reports, by owner and id
+        # POST /v1/responses' stored conversations, by owner (tenant) and id: every front
+        # end's previous_response_id finds them
+        self.responses = ResponseStore(config.responses_ttl_s, config.responses_max_stored,
+                                       config.responses_max_stored_chars)
         self._ready = threading.Event()
         self._ready_error: str | None = None
         threading.Thread(target=self._start_pool, name="grammar-pool-start",
@@ -573,6 +578,8 @@ class GrammarCache:
                 "compile_p99_s": percentile(self.compile_times, 99, 0.0),
                 "compile_crashes": self.pool.crashes, "ready": self._ready.is_set(),
                 **self.checked.stats(),
+                "responses_stored": len(self.responses),
+                "responses_stored_chars": self.responses.chars,
                 "config": self.config.model_dump()}
 
     def close(self) -> None:
@@ -629,6 +636,17 @@ class GrammarCacheActor:
         """The spec and report ``owner`` checked under ``grammar_id``, None when unknown
         (never checked by this owner, or forgotten: the bounds, a restart)."""
         return self.cache.checked.get(owner, grammar_id)
+
+    def remember_response(self, owner: str, response_id: str, messages: list[dict],
+                          ttl_s: float | None = None) -> bool:
+        """Keeps a Responses conversation under its owner (the tenant) and id for every
+        front end (core/response_store.py); False when it alone is over the bound."""
+        return self.cache.responses.put(owner, response_id, messages, ttl_s)
+
+    def stored_response(self, owner: str, response_id: str) -> list[dict] | None:
+        """The conversation ``owner`` stored under ``response_id``, None when unknown
+        (never stored, another owner's, expired, pushed out, or the actor restarted)."""
+        return self.cache.responses.get(owner, response_id)
 
     def compile_pids(self) -> dict[int, str]:
         """pid -> key of each compile process busy compiling (for operators and tests)."""

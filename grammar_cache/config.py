@@ -95,6 +95,12 @@ class GrammarCacheConfig(ConfigModel):
     # grammars every worker warms at start, as GrammarSpec fields: {"kind": "json_schema",
     # "source": {...schema...}} (a JSON source may be given as an object)
     hot_specs: list[dict] = Field(default_factory=list)
+    # the Responses API's stored conversations that every front end finds
+    # (core/response_store.py: per tenant, the heaviest tenant's oldest pushed out first;
+    # a front end's own responses_ttl_s applies too, the shorter wins)
+    responses_ttl_s: float = Field(3600.0, gt=0, allow_inf_nan=False)
+    responses_max_stored: int = Field(10_000, ge=0)
+    responses_max_stored_chars: int = Field(50_000_000, ge=0)
     # the disk tier: compiled grammars (envelopes) persist per node under disk_dir (default
     # $RAYGUIDE_CACHE_DIR/grammars, else ~/.cache/rayguide/grammars), keyed by xgrammar
     # version, tokenizer fingerprint and spec key; oldest evicted past disk_max_bytes

@@ -459,3 +459,52 @@ def test_compile_children_outlive_the_thread_that_started_them():
         assert _alive(child)
     finally:
         _stop(parent, child)
+
+
+def test_the_cache_actor_keeps_responses_conversations_for_every_front_end(cache):
+    """RuntimeClient.remember_response / stored_response through the actor's own methods
+    (GrammarCacheActor, without Ray): what one front end stored another finds, per owner,
+    bounded by the actor's config; no actor, or one that fails, is "not found"."""
+    from cluster.client import RuntimeClient
+
+    c = cache(responses_max_stored=2)
+    actor_cls = getattr(actor_module.GrammarCacheActor, "__ray_actor_class__",
+                        actor_module.GrammarCacheActor)
+    actor = object.__new__(actor_cls)
+    actor.cache = c
+
+    class Method:
+        def __init__(self, fn):
+            self.fn = fn
+
+        async def remote(self, *args):
+            return self.fn(*args)
+
+    class Handle:
+        remember_response = Method(actor.remember_response)
+        stored_response = Method(actor.stored_response)
+
+    fronts = [RuntimeClient(scheduler=object()) for _ in range(2)]
+    for f in fronts:
+        f._cache = Handle()
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "HI"}]
+
+    async def main():
+        assert await fronts[0].remember_response("tacme", "resp_1", msgs, 60.0)
+        assert await fronts[1].stored_response("tacme", "resp_1") == msgs
+        assert await fronts[1].stored_response("tglobex", "resp_1") is None
+        for i in (2, 3):  # past responses_max_stored: the oldest goes
+            await fronts[1].remember_response("tacme", f"resp_{i}", msgs)
+        assert await fronts[0].stored_response("tacme", "resp_1") is None
+        assert c.stats()["responses_stored"] == 2
+
+        class Down:
+            class stored_response:  # noqa: N801 - a Ray method's shape
+                @staticmethod
+                async def remote(*args):
+                    raise ConnectionError("gone")
+            remember_response = stored_response
+        fronts[0]._cache = Down()
+        assert await fronts[0].stored_response("tacme", "resp_3") is None
+        assert await fronts[0].remember_response("tacme", "resp_4", msgs) is False
+    run(main)

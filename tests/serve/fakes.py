@@ -4,7 +4,7 @@ no metrics. Import them (``from tests.serve.fakes import edge_server``)."""
 
 import deploy.serve_app as serve_app
 from deploy import openai_api as api
-from deploy.response_store import ResponseStore
+from core.response_store import ResponseStore
 from deploy.settings import AppSettings
 
 # the server class itself, under Ray Serve's deployment wrapper

@@ -24,7 +24,7 @@ from deploy import openai_api as api
 from deploy import responses_api as rapi
 from deploy import responses_events as events
 from deploy.errors import APIError
-from deploy.response_store import ResponseStore
+from core.response_store import ResponseStore
 from deploy.settings import Limits
 from deploy.tenants import read_keys_file
 from tests.serve.fakes import SERVER, edge_server
@@ -311,10 +311,19 @@ def test_the_store_is_bounded_expires_and_keeps_tenants_apart():
 
 
 class EchoRuntime:
-    """Answers each request with the last user message it was sent, upper-cased."""
+    """Answers each request with the last user message it was sent, upper-cased; its
+    ``shared`` store stands for the grammar cache actor's (RuntimeClient's
+    remember_response / stored_response: the same ResponseStore, without Ray)."""
 
-    def __init__(self):
+    def __init__(self, shared: ResponseStore | None = None):
         self.prompts = []
+        self.shared = ResponseStore(3600, 100, 1_000_000) if shared is None else shared
+
+    async def remember_response(self, owner, response_id, messages, ttl_s=None):
+        return self.shared.put(owner, response_id, messages, ttl_s)
+
+    async def stored_response(self, owner, response_id):
+        return self.shared.get(owner, response_id)
 
     async def generate(self, request):
         self.prompts.append(request.prompt)
@@ -358,6 +367,37 @@ def test_previous_response_id_continues_the_tenants_conversation(tmp_path):
     with pytest.raises(APIError) as err:
         create(srv, "acme-key-1234", input="x", previous_response_id="resp_nope")
     assert err.value.status == 400 and err.value.param == "previous_response_id"
+
+
+def test_a_conversation_goes_on_on_another_replica(tmp_path):
+    """Two replicas (front ends) of one runtime: a response stored by one is continued on
+    the other (the shared store: the grammar cache actor's), streamed or not, and still
+    per tenant; a replica's own store alone would answer 404."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("acme: acme-key-1234\nglobex: globex-key-1234\n")
+    shared = ResponseStore(3600, 100, 1_000_000)
+    one, two = (edge_server(EchoRuntime(shared), tenant_keys=read_keys_file(str(keys)))
+                for _ in range(2))
+    first = create(one, "acme-key-1234", input="hello")
+    assert two._stored.get("tacme", first["id"]) is None  # not in the other's own store
+    second = create(two, "acme-key-1234", input="again", previous_response_id=first["id"])
+    assert [m["content"] for m in two.runtime.prompts[-1]] == ["hello", "HELLO", "again"]
+
+    async def streamed():
+        response = await SERVER.create_response(two, request(
+            {"input": "more", "stream": True, "previous_response_id": second["id"]},
+            "acme-key-1234"))
+        events = [e async for e in response.body_iterator]
+        done = json.loads(next(e for e in events if "response.completed" in e)
+                          .split("data: ", 1)[1])
+        return done["response"]["id"]
+    third = asyncio.run(streamed())
+    create(one, "acme-key-1234", input="last", previous_response_id=third)
+    assert [m["content"] for m in one.runtime.prompts[-1]] == [
+        "hello", "HELLO", "again", "AGAIN", "more", "MORE", "last"]
+    with pytest.raises(APIError) as err:  # another tenant, on either replica
+        create(one, "globex-key-1234", input="x", previous_response_id=third)
+    assert err.value.status == 404 and err.value.code == "response_not_found"
 
 
 @pytest.mark.parametrize("body", [

@@ -1,5 +1,7 @@
-"""The conversations ``previous_response_id`` continues: a bounded store in each front-end
-replica's memory, with no Ray and no I/O.
+"""The conversations ``previous_response_id`` continues: a bounded store in memory, with no
+Ray and no I/O. Each front-end replica keeps one (deploy/serve_app.py), and the grammar
+cache actor keeps the shared one (grammar_cache/actor.py), where every replica finds a
+conversation any of them stored.
 
 What is kept, under a response's id and its owner (the tenant of the API key that made it:
 another tenant's lookup finds nothing): the conversation up to and including that
@@ -8,7 +10,8 @@ outputs, the answer's text and calls; not the request's ``instructions``, its to
 settings, and not a reasoning model's thought), for ``ttl_s`` after it was stored. Past
 ``max_entries`` or ``max_chars`` (the conversations' JSON length in all), the tenant that
 holds the most characters loses its oldest conversation first, so one busy tenant cannot
-push out everyone else's. Nothing is written to disk; a replica that restarts forgets.
+push out everyone else's. Nothing is written to disk; a store whose process restarts
+forgets.
 """
 
 from __future__ import annotations
@@ -47,9 +50,11 @@ class ResponseStore:
     def chars(self) -> int:
         return sum(self._chars.values())
 
-    def put(self, owner: str, response_id: str, messages: list[dict]) -> bool:
-        """Keeps ``messages`` under ``response_id`` for ``owner``; False when one
-        conversation alone is over ``max_chars`` (nothing is kept)."""
+    def put(self, owner: str, response_id: str, messages: list[dict],
+            ttl_s: float | None = None) -> bool:
+        """Keeps ``messages`` under ``response_id`` for ``owner`` for ``ttl_s`` (None: the
+        store's own ``ttl_s``; at most that); False when one conversation alone is over
+        ``max_chars`` (nothing is kept)."""
         size = len(json.dumps(messages, ensure_ascii=False))
         if size > self.max_chars or self.max_entries < 1:
             return False
@@ -61,8 +66,8 @@ class ResponseStore:
             oldest = next(k for k, e in self._entries.items() if e.owner == heaviest)
             self._drop(oldest)
             self.evicted += 1
-        self._entries[response_id] = _Entry(owner, messages, size,
-                                            self.clock() + self.ttl_s)
+        ttl = self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s)
+        self._entries[response_id] = _Entry(owner, messages, size, self.clock() + ttl)
         self._chars[owner] = self._chars.get(owner, 0) + size
         return True
 
@@ -71,6 +76,9 @@ class ResponseStore:
         (never stored, expired, evicted, or another owner's)."""
         self._expire()
         entry = self._entries.get(response_id)
+        if entry is not None and entry.expires <= self.clock():  # a shorter ttl_s than
+            self._drop(response_id)  # the entries before it (_expire stops at those)
+            return None
         if entry is None or entry.owner != owner:
             return None
         return [dict(m) for m in entry.messages]
