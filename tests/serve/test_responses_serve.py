@@ -37,8 +37,9 @@ def client(tiny_model_dir, shared_ray):
                            engine={"num_kv_blocks": 256},
                            scheduler={"load_poll_interval_s": 0.3})
     with shared_ray():
-        # one replica: a conversation is kept in the replica that answered it
-        svc = service.start(config, port=free_port(), api_key=KEY, num_replicas=1)
+        # two replicas: a conversation's turns reach either (the proxy picks), and each
+        # finds what the other stored (the grammar cache actor's store)
+        svc = service.start(config, port=free_port(), api_key=KEY, num_replicas=2)
         yield openai.OpenAI(base_url=svc.url + "/v1", api_key=KEY, max_retries=0,
                             timeout=120)
 
