@@ -11,12 +11,17 @@ Each way runs as its own driver process connected to the cluster, as a Ray job's
 - the JSONL batch job: ``python -m deploy.batch_job --input in.jsonl --output out.jsonl
   --concurrency 32``;
 - the processor: ``ray.data.read_parquet(in/)``, ``build_processor`` (2 actors, 16
-  requests in flight each: the same 32), ``write_parquet(out/)``.
+  requests in flight each: the same 32), ``write_parquet(out/)``;
+- the same processor with Ray Data's V1 Parquet reader (``RAY_DATA_USE_DATASOURCE_V2=0``
+  in the driver's environment): the default V2 reader lists files in a task that starts
+  footer-reader actors of its own, new worker processes on each read (a few seconds
+  each on a small machine), where V1 samples the files in the driver.
 
 Each run gets a fresh runtime (no prefix or grammar cached from the other). Figures: the
 wall time of each driver (its start, its imports, Ray Data's planning, read tasks and
 actors included), rows a second, ``ratio_processor_vs_jsonl`` (the processor's rows a
-second over the job's, end to end; the bar is 0.9), ``steady_ratio_processor_vs_jsonl``
+second over the job's, end to end; the bar is 0.9; ``ratio_processor_v1_vs_jsonl`` with
+the V1 reader), ``steady_ratio_processor_vs_jsonl``
 (rows over the runtime's busy window, from the first moment a worker held one of the run's
 rows to the last, polled every 0.1 s: the rate once each runs, without its start-up), the rows each wrote and their valid share. A full run does
 1,000 rows, both ways twice (alternating), and reports each pair; ``--quick`` 200 rows
@@ -134,6 +139,7 @@ def parquet_rows(path: Path) -> list[dict]:
 
 def one_run(way: str, address: str, model: str, jsonl: Path, parquet: Path, folder: Path,
             tag: str) -> dict:
+    """way: "jsonl", "processor" or "processor_v1" (Ray Data's V1 Parquet reader)."""
     from cluster import launch
     from cluster.config import ClusterConfig
 
@@ -141,6 +147,8 @@ def one_run(way: str, address: str, model: str, jsonl: Path, parquet: Path, fold
         model=model, num_workers=2, worker={"num_cpus": 1, "num_threads": 1},
         engine={"max_num_seqs": 32, "progress": False}))
     env = dict(os.environ, RAY_ADDRESS=address, PYTHONUNBUFFERED="1")
+    if way == "processor_v1":
+        env["RAY_DATA_USE_DATASOURCE_V2"] = "0"
     try:
         if way == "jsonl":
             out = folder / f"out-{tag}.jsonl"
@@ -179,24 +187,27 @@ def main() -> None:
     launch.fast_death_notice()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4,
                                                             "include_dashboard": False})
-    results: dict[str, list[dict]] = {"jsonl": [], "processor": []}
+    ways = ("jsonl", "processor", "processor_v1")
+    results: dict[str, list[dict]] = {way: [] for way in ways}
     try:
         cluster.add_node(num_cpus=4)
         ray.init(address=cluster.address, namespace="rayguide", log_to_driver=False)
         for r in range(rounds):
-            for way in ("jsonl", "processor"):
+            for way in ways:
                 results[way].append(one_run(way, cluster.address, model, jsonl, parquet,
                                             folder, f"{way}-{r}"))
     finally:
         ray.shutdown()
         cluster.shutdown()
-    table_rows, ratios, steady_ratios = [], [], []
+    table_rows, ratios, steady_ratios, v1_ratios = [], [], [], []
     for r in range(rounds):
-        j, p = results["jsonl"][r], results["processor"][r]
+        j, p, v1 = results["jsonl"][r], results["processor"][r], results["processor_v1"][r]
         ratios.append(j["wall"] / p["wall"])  # the same rows: rows/s over rows/s
+        v1_ratios.append(j["wall"] / v1["wall"])
         if p["busy"] and j["busy"]:
             steady_ratios.append(j["busy"] / p["busy"])  # the same rows: a rate ratio
-        for way, res in (("JSONL batch job", j), ("Ray Data processor", p)):
+        for way, res in (("JSONL batch job", j), ("Ray Data processor", p),
+                         ("the processor, V1 Parquet reader", v1)):
             table_rows.append([r + 1, way, round(res["wall"], 1), round(n / res["wall"], 1),
                                round(res["first_rows_s"], 1),
                                "-" if res["busy"] is None else round(n / res["busy"], 1),
@@ -207,7 +218,10 @@ def main() -> None:
     pw = statistics.median(x["wall"] for x in results["processor"])
     figs = {"rows": n, "jsonl_s": round(jw, 2), "processor_s": round(pw, 2),
             "jsonl_rows_s": round(n / jw, 2), "processor_rows_s": round(n / pw, 2),
+            "processor_v1_s": round(statistics.median(
+                x["wall"] for x in results["processor_v1"]), 2),
             "ratio_processor_vs_jsonl": round(ratio, 3),
+            "ratio_processor_v1_vs_jsonl": round(statistics.median(v1_ratios), 3),
             "steady_ratio_processor_vs_jsonl": None if steady is None else round(steady, 3),
             "jsonl_steady_rows_s": round(n / results["jsonl"][-1]["busy"], 2)
             if results["jsonl"][-1]["busy"] else None,
@@ -228,7 +242,9 @@ def main() -> None:
             + "\n\nprocessor / JSONL job throughput, end to end: "
             + ", ".join(f"{x:.2f}x" for x in ratios) + f" (median {ratio:.2f}x; bar 0.9x); "
             + "steady: " + ", ".join(f"{x:.2f}x" for x in steady_ratios)
-            + (f" (median {steady:.2f}x)" if steady is not None else "-"))
+            + (f" (median {steady:.2f}x)" if steady is not None else "-")
+            + "; with the V1 Parquet reader, end to end: "
+            + ", ".join(f"{x:.2f}x" for x in v1_ratios))
     finish("data_pipeline", body, figs, args)
 
 
