@@ -461,6 +461,55 @@ def test_batch_job_via_ray_job_submit(ray_head, tiny_model_dir, tmp_path):
     # (test_main_without_work_needs_no_ray, in process)
 
 
+def readme_pipeline(src: Path, dst: Path) -> str:
+    """The README's Ray Data example (its ``# my_pipeline.py`` block), reading ``src`` and
+    writing ``dst`` where it names /data/in/ and /data/out/."""
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"```python\n(# my_pipeline\.py\n.*?)```", readme, re.S)
+    assert block, "README.md has no `# my_pipeline.py` example"
+    code = block.group(1)
+    assert "/data/in/" in code and "/data/out/" in code
+    return code.replace("/data/in/", f"{src}/").replace("/data/out/", f"{dst}/")
+
+
+@pytest.mark.integration
+def test_the_readmes_ray_data_pipeline_via_ray_job_submit(ray_head, tiny_model_dir,
+                                                          tmp_path):
+    """The README's pipeline, as written there, submitted with `ray job submit
+    --working-dir . -- python my_pipeline.py` to a head with a runtime running: Parquet in,
+    Parquet out, one row per input row, and the account printed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if "rayguide_scheduler" not in rayguide_actors(ray_head):
+        (tmp_path / "runtime.yaml").write_text(
+            "worker: {num_cpus: 1, num_threads: 1}\n"
+            "engine: {num_kv_blocks: 256, max_num_seqs: 16}\n")
+        start_runtime(ray_head, tiny_model_dir, tmp_path / "runtime.yaml")
+    src, dst = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    rows = [{"id": i, "messages": [{"role": "user", "content": f"A person, {i}?"}],
+             "sampling_params": {"max_tokens": 24, "temperature": 0.0,
+                                 "structured_outputs": {"json": json.dumps(AGE_SCHEMA)}}}
+            for i in range(12)]
+    pq.write_table(pa.Table.from_pylist(rows), src / "part-0.parquet")
+    code = readme_pipeline(src, dst)
+    # the script is written inside the job's uploaded working directory, where the README
+    # has it, then run there
+    entry = ["sh", "-c", f"printf %s {shlex.quote(code)} > my_pipeline.py && "
+                         "python my_pipeline.py"]
+    from cluster.launch import ray_executable
+    done = subprocess.run([ray_executable(), "job", "submit", "--address", ray_head["url"],
+                           "--working-dir", ".", "--", *entry], cwd=REPO, env=ray_head["env"],
+                          capture_output=True, text=True, timeout=300)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0 and "succeeded" in log, log[-4000:]
+    out = pq.read_table(dst).to_pylist()
+    assert sorted(r["id"] for r in out) == list(range(12))
+    assert all(r["outcome"] for r in out) and all(r["finish_reason"] for r in out)
+    assert re.search(r"\ntotal\s+12\s", log), log[-3000:]  # the account's table, printed
+
+
 @pytest.mark.unit
 def test_one_deeply_nested_line_fails_alone():
     """A line nested past Python's recursion limit, or a schema nested past the schema depth
