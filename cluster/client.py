@@ -9,6 +9,12 @@ most ``max_failovers`` times; after that, a clear error chunk, never a silent tr
 Requests and chunks cross Ray as typed objects (``GenerationRequest`` with its
 ``GrammarSpec`` and cached key, ``RequestOutput``: core/). This module is the front ends'
 one door into the runtime, so deploy/ imports nothing below cluster/ but core/.
+
+Why one module: routing, streaming with failover, grammar checks and the stores kept in
+the cache actor (checked grammars, Responses conversations) share one client's state (the
+workers it knows, its requests in flight and their ends told to the scheduler, its
+handles to the scheduler and the cache actor); split, each part would reach into the
+others' fields.
 """
 
 from __future__ import annotations
