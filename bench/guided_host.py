@@ -16,13 +16,16 @@ recorded answers (its logits lean on the recorded token; where the output leaves
 record, the model's own choice): host microseconds per row per decode step (the step's
 time less its forward's, which is not free even for the tiny model on a CPU: its output
 layer is the real vocabulary's; rows parked on a search count as rows of the batch),
+less the draw's tensor work over the vocabulary (nan_to_num, the grammar mask's apply,
+argmax: kernels on a GPU, the CPU's own work here, reported apart as ``draw``),
 guided and unguided (the same tokens, no grammar), the guided mask's parts per row (fill, apply, accept: ``StepTimings``), the
 searches' share (``search_cpu_ms``), and the longest step over the median.
 
 Keys: host_us_per_row_b64_guided, host_us_per_row_b64_unguided, host_us_per_row_b256_guided,
 host_us_per_row_b256_unguided, host_us_per_row_b64_<fill|apply|accept|search>,
 max_step_over_median_b64, ratio_guided_unguided_cpu_b8, ratio_guided_unguided_cpu_b32,
-ratio_long_answers_cpu_b8, max_step_over_median_cpu_b8, valid_share_cpu.
+ratio_long_answers_cpu_b8, max_step_over_median_cpu_b8, valid_share_cpu,
+draw_us_per_row_b<64|256>_<guided|unguided>.
 --quick: batch 8 only in (b) and 64 only in (a); --smoke: the tiny model for both, small.
 """
 
@@ -43,6 +46,7 @@ from bench.report import finish, parser, smoke_model, table  # noqa: E402
 from core.grammar_spec import GrammarSpec  # noqa: E402
 from core.request import GenerationRequest, RequestOutput  # noqa: E402
 from worker.engine.config import EngineConfig  # noqa: E402
+from worker.engine import sampling  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
 from worker.guided.output_policy import start_witness  # noqa: E402
@@ -60,6 +64,7 @@ LONG_STRINGS = {"type": "object", "properties": {"lines": {
     "required": ["lines"]}
 LONG = ("long_objects", "long_strings")
 ROUNDS = 4  # (a): requests per row of the batch
+plain_draw = sampling.sample_on_device
 
 
 def mix() -> list[tuple[str, GrammarSpec, str, int | None]]:
@@ -190,31 +195,61 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
         return logits, rows_
 
     engine.runner.run = scripted
+    # the draw's tensor work over the whole vocabulary (nan_to_num, the mask's apply,
+    # argmax: kernels on a GPU, where the host only launches them), taken out of the host
+    # time like the forward and reported apart; the processor's host parts (the wait for
+    # the fill, stop ids and UTF-8 bans on the host bitmask) stay in the host's
+    device, applied = [0.0], [0.0]
+    plain_apply = engine.guided.apply_bitmask
+
+    def timed_apply(logits, num_rows):
+        t0 = time.perf_counter()
+        plain_apply(logits, num_rows)
+        applied[0] += time.perf_counter() - t0
+
+    def timed_draw(logits, plan, processor=None):
+        applied[0] = 0.0
+        t0 = time.perf_counter()
+        packed = plain_draw(logits, plan, processor)
+        took = time.perf_counter() - t0
+        tm = getattr(processor, "timings", None)
+        if tm is not None and tm.guided_rows:
+            took -= (tm.fill_wait_us + tm.apply_us) * 1e-6 - applied[0]
+        device[0] += took
+        return packed
+
+    engine.guided.apply_bitmask = timed_apply
+    sampling.sample_on_device = timed_draw
     # as a worker does after its start (worker/actor.py): the start's objects out of the
     # cyclic collector's full passes (one took 0.2 s, in a step of this loop)
     gc.collect()
     gc.freeze()
     for r in reqs:
         engine.add_request(r)
-    per_row, parts, steps = [], {"fill": [], "apply": [], "accept": []}, []
-    while engine.has_work():
-        fwd[0] = 0.0
-        t = time.perf_counter()
-        engine.step()
-        took = time.perf_counter() - t - fwd[0]  # the host's part of the step
-        # rows in the batch: running, and parked while their search runs (sliced)
-        n = len(engine.scheduler.running) + len(engine.scheduler.parked)
-        if n >= batch * 3 // 4 and engine.num_steps > 2:  # decode steps of a full batch
-            per_row.append(took / n * 1e6)
-            steps.append(took)
-            tm = engine.last_timings
-            if tm is not None and tm.guided_rows:
-                parts["fill"].append(tm.fill_wait_us / n)
-                parts["apply"].append(tm.apply_us / n)
-                parts["accept"].append(tm.accept_us / n)
+    per_row, parts, steps, draws = [], {"fill": [], "apply": [], "accept": []}, [], []
+    try:
+        while engine.has_work():
+            fwd[0] = device[0] = 0.0
+            t = time.perf_counter()
+            engine.step()
+            took = time.perf_counter() - t - fwd[0] - device[0]  # the host's part
+            # rows in the batch: running, and parked while their search runs (sliced)
+            n = len(engine.scheduler.running) + len(engine.scheduler.parked)
+            if n >= batch * 3 // 4 and engine.num_steps > 2:  # decode steps of a full batch
+                per_row.append(took / n * 1e6)
+                draws.append(device[0] / n * 1e6)
+                steps.append(took)
+                tm = engine.last_timings
+                if tm is not None and tm.guided_rows:
+                    parts["fill"].append(tm.fill_wait_us / n)
+                    parts["apply"].append(tm.apply_us / n)
+                    parts["accept"].append(tm.accept_us / n)
+    finally:
+        sampling.sample_on_device = plain_draw
     gc.unfreeze()  # (this engine's objects collectable again once it is dropped)
     stats = engine.stats()
     out = {"us_per_row": statistics.median(per_row) if per_row else 0.0,
+           "draw_us_per_row": statistics.median(draws) if draws else 0.0,
            "max_over_median": max(steps) / statistics.median(steps) if steps else 0.0,
            "search_us_per_row": stats.search_cpu_ms * 1000 / max(1, sum(
                len(v) for v in script.values()))}
@@ -254,21 +289,26 @@ def main(argv=None) -> None:
         u = replay(tiny, b, rows, record, guided=False)
         figures[f"host_us_per_row_b{b}_guided"] = g["us_per_row"]
         figures[f"host_us_per_row_b{b}_unguided"] = u["us_per_row"]
+        figures[f"draw_us_per_row_b{b}_guided"] = g["draw_us_per_row"]
+        figures[f"draw_us_per_row_b{b}_unguided"] = u["draw_us_per_row"]
         if b == 64 or args.smoke:
             figures[f"max_step_over_median_b{b}"] = g["max_over_median"]
             for part in ("fill", "apply", "accept"):
                 figures[f"host_us_per_row_b{b}_{part}"] = g[part]
             figures[f"host_us_per_row_b{b}_search"] = g["search_us_per_row"]
         host.append([f"(a) batch {b}", g["us_per_row"], u["us_per_row"], g["fill"],
-                     g["apply"], g["accept"], g["search_us_per_row"], g["max_over_median"]])
+                     g["apply"], g["accept"], g["search_us_per_row"], g["max_over_median"],
+                     f"{g['draw_us_per_row']:.1f} / {u['draw_us_per_row']:.1f}"])
     body = ("(b) the default model (tiny in --smoke), greedy, guided vs unguided:\n\n"
             + table(["run", "guided tok/s", "unguided tok/s", "ratio", "max/median step",
                      "max step ms", "valid", "search ms"], lines)
             + "\n\n(a) the tiny model replaying (b)'s answers, host us per row per decode "
-            "step (fill: the wait for the mask after the forward; search: the searches' "
-            "CPU per output token):\n\n"
+            "step, the forward and the draw's tensor work left out (fill: the wait for the "
+            "mask after the forward; search: the searches' CPU per output token; draw: "
+            "nan_to_num, the mask's apply and argmax over the vocabulary, guided / unguided, "
+            "kernels on a GPU):\n\n"
             + table(["run", "guided", "unguided", "fill", "apply", "accept", "search",
-                     "max/median step"], host))
+                     "max/median step", "draw (device)"], host))
     finish("guided_host", body, figures, args)
 
 
