@@ -54,6 +54,29 @@ def test_every_prefix_of_a_valid_document_completes_valid(schema, value, layout)
         assert validate_json(schema, text[:i] + rest) is None, (text[:i], rest)
 
 
+@pytest.mark.parametrize("schema, value", CASES)
+@pytest.mark.parametrize("layout", [(", ", ": "), (",", ":")])
+def test_a_scan_fed_as_it_goes_completes_as_a_fresh_one(schema, value, layout):
+    # the pieces it keeps between calls (an open container's, while its state is the
+    # same) are those a scan of the same text writes anew, asked at every character and
+    # at every few (a piece kept from several values back)
+    text = json.dumps(value, separators=layout)
+    reused = 0
+    for every in (1, 3, 7, 29, 61):
+        going = JsonScan(SchemaNodes(schema))
+        for i, ch in enumerate(text):
+            going.feed(ch)
+            if i % every:
+                continue
+            fresh = JsonScan(going.nodes)
+            fresh.feed(text[:i + 1])
+            before = dict(going._pieces)
+            assert going.completion_parts(layout) == fresh.completion_parts(layout), (
+                every, text[:i + 1])
+            reused += sum(1 for d, kept in going._pieces.items() if before.get(d) is kept)
+    assert reused >= len(text) // 2  # (the pieces were read again, not only written)
+
+
 def test_the_separator_written_is_finished_in_the_layout():
     assert complete({"type": "array", "items": {"type": "integer"}, "minItems": 2},
                     "[1,") == " 0]"
@@ -79,3 +102,25 @@ def test_the_longest_choice_is_an_optional_object_of_required_keys():
                     "required": [f"k{i}" for i in range(6)]}}, "required": ["a"]}
     longest = SchemaNodes(schema).jumps((", ", ": "))[0]
     assert longest.startswith(', "details": {') and longest.count('"k') == 6
+
+
+def test_a_free_string_is_one_whose_text_nothing_bounds_but_its_least_length():
+    def free(schema, text):
+        scan = JsonScan(SchemaNodes(schema))
+        scan.feed(text)
+        return scan.in_free_string()
+    obj = {"type": "object", "properties": {"a": {"type": "string", "minLength": 3,
+                                                  "title": "A"}}}
+    assert free(obj, '{"a": "xy')
+    assert not free(obj, '{"a')  # a key
+    assert not free(obj, '{"a": "x\\')  # an escape under way
+    assert not free(obj, '{"a": "xy"')  # ended
+    for bound in ({"maxLength": 9}, {"pattern": "^x+$"}, {"enum": ["xyz"]}, {"format": "date"}):
+        schema = {"type": "object", "properties": {"a": {"type": "string", **bound}}}
+        assert not free(schema, '{"a": "xy'), bound
+    either = {"anyOf": [{"type": "string"}, {"type": "string", "minLength": 5}]}
+    assert not free({"type": "object", "properties": {"a": either}}, '{"a": "xy')
+    assert free({"type": "object", "properties": {"a": {"anyOf": [
+        {"type": "string"}, {"type": "integer"}]}}}, '{"a": "xy')  # one takes a string
+    assert not free({"anyOf": [obj, {"type": "object", "properties": {"b": {}}}]}, '{"a": "xy')
+    assert free({"type": "object"}, '{"k": "any')  # json_object's

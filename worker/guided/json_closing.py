@@ -39,6 +39,7 @@ from __future__ import annotations
 import codecs
 import json
 
+from core.json_schema import ANNOTATIONS
 from worker.guided.schema_witness import _Builder, _NoWitness, _string
 
 _WS = " \t\n\r"
@@ -196,6 +197,10 @@ def _kinds(option: dict) -> set[str]:
     return set()  # any (or implied by the keywords: not narrowed here)
 
 
+# the keywords of a string option that bound nothing of its text but its least length
+_FREE_STRING = ANNOTATIONS | {"type", "minLength"}
+
+
 def _takes(option: dict, kind: str) -> bool:
     kinds = _kinds(option)
     if not kinds:
@@ -250,10 +255,14 @@ class JsonScan:
         self.sep = ""  # the separator (',' or ':' and the blanks after it) just written
         self.tokens = 0  # how many of the output's tokens were fed (the caller's count)
         self._utf8 = codecs.getincrementaldecoder("utf-8")()
+        # the last closing piece of each open container, by depth: (what it was read
+        # from, the piece); see _complete
+        self._pieces: dict[int, tuple] = {}
 
     def clone(self) -> "JsonScan":
         c = JsonScan.__new__(JsonScan)
         c.nodes = self.nodes
+        c._pieces = {}
         c.stack = [f.clone() for f in self.stack]
         c.scalar = self.scalar.clone() if self.scalar is not None else None
         c.started, c.done, c.broken, c.tokens = self.started, self.done, self.broken, self.tokens
@@ -266,6 +275,22 @@ class JsonScan:
     def pending(self) -> bool:
         """An unfinished UTF-8 character is waiting for its next bytes."""
         return bool(self._utf8.getstate()[0])
+
+    def in_free_string(self) -> bool:
+        """Whether what was fed ends inside a string value whose text may go on with any
+        characters but a quote and a backslash, at any length: not a key, no escape or
+        unfinished character under way, exactly one of its options takes a string and
+        says nothing of the text but its least length (``minLength``, annotations), and
+        every open container has one option (so the text chooses between none). More
+        such characters then leave what may follow the string as it was."""
+        s = self.scalar
+        if (self.broken or s is None or s.kind != "string" or s.is_key or s.esc
+                or self.pending):
+            return False
+        strings = [o for o in s.options if _takes(o, "string")]
+        if len(strings) != 1 or not _FREE_STRING.issuperset(strings[0]):
+            return False
+        return all(len(f.options) == 1 for f in self.stack)
 
     def feed_bytes(self, data: bytes) -> None:
         try:
@@ -475,8 +500,24 @@ class JsonScan:
         if s is None and self.sep:  # the rest of the layout's separator (", " after ",")
             want = layout[0] if self.sep[0] == "," else layout[1]
             pad = want[len(self.sep):] if want.startswith(self.sep) else ""
+        # a container's piece follows from its state once what is inside it is closed:
+        # kept by depth and read again while that state is the same (its frame, count,
+        # keys written, place, and the pad before it; keys are only ever appended), so a
+        # long answer's outer pieces (the items still owed of an array of 12 objects) are
+        # not written again at every token of its innermost value
+        pieces = self._pieces
         for i in range(len(frames) - 1, -1, -1):
-            out.append(self._close_frame(frames[i], layout, pad if i == len(frames) - 1 else ""))
+            frame = frames[i]
+            p = pad if i == len(frames) - 1 else ""
+            key = (self.stack[i], frame.count, len(frame.keys), frame.state, frame.key, p,
+                   layout)
+            kept = pieces.get(i)
+            if kept is not None and kept[0] == key:
+                out.append(kept[1])
+            else:
+                piece = self._close_frame(frame, layout, p)
+                pieces[i] = (key, piece)
+                out.append(piece)
             if i:
                 self._done_in(frames[i - 1])
         return out

@@ -630,10 +630,17 @@ class OutputPolicy:
             # opened, without a dive. Where the guard has just replayed a closing path
             # from this very state (_keep_closable), its length is that estimate: no
             # reading of the schema (a long answer near its budget did, every step)
+            # (or one the output has followed since: what is left of it, as _carried_path
+            # reads it)
             at = st.closing_path
-            if at is not None and at[0] == seq.num_output and at[2] < _UNKNOWN:
-                need = len(at[1])
-            else:
+            need = None
+            if at is not None and at[2] < _UNKNOWN:
+                gone = seq.num_output - at[0]
+                if gone == 0:
+                    need = len(at[1])
+                elif 0 < gone <= len(at[1]) and seq.output_ids[at[0]:] == list(at[1][:gone]):
+                    need = len(at[1]) - gone
+            if need is None:
                 need = self._schema_need(seq)
             if need is not None:
                 st.closing_estimate = (seq.num_output, need)
@@ -851,6 +858,14 @@ class OutputPolicy:
         if probe.is_terminated():
             return None  # a stop token where the grammar may end: the output ends here
         closer = self.guided.closer
+        if len(path) <= left and self._string_goes_on(seq, probe, token, path):
+            # another piece of a free string: the path as it was, known from its first
+            # few tokens (slack as below)
+            slack = at_path[2] + 1
+            if closer.same_place(matcher, probe):
+                slack = at_path[2]
+            seq.guide.ending.closing_path = (seq.num_output + 1, path, slack)
+            return None
         # no search where the path still closes after this token: as it was (another word
         # in a string), its rest with the token in its first one's place (a digit for
         # a digit in a fixed-width pattern: a phone number's regex searched at every
@@ -887,6 +902,39 @@ class OutputPolicy:
             return None
         self.stats.closing_steered += 1
         return path[0]
+
+    def _string_goes_on(self, seq: GuidedRow, probe, token: int, path) -> bool:
+        """Whether ``path`` (a closing path from before ``token``) still closes after it,
+        ``probe`` being the matcher that has accepted it, known without replaying the
+        whole path: ``token`` writes more of a free string (no quote or backslash in it;
+        ``JsonScan.in_free_string``), and the path's part up to the quote that ends the
+        string still ends it after ``token`` (replayed: a few tokens). A string's text
+        leaves the parser's state after the string as it was, so the path's rest closes
+        from there as it did. A long answer near its budget replayed its whole path, some
+        hundreds of tokens, at every token of its strings (tests/engine/
+        test_keep_closable_engine.py compares the two verdicts)."""
+        vocab = self.guided.closer.vocab
+        data = vocab[token]
+        if not data or b'"' in data or b"\\" in data:
+            return False
+        scan = self._scan(seq)
+        if scan is None or not scan.in_free_string():
+            return False
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        for end, t in enumerate(path):
+            text = vocab[t]
+            quote = text.find(b'"')
+            if b"\\" in (text if quote < 0 else text[:quote]):
+                return False
+            if quote >= 0:
+                break
+        else:
+            return False
+        check = probe.fork()
+        return check.accept_tokens(list(path[:end + 1]))
 
     # the schema closer (json_closing.py) ---------------------------------------------------
 

@@ -497,6 +497,9 @@ class GuidedRequest:
             return 0
         if jump.replaces_last:
             seq.rollback(1)
+            # the schema closer's reader has read the sampled token: it reads again
+            # (one token's bytes now begin the next one's, which it would skip)
+            self.ending.scan = None
         seq.append(jump.tokens)
         return jump.added
 
