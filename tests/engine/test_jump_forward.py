@@ -28,6 +28,19 @@ def encode(text: str) -> list[int]:
     return ids
 
 
+
+def test_the_longer_tokens_are_those_that_begin_with_the_token_in_byte_order():
+    # the run of the sorted vocabulary cut out by bisection is the walk's: every token
+    # that begins with the head's bytes and is longer, ordered by bytes, here and at
+    # 0xff ends (whose run reaches to the vocabulary's end, or stops at the carry)
+    vocab = [b"a", b"ab", b"abc", b"b", b"a\xff", b"a\xff\x01", b"\xff", b"\xff\xff",
+             b"\xff\x00", b"ac", b"", b"aa", b"b\x00", b"\xfe\xff", b"\xfe\xff\xff"]
+    jf = JumpForward(vocab, lambda text: [])
+    for token, head in enumerate(vocab):
+        want = [i for b, i in sorted((b, i) for i, b in enumerate(vocab) if b)
+                if head and b.startswith(head) and len(b) > len(head)]
+        assert jf._longer_than(token).tolist() == want, head
+
 class LiteralThenLetters:
     """A matcher for ``literal`` followed by any letters a/b (what the interface needs)."""
 
