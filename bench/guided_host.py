@@ -23,6 +23,8 @@ searches' share (``search_cpu_ms``), and the longest step over the median.
 
 Keys: host_us_per_row_b64_guided, host_us_per_row_b64_unguided, host_us_per_row_b256_guided,
 host_us_per_row_b256_unguided, host_us_per_row_b64_<fill|apply|accept|search>,
+host_us_per_row_b64_<closing_guard|closing|loop_guard|jump_forward|stream> (a guided
+row's host work by feature, means, timed in a replay of its own),
 max_step_over_median_b64, ratio_guided_unguided_cpu_b8, ratio_guided_unguided_cpu_b32,
 ratio_long_answers_cpu_b8, max_step_over_median_cpu_b8, valid_share_cpu,
 draw_us_per_row_b<64|256>_<guided|unguided>.
@@ -35,6 +37,7 @@ import gc
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,7 +52,9 @@ from worker.engine.config import EngineConfig  # noqa: E402
 from worker.engine import sampling  # noqa: E402
 from worker.engine.engine import LLMEngine  # noqa: E402
 from worker.engine.sampling import SamplingParams  # noqa: E402
-from worker.guided.output_policy import start_witness  # noqa: E402
+from worker.guided.loop_guard import LoopGuard  # noqa: E402
+from worker.guided.output_policy import OutputPolicy, start_witness  # noqa: E402
+from worker.guided.request import GuidedRequest  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -148,8 +153,36 @@ def real_model(model_dir, batch: int, rows, record: dict, default: int = 160) ->
             "search_ms": engine.stats().search_cpu_ms}
 
 
-def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
-    """(a): the tiny model at ``batch`` rows replaying recorded answers."""
+# a guided row's host work by feature: (key, class, method), timed in a pass of its own
+# (each call's timing adds a little to the step; the pass's total is not reported)
+FEATURES = (("closing_guard", OutputPolicy, "steer"), ("closing", OutputPolicy, "close"),
+            ("loop_guard", LoopGuard, "push"), ("loop_guard", LoopGuard, "find"),
+            ("jump_forward", GuidedRequest, "_jump"), ("stream", GuidedRequest, "_release"))
+
+
+@contextmanager
+def timed_features(spent: dict):
+    """FEATURES' methods timed into ``spent`` (key -> seconds) while inside."""
+    plain = [(cls, attr, getattr(cls, attr)) for _, cls, attr in FEATURES]
+    for (name, cls, attr), (_, _, fn) in zip(FEATURES, plain):
+        def timed(*args, _fn=fn, _name=name, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t0
+        setattr(cls, attr, timed)
+    try:
+        yield
+    finally:
+        for cls, attr, fn in plain:
+            setattr(cls, attr, fn)
+
+
+def replay(model_dir, batch: int, rows, record: dict, guided: bool,
+           spent: dict | None = None) -> dict:
+    """(a): the tiny model at ``batch`` rows replaying recorded answers; ``spent``: the
+    features' seconds (``timed_features``), read per step into ``features``."""
     # room for every row's whole answer (the long ones run to about 500 tokens): a
     # preempted row would leave the batch this measures
     # without speculation: the script below steers one row of logits a sequence (a draft
@@ -227,9 +260,12 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
     for r in reqs:
         engine.add_request(r)
     per_row, parts, steps, draws = [], {"fill": [], "apply": [], "accept": []}, [], []
+    features: dict[str, list[float]] = {name: [] for name, *_ in FEATURES}
     try:
         while engine.has_work():
             fwd[0] = device[0] = 0.0
+            if spent is not None:
+                spent.clear()
             t = time.perf_counter()
             engine.step()
             took = time.perf_counter() - t - fwd[0] - device[0]  # the host's part
@@ -244,6 +280,9 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
                     parts["fill"].append(tm.fill_wait_us / n)
                     parts["apply"].append(tm.apply_us / n)
                     parts["accept"].append(tm.accept_us / n)
+                if spent is not None:
+                    for name in features:
+                        features[name].append(spent.get(name, 0.0) / n * 1e6)
     finally:
         sampling.sample_on_device = plain_draw
     gc.unfreeze()  # (this engine's objects collectable again once it is dropped)
@@ -254,6 +293,7 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool) -> dict:
            "search_us_per_row": stats.search_cpu_ms * 1000 / max(1, sum(
                len(v) for v in script.values()))}
     out.update({k: statistics.median(v) if v else 0.0 for k, v in parts.items()})
+    out["features"] = {k: statistics.mean(v) if v else 0.0 for k, v in features.items()}
     return out
 
 
@@ -283,7 +323,7 @@ def main(argv=None) -> None:
                       f"{res['plain_tok_s']:.1f}", res["guided_tok_s"] / res["plain_tok_s"],
                       res["max_over_median"], f"{res['max_step_ms']:.0f}",
                       f"{res['valid']}/{res['judged']}", res["search_ms"]])
-    host = []
+    host, by_feature = [], []
     for b in ([16] if args.smoke else [64] if args.quick else [64, 256]):
         g = replay(tiny, b, rows, record, guided=True)
         u = replay(tiny, b, rows, record, guided=False)
@@ -296,6 +336,13 @@ def main(argv=None) -> None:
             for part in ("fill", "apply", "accept"):
                 figures[f"host_us_per_row_b{b}_{part}"] = g[part]
             figures[f"host_us_per_row_b{b}_search"] = g["search_us_per_row"]
+        if b == 64 or args.smoke:  # the guided row's host work by feature, a pass of its own
+            spent: dict = {}
+            with timed_features(spent):
+                feats = replay(tiny, b, rows, record, guided=True, spent=spent)["features"]
+            for name, us in feats.items():
+                figures[f"host_us_per_row_b{b}_{name}"] = us
+            by_feature.append([f"(a) batch {b}", *feats.values()])
         host.append([f"(a) batch {b}", g["us_per_row"], u["us_per_row"], g["fill"],
                      g["apply"], g["accept"], g["search_us_per_row"], g["max_over_median"],
                      f"{g['draw_us_per_row']:.1f} / {u['draw_us_per_row']:.1f}"])
@@ -308,7 +355,14 @@ def main(argv=None) -> None:
             "nan_to_num, the mask's apply and argmax over the vocabulary, guided / unguided, "
             "kernels on a GPU):\n\n"
             + table(["run", "guided", "unguided", "fill", "apply", "accept", "search",
-                     "max/median step", "draw (device)"], host))
+                     "max/median step", "draw (device)"], host)
+            + "\n\n(a) a guided row's host us a step by feature, means over the same steps "
+            "(a pass of its own, each feature's calls timed: closing_guard, the sampled "
+            "token's check against the closing path, OutputPolicy.steer; closing, the "
+            "estimate and the path's emission, OutputPolicy.close; loop_guard, LoopGuard."
+            "push and find; jump_forward, GuidedRequest._jump; stream, the release of held "
+            "tokens and their text, GuidedRequest._release):\n\n"
+            + table(["run", *dict.fromkeys(name for name, *_ in FEATURES)], by_feature))
     finish("guided_host", body, figures, args)
 
 
