@@ -41,6 +41,21 @@ def test_the_longer_tokens_are_those_that_begin_with_the_token_in_byte_order():
                 if head and b.startswith(head) and len(b) > len(head)]
         assert jf._longer_than(token).tolist() == want, head
 
+
+def test_the_sorted_vocabulary_is_published_after_its_arrays():
+    # GuidedPath.prepare builds it on a thread while the first request may read it: a
+    # reader that sees it must find the arrays cut from it (CI failed 7 tests on
+    # "'JumpForward' object has no attribute '_sorted_lens'" when it came first)
+    order = []
+
+    class Watched(JumpForward):
+        def __setattr__(self, name, value):
+            if name.startswith("_sorted") and value is not None:
+                order.append(name)
+            super().__setattr__(name, value)
+    Watched(VOCAB, encode).prepare()
+    assert order[-1] == "_sorted" and {"_sorted_ids", "_sorted_lens"} <= set(order[:-1])
+
 class LiteralThenLetters:
     """A matcher for ``literal`` followed by any letters a/b (what the interface needs)."""
 

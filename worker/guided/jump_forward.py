@@ -79,6 +79,8 @@ class JumpForward:
 
     def __post_init__(self):
         self._sorted: list[tuple[bytes, int]] | None = None  # vocab by bytes (first use)
+        self._sorted_ids: np.ndarray | None = None  # ... its ids and lengths in that order
+        self._sorted_lens: np.ndarray | None = None
         self._longer: dict[int, np.ndarray] = {}  # token -> ids that begin with it, longer
         self._mask: torch.Tensor | None = None  # one bitmask row, [1, ceil(V / 32)] int32
 
@@ -173,10 +175,12 @@ class JumpForward:
     def prepare(self) -> None:
         """The vocabulary sorted by bytes, with its ids and lengths in that order as
         arrays (``_longer_than`` reads them), built once."""
-        if self._sorted is None:
-            self._sorted = sorted((b, i) for i, b in enumerate(self.vocab) if b)
-            self._sorted_ids = np.array([i for _, i in self._sorted], dtype=np.int64)
-            self._sorted_lens = np.array([len(b) for b, _ in self._sorted], dtype=np.int64)
+        if self._sorted is None:  # (published last: GuidedPath.prepare builds it on a
+            # thread while the engine's first request may read it)
+            ordered = sorted((b, i) for i, b in enumerate(self.vocab) if b)
+            self._sorted_ids = np.array([i for _, i in ordered], dtype=np.int64)
+            self._sorted_lens = np.array([len(b) for b, _ in ordered], dtype=np.int64)
+            self._sorted = ordered
 
     def _longer_than(self, token: int) -> np.ndarray:
         """The ids of the tokens that begin with ``token``'s bytes and are longer, in
