@@ -226,8 +226,8 @@ class SchedulerActor:
         self.table.suspect(worker_id)
         try:
             await asyncio.wait_for(entry.handle.load.remote(), 1.0)
-        except ActorDiedError:
-            return self._drop(worker_id)
+        except ActorDiedError:  # the entry asked about, not one registered since
+            return self._drop(worker_id) if self.table.workers.get(worker_id) is entry else []
         except Exception:  # slow or restarting: the load poll decides
             pass
         return []
@@ -298,9 +298,15 @@ class SchedulerActor:
         try:
             load = await asyncio.wait_for(entry.handle.load.remote(), self.config.rpc_timeout_s)
         except ActorDiedError:  # gone for good (a restarted worker registers again)
-            self._drop(entry.worker_id)
+            # only the entry polled: the restarted worker may have registered under the
+            # same id while this poll of its dead self was under way (dropping by id
+            # dropped the new registration and unpinned its sessions: a CI flake)
+            if self.table.workers.get(entry.worker_id) is entry:
+                self._drop(entry.worker_id)
         except Exception:  # slow, restarting or unreachable: route around it meanwhile
-            if entry.worker_id in self.table.workers and not entry.suspect:
+            if self.table.workers.get(entry.worker_id) is not entry:
+                return
+            if not entry.suspect:
                 self.counts.workers_suspected += 1
                 logger.warning("worker %s did not answer a load poll in %.1f s; routing "
                                "around it until it does", entry.worker_id,

@@ -74,3 +74,52 @@ def test_a_busy_worker_that_disappears_is_forgotten():
         await s._poll_once()
         assert not s._unfound and not s.table.workers
     asyncio.run(run())
+
+
+class DiesLate:
+    """A killed worker's old handle: a call to it fails with ActorDiedError, once
+    ``gate`` opens."""
+
+    def __init__(self, gate: asyncio.Event):
+        self.gate, self.load = gate, self
+
+    def remote(self):
+        from ray.exceptions import ActorDiedError
+
+        async def report():
+            await self.gate.wait()
+            raise ActorDiedError()
+        return report()
+
+
+def test_a_late_death_notice_of_a_restarted_worker_leaves_its_new_registration():
+    """A load poll (or a caller's worker_failed) of the dead worker ends in ActorDiedError
+    after the restarted worker registered under the same id: the new entry stays, and so
+    do the sessions pinned to it (CI: test_restarted_worker_registers_again saw its
+    session moved to another worker)."""
+    s = scheduler({})
+
+    async def run():
+        for check in ("poll", "worker_failed"):
+            gate = asyncio.Event()
+            s.table.add_worker("w0", DiesLate(gate), "n")
+            old = s.table.workers["w0"]
+            asking = asyncio.ensure_future(
+                s._poll_one(old) if check == "poll" else s.worker_failed("w0"))
+            await asyncio.sleep(0.01)
+            s.table.add_worker("w0", SlowWorker("w0", slow=0), "n")  # registered again
+            new = s.table.workers["w0"]
+            s.table.sessions["s1"] = ("w0", 0.0)
+            gate.set()
+            assert not await asking or check == "poll"
+            assert s.table.workers.get("w0") is new, check
+            assert s.table.sessions["s1"][0] == "w0", check
+            # the entry asked about is still the registered one: dropped
+            s.table.workers["w0"] = old
+            old.handle.gate = asyncio.Event()
+            old.handle.gate.set()
+            await s._poll_one(old)
+            assert "w0" not in s.table.workers, check
+            s.table.sessions.pop("s1", None)
+
+    asyncio.run(run())
