@@ -5,8 +5,11 @@ fast GPU; one worker of one torch thread; 64 and 256 concurrent requests of 256 
 (greedy, ``ignore_eos``). Each concurrency is measured four ways, one after the other:
 the engine alone in this process (``LLMEngine.step`` in a loop), through Ray
 (``RuntimeClient`` in this process, one worker actor), and through HTTP (the Serve app:
-proxy, one replica, the same worker), not streamed and streamed. Per way: delivered
-output tokens a second (all tokens / the wall time of the round) and each request's time
+its ingress, one replica, the same worker), not streamed and streamed. Each ingress
+(``--ingress``, default both: HAProxy, rayguide's default, then Serve's Python proxy)
+gets a runtime and a pass of its own, its ratios against its own engine rounds; the
+first one's figures carry the plain keys, every one's also ``_<ingress>``. Per way:
+delivered output tokens a second (all tokens / the wall time of the round) and each request's time
 per output token after its first (``(last - first) / (tokens - 1)``), p50 / p99 over the
 requests. Then a single streamed request, the latency-bound case: its time per token and
 its chunks' gaps through HTTP next to the engine's step time at batch 1.
@@ -16,7 +19,8 @@ its chunks' gaps through HTTP next to the engine's step time at batch 1.
 ``--quick``: one round of each (a full run takes the median of three). ``--smoke``: 4
 requests of 8 tokens. JSON keys: engine_tok_s_{64,256}, ray_over_engine_{64,256},
 http_over_engine_{64,256}, http_stream_over_engine_{64,256}, tpot_p99_ms_http_stream_64,
-engine_step_ms_1, tpot_ms_http_stream_1, gap_p50_ms_http_stream_1.
+engine_step_ms_1, tpot_ms_http_stream_1, gap_p50_ms_http_stream_1 (and each with
+``_haproxy`` / ``_proxy``). Speculation is off: see ``engine_config``.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ MAX_SEQS = 256
 
 
 def engine_config(model: str) -> dict:
-    """The worker's engine, here and in the runtime: room for 256 requests of 256 tokens."""
+    """The worker's engine, here and in the runtime: room for 256 requests of 256 tokens.
+    Speculation off: the tiny random model's greedy text repeats, so drafts would change
+    the engine's own rate and its chunks from run to run (this measures the hops)."""
     return {"model": model, "num_threads": 1, "progress": False, "max_num_seqs": MAX_SEQS,
-            "num_kv_blocks": MAX_SEQS * 24}
+            "num_kv_blocks": MAX_SEQS * 24, "speculative": False}
 
 
 def request(n_tok: int) -> GenerationRequest:
@@ -178,27 +184,25 @@ def row(name: str, rounds: list[Round], engine_rate: float) -> tuple[list, float
             f"{per_chunk:.1f}"], rate
 
 
-def main() -> None:
-    ap = parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="64,256", help="concurrent requests, comma-separated")
-    args = ap.parse_args()
+def measure_ingress(ingress: str, model: str, engine, sizes, rounds: int, n_tok: int
+                    ) -> tuple[list, dict, list]:
+    """One ingress's pass: a runtime of its own in front of which ``ingress`` takes HTTP;
+    per size, the engine alone (in this process) then the three ways through the runtime,
+    one after the other; then a single streamed request. Rows, figures, the single
+    request's rounds."""
     import ray
 
     from cluster.launch import free_port
     from deploy import service
-    from worker.engine.config import EngineConfig
-    from worker.engine.engine import LLMEngine
 
-    model = tiny_model()
-    n_tok = 8 if args.smoke else 256
-    sizes = (4,) if args.smoke else tuple(int(n) for n in args.sizes.split(","))
-    rounds = 1 if args.quick or args.smoke else 3
-    engine = LLMEngine(EngineConfig(**engine_config(model)))
     cfg = engine_config(model)
     cfg.pop("model"), cfg.pop("num_threads"), cfg.pop("progress")
     svc = service.start(ClusterConfig(model=model, num_workers=1,
                                       worker={"num_cpus": 0.1, "num_threads": 1},
-                                      engine=cfg), port=free_port())
+                                      engine=cfg,
+                                      # 256 requests of 256 tokens and their prompts
+                                      scheduler={"max_queued_tokens": MAX_SEQS * 1024}),
+                        port=free_port(), ingress=ingress)
     rows, figs = [], {}
     try:
         client = RuntimeClient()
@@ -232,39 +236,76 @@ def main() -> None:
                             figs[f"engine_tok_s_{n}"] = round(rate, 1)
                         else:
                             figs[f"{way}_over_engine_{n}"] = round(rate / base, 3)
-                        rows.append([n] + cells)
+                        rows.append([n, svc.ingress or ingress] + cells)
                     tpot = [t for r in ways["http_stream"] for t in r.tpot()]
                     figs[f"tpot_p99_ms_http_stream_{n}"] = round(pct(tpot, 99) * 1e3, 2)
-                single = [await http_round(session, svc.url, name, 1, n_tok, True)
-                          for _ in range(rounds)]
-                return single
+                return [await http_round(session, svc.url, name, 1, n_tok, True)
+                        for _ in range(rounds)]
 
         single = asyncio.run(measure())
     finally:
         service.stop(svc)
         if ray.is_initialized():
             ray.shutdown()
-    step = statistics.median(engine_step_ms(engine, n_tok) for _ in range(rounds))
-    tpot1 = statistics.median(r.tpot()[0] for r in single) * 1e3
-    gap1 = statistics.median(statistics.median(r.gaps) for r in single) * 1e3
-    figs.update(engine_step_ms_1=round(step, 3), tpot_ms_http_stream_1=round(tpot1, 3),
-                gap_p50_ms_http_stream_1=round(gap1, 3),
+    if svc.ingress != ingress:
+        raise RuntimeError(f"asked for the {ingress} ingress, got {svc.ingress}")
+    figs.update(tpot_ms_http_stream_1=round(statistics.median(r.tpot()[0] for r in single)
+                                            * 1e3, 3),
+                gap_p50_ms_http_stream_1=round(statistics.median(
+                    statistics.median(r.gaps) for r in single) * 1e3, 3),
                 tokens_per_event_http_stream_1=round(
                     statistics.median(r.tokens_per_chunk for r in single), 2))
+    return rows, figs, single
+
+
+def main() -> None:
+    ap = parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="64,256", help="concurrent requests, comma-separated")
+    ap.add_argument("--ingress", default="haproxy,proxy",
+                    help="what takes HTTP, comma-separated, each in a runtime of its own: "
+                         "haproxy, proxy (Serve's Python proxy); the first one's figures "
+                         "carry the unsuffixed keys")
+    args = ap.parse_args()
+    from worker.engine.config import EngineConfig
+    from worker.engine.engine import LLMEngine
+
+    model = tiny_model()
+    n_tok = 8 if args.smoke else 256
+    sizes = (4,) if args.smoke else tuple(int(n) for n in args.sizes.split(","))
+    rounds = 1 if args.quick or args.smoke else 3
+    ingresses = args.ingress.split(",")
+    engine = LLMEngine(EngineConfig(**engine_config(model)))
+    rows, figs, singles = [], {}, []
+    for ingress in ingresses:
+        got, f, single = measure_ingress(ingress, model, engine, sizes, rounds, n_tok)
+        rows += got
+        singles.append((ingress, f))
+        if not figs:
+            figs.update(f)
+        figs.update({f"{k}_{ingress}": v for k, v in f.items()
+                     if not k.startswith("engine_tok_s")})
+    step = statistics.median(engine_step_ms(engine, n_tok) for _ in range(rounds))
+    figs["engine_step_ms_1"] = round(step, 3)
     if args.smoke:  # every promised key, whatever sizes a smoke runs
         for n in (64, 256):
             for key in ("engine_tok_s", "ray_over_engine", "http_over_engine",
                         "http_stream_over_engine", "tpot_p99_ms_http_stream"):
                 figs.setdefault(f"{key}_{n}", figs.get(f"{key}_4"))
-    body = table(["concurrent requests", "way", "output tok/s", "of the engine alone",
-                  "time per token p50 / p99 ms", "tokens per chunk"], rows)
-    body += "\n\n" + table(["one streamed request (batch 1)", "ms"], [
-        ["engine step, in process", f"{step:.2f}"],
-        ["time per token through HTTP, streamed", f"{tpot1:.2f}"],
-        ["gap between its events, per token, p50", f"{gap1:.2f}"],
-        ["tokens per event", f"{figs['tokens_per_event_http_stream_1']:.2f}"]])
+    body = table(["concurrent requests", "ingress", "way", "output tok/s",
+                  "of the engine alone", "time per token p50 / p99 ms", "tokens per chunk"],
+                 rows)
+    single_rows = [["engine step, in process", f"{step:.2f}"]]
+    for ingress, f in singles:
+        single_rows += [
+            [f"{ingress}: time per token through HTTP, streamed",
+             f"{f['tpot_ms_http_stream_1']:.2f}"],
+            [f"{ingress}: gap between its events, per token, p50",
+             f"{f['gap_p50_ms_http_stream_1']:.2f}"],
+            [f"{ingress}: tokens per event", f"{f['tokens_per_event_http_stream_1']:.2f}"]]
+    body += "\n\n" + table(["one streamed request (batch 1)", "ms"], single_rows)
     finish("stack_rate", f"{n_tok} tokens a request, one worker (tiny model, 1 thread), "
-           f"median of {rounds} round(s):\n\n" + body, figs, args)
+           f"median of {rounds} round(s); each ingress in a runtime of its own, its "
+           "ratios against the engine rounds of its own pass:\n\n" + body, figs, args)
 
 
 if __name__ == "__main__":

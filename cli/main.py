@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="serve on a non-loopback --host with no API key (anyone who can "
                      "reach it can use it; e.g. behind your own authenticating proxy)")
     srv.add_argument("--replicas", type=int, default=1, help="HTTP front-end replicas")
+    srv.add_argument("--ingress", choices=("haproxy", "proxy"), default=None,
+                     help="what takes HTTP in front of the replicas, on the Ray instance "
+                     "this starts (default: the config's serve.ingress): haproxy, or "
+                     "Serve's Python proxy (proxy); on --address, the cluster's own")
     gen = sub.add_parser("generate", help="run prompts through the engine locally (no Ray)")
     add_generate_args(gen)
     gr = sub.add_parser("grammar", help="grammar tools (no server needed)")
@@ -212,7 +216,8 @@ def run_serve(args) -> int:
     try:
         svc = service.start(config, host=host, port=port, api_key=api_key,
                             allow_open=args.allow_open, keys_file=keys_file,
-                            num_replicas=args.replicas, progress=service._stderr_progress)
+                            num_replicas=args.replicas, progress=service._stderr_progress,
+                            ingress=args.ingress)
     except BaseException as exc:
         # on a cluster (--address) the app is detached: left behind, it would answer 500s
         # for a runtime that ends with this process

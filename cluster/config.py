@@ -9,7 +9,7 @@
     address: null              # null: a local Ray instance; "auto" or "ray://host:10001"
     control_resources: null    # e.g. {head: 0.01}: custom resources the scheduler and the
                                # grammar cache need, to keep them on some nodes
-    serve: {host: 127.0.0.1, port: 8000}
+    serve: {host: 127.0.0.1, port: 8000, ingress: haproxy}
 
 Every section is a pydantic model (extra="forbid", strict), checked once, here, into typed
 objects: ``engine`` an EngineConfig (its model, threads, progress and device default from
@@ -23,6 +23,7 @@ core.config's one formatter, so a typo never passes silently.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, model_validator
@@ -46,6 +47,10 @@ class ServeConfig(ConfigModel):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # what takes HTTP in front of the app's replicas on an instance rayguide starts:
+    # "haproxy" (each replica serves HTTP itself, HAProxy balances: no Python hop or Ray
+    # item per SSE event) or "proxy" (Serve's Python HTTP proxy actor). deploy/service.py
+    ingress: Literal["haproxy", "proxy"] = "haproxy"
 
 
 class ClusterConfig(ConfigModel):

@@ -146,6 +146,10 @@ def set_auth_mode(mode: str) -> None:
 
 # Ray's worker processes listen on ports 10002-19999 by default (min/max_worker_port)
 SERVER_PORTS_FROM = 20000
+# Serve's replicas take their own HTTP ports from 30000-31000 under direct ingress (the
+# HAProxy ingress, deploy/service.py): a server's port picked there could be taken by a
+# replica before the server binds it
+REPLICA_PORTS = range(30000, 31001)
 
 
 def ephemeral_ports_from() -> int:
@@ -166,8 +170,8 @@ def free_port(preferred: int | None = None, host: str = "") -> int:
     bind to address" (a test's service start, 2026-11-29). Port 0 is the last resort."""
     below = ephemeral_ports_from()
     pick = random.SystemRandom()  # not the global generator: tests seed that one
-    spread = (pick.sample(range(SERVER_PORTS_FROM, below), 32)
-              if below - SERVER_PORTS_FROM >= 64 else [])
+    ports = [p for p in range(SERVER_PORTS_FROM, below) if p not in REPLICA_PORTS]
+    spread = pick.sample(ports, 32) if len(ports) >= 64 else []
     for candidate in ([preferred] if preferred else []) + spread + [0]:
         with socket.socket() as s:
             try:

