@@ -150,3 +150,30 @@ def test_nothing_of_haproxy_is_left_after_stop(svc, tiny_model_dir):
         time.sleep(0.3)
     assert not os.path.exists(workdir)
     assert _haproxies(svc.ingress_dir)  # the module's own HAProxy was not disturbed
+
+
+def test_the_replica_queue_is_bounded_behind_haproxy(svc):
+    """Serve's own backpressure holds where the replica takes HTTP itself: past 2 ongoing
+    and 2 queued requests, a 429 with Retry-After at once (redeploys the app: run last)."""
+    import asyncio
+    from collections import Counter
+
+    service._deploy({**svc.app_args, "max_ongoing_requests": 2, "max_queued_requests": 2})
+
+    async def flood(n: int):
+        async with httpx.AsyncClient(base_url=svc.url, timeout=120,
+                                     headers={"Authorization": f"Bearer {KEY}"},
+                                     limits=httpx.Limits(max_connections=n + 5)) as http:
+            async def one():
+                r = await http.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "Letters."}],
+                    "max_tokens": 400, "ignore_eos": True})
+                return r.status_code, r.headers.get("retry-after")
+            return await asyncio.gather(*(one() for _ in range(n)))
+
+    results = asyncio.run(flood(12))
+    codes = Counter(code for code, _ in results)
+    assert set(codes) <= {200, 429}, results
+    assert codes[429] >= 1 and codes[200] >= 2, results
+    assert all(retry is not None for code, retry in results if code == 429), results
+    _idle()
