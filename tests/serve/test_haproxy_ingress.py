@@ -4,9 +4,9 @@ own, started by ``service.start`` as ``rayguide serve`` does. (The other modules
 instance is the test session's, not rayguide's, and runs Serve's proxy: they restart Serve
 on one Ray instance, which is no path of rayguide's. The `rayguide serve` processes of
 test_serve_cli, test_serve_ops and test_reasoning_serve run HAProxy.) Streamed and whole
-answers through the real ``openai`` client, the key checked, a client that hangs up has
-its request aborted, HAProxy and the replica listen on loopback only, and nothing of
-HAProxy is left once the service stops. Tiny random-weight model."""
+answers through the real ``openai`` client, the key and the Host checked, a client that
+hangs up has its request aborted, HAProxy and the replica listen on loopback only, and
+nothing of HAProxy is left once the service stops. Tiny random-weight model."""
 
 import os
 import time
@@ -82,11 +82,18 @@ def test_haproxy_serves_the_endpoint_on_loopback_only(svc):
     bad = httpx.get(svc.url + "/v1/models", headers={"Authorization": "Bearer wrong"},
                     timeout=60)
     assert bad.status_code == 401
+    # the replica sees a loopback connection (HAProxy's) and the client's own Host header:
+    # a DNS name re-pointed at 127.0.0.1 is still refused (deploy/exposure.py)
+    port = int(svc.url.rsplit(":", 1)[1])
+    rebound = httpx.get(svc.url + "/v1/models", timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}",
+                                 "Host": f"attacker.example:{port}"})
+    assert rebound.status_code == 421, rebound.text
+    assert rebound.json()["error"]["code"] == "invalid_host"
     procs = _haproxies(svc.ingress_dir)
     assert procs, "no HAProxy runs from this service's directory"
     listening = [c for p in procs for c in p.net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN]
-    port = int(svc.url.rsplit(":", 1)[1])
     assert port in {c.laddr.port for c in listening}, listening
     assert {c.laddr.ip for c in listening} == {"127.0.0.1"}, listening
     # the replica's own HTTP server: on the endpoint's host too
