@@ -57,6 +57,10 @@ def check_all(url: str, items, concurrency: int) -> tuple[list[dict], float, flo
             "name": "answer", "schema": schema}}}
         start = time.perf_counter()
         r = httpx.post(url + "/v1/grammars", json=body, timeout=600)
+        while r.status_code == 429:  # a client's checks have a few compiles at a time:
+            # asked again after Retry-After, as a client should (the wait is counted)
+            time.sleep(float(r.headers.get("retry-after", "1")))
+            r = httpx.post(url + "/v1/grammars", json=body, timeout=600)
         elapsed = time.perf_counter() - start
         if r.status_code not in (200, 202):  # a body the edge refuses (not JSON-schema ...)
             return {"name": name, "schema": schema, "status": "rejected",

@@ -81,14 +81,18 @@ class GrammarUnavailable(RuntimeError):
     """The grammar could not be had right now, through no fault of its own (the compile
     process crashed, the cache is unreachable, the wait ran out). Never cached; retry.
     ``kind``: a transient ErrorKind, GRAMMAR_UNAVAILABLE unless told (OVERLOADED: the
-    compile queue was full, a 429 rather than a 503)."""
+    compile queue was full, a 429 rather than a 503). ``retry_after_s``: when the refuser
+    knows how long the client should wait (its compile share drains), the 429's
+    Retry-After."""
 
-    def __init__(self, message: str = "", kind: ErrorKind = ErrorKind.GRAMMAR_UNAVAILABLE):
+    def __init__(self, message: str = "", kind: ErrorKind = ErrorKind.GRAMMAR_UNAVAILABLE,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.kind = ErrorKind(kind)
+        self.retry_after_s = retry_after_s
 
     def __reduce__(self):  # keeps ``kind`` across pickling (Ray, processes)
-        return (type(self), (str(self), self.kind))
+        return (type(self), (str(self), self.kind, self.retry_after_s))
 
 
 class Overloaded(RuntimeError):

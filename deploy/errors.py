@@ -10,6 +10,7 @@ bug in our code and is logged with the request id.
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 
 from ray.exceptions import RayTaskError
@@ -106,7 +107,10 @@ def for_exception(exc: BaseException, request_id: str | None = None) -> APIError
     if isinstance(cause, GrammarError):
         return for_kind(cause.kind, last_line(cause))
     if isinstance(cause, GrammarUnavailable):  # OVERLOADED (429) or GRAMMAR_UNAVAILABLE
-        return for_kind(cause.kind, last_line(cause))
+        error = for_kind(cause.kind, last_line(cause))
+        if cause.retry_after_s and error.status == 429:  # the refuser knows how long
+            error.headers = {"Retry-After": str(max(1, math.ceil(cause.retry_after_s)))}
+        return error
     if isinstance(cause, TemplateError) and not isinstance(cause, TemplateSyntaxError):
         # the model's chat template refused these messages (raise_exception: "roles must
         # alternate", a missing key): the client's to change. A template that does not

@@ -53,6 +53,13 @@ class GrammarCacheConfig(ConfigModel):
     # grammar is refused at once (overloaded: retry later), not queued until its request
     # times out. With compiles of 1-3 s and 2 processes, 32 waiting is about half a minute
     max_queued_compiles: int = Field(32, ge=1)
+    # a client's grammar checks (POST /v1/grammars) may keep a worker compiling for at most
+    # this share of one core on average, in bursts of up to check_compile_burst_s seconds;
+    # past it a check that needs a compile there is refused (overloaded: 429) until its
+    # debt drains (worker/guided/compile_meter.py). A check answered from a kept report or a
+    # compiled grammar costs nothing and is never refused
+    check_compile_share: float = Field(0.1, gt=0, le=64, allow_inf_nan=False)
+    check_compile_burst_s: float = Field(1.0, ge=0, allow_inf_nan=False)
     # send a "compile locally" verdict when loading the serialized grammar takes longer
     # than this factor times compiling it (0: always; inf: never)
     local_verdict_factor: float = Field(1.0, ge=0)

@@ -114,6 +114,7 @@ class CheckStats(_Stats):
     reports: int = 0  # grammar-check reports built (each a grammar's closing searches)
     report_hits: int = 0  # checks answered from a kept report
     reports_overloaded: int = 0  # checks refused: the report queue was full
+    reports_throttled: int = 0  # checks refused: their client's compile share was spent
     report_cpu_s: float = 0.0  # CPU the reports took on their own thread
     reports_kept: int = 0
     report_bytes: int = 0  # what the kept reports hold, as JSON

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
+# a worker that had a request arrive this recently serves requests: a client's grammar
+# checks get their compile share only (worker/guided/compile_meter.py)
+SERVING_WINDOW_S = 5.0
 
 
 def grammar_report(client: dict | None, replication: dict | None, requests: dict,
@@ -105,6 +108,7 @@ class WorkerActor:
         self._grammar_lock = threading.Lock()
         self._grammar_log: deque = deque(maxlen=8192)
         self._checks = None  # the grammar check's reports (built on first use)
+        self._last_arrival = float("-inf")  # monotonic time of the last request's arrival
         self._channels: dict = {}  # channel id -> worker.channel.Channel (front ends')
         if self.grammar_client is not None and grammar_cache is not None:
             self._start_replicator(*grammar_cache)
@@ -235,6 +239,7 @@ class WorkerActor:
         if not isinstance(request, GenerationRequest):
             raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         self._replicating()
+        self._last_arrival = time.monotonic()
         if request.grammar is not None:
             self._note_family(request.grammar)
             self._count_grammar_request(request)
@@ -294,8 +299,14 @@ class WorkerActor:
         if guided is None:
             raise ValueError("guided decoding is disabled on this worker (EngineConfig.guided)")
         if self._checks is None:
-            self._checks = CheckReports(guided)
+            self._checks = CheckReports(guided, busy=self._serving)
         return self._checks
+
+    def _serving(self) -> bool:
+        """Whether this worker serves requests now: one is open, or one arrived in the
+        last ``SERVING_WINDOW_S`` (a client between its requests is still served)."""
+        return (self.engine.open_requests > 0
+                or time.monotonic() - self._last_arrival < SERVING_WINDOW_S)
 
     def _hold(self, family: str) -> None:
         _remember(self.families, family)

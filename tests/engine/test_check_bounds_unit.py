@@ -233,3 +233,29 @@ def test_reports_wait_in_a_bounded_queue_fair_between_clients():
         gate.open.set()
         reports.close()
         manager.shutdown()
+
+
+def test_a_clients_checks_past_their_compile_share_are_refused_before_any_compile():
+    """grammar_cache.check_compile_share (worker/guided/compile_meter.py): with no burst,
+    one compile puts the client over; its next new grammar is refused (OVERLOADED, with
+    the wait) and nothing is compiled, while another client and a grammar already held
+    are answered."""
+    manager = byte_manager(compile_limits=GrammarCacheConfig(
+        check_compile_share=0.001, check_compile_burst_s=0.0))
+    reports = CheckReports(manager)
+    try:
+        first = check(reports, schema(1), client="flood")
+        assert first["status"] == "exact"
+        misses = manager.stats.misses
+        with pytest.raises(GrammarUnavailable) as refused:
+            reports.start(schema(2), "flood")
+        assert refused.value.kind is ErrorKind.OVERLOADED
+        assert refused.value.retry_after_s >= 1.0 and "check_compile_share" in str(
+            refused.value)
+        assert manager.stats.misses == misses  # nothing was queued or compiled
+        assert check(reports, schema(1), client="flood")["cached"] is True  # held: free
+        assert check(reports, schema(3), client="polite")["status"] == "exact"
+        assert reports.stats().reports_throttled == 1
+    finally:
+        reports.close()
+        manager.shutdown()

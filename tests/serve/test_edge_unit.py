@@ -41,6 +41,18 @@ def test_transient_failures_say_retry_and_carry_a_hint():
     assert for_kind(None, "no kind").status == 500  # unknown kinds are bugs, never 4xx
 
 
+def test_a_refusal_that_knows_its_wait_says_it_in_retry_after():
+    import pickle
+
+    from core.errors import GrammarUnavailable
+    refused = pickle.loads(pickle.dumps(  # as it crosses Ray from the worker
+        GrammarUnavailable("share spent", ErrorKind.OVERLOADED, retry_after_s=7.2)))
+    err = for_exception(refused)
+    assert err.status == 429 and err.headers["Retry-After"] == "8"
+    assert for_exception(GrammarUnavailable("full", ErrorKind.OVERLOADED)).headers == {
+        "Retry-After": "1"}
+
+
 def test_exceptions_map_by_type_never_by_text():
     from core.errors import GrammarError, GrammarUnavailable, NoWorkers, Overloaded
     assert for_exception(Overloaded("busy")).status == 429

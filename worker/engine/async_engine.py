@@ -74,6 +74,11 @@ class AsyncEngine:
             raise
         return stream
 
+    @property
+    def open_requests(self) -> int:
+        """Requests whose output is still being delivered (read on the caller's loop)."""
+        return len(self._streams)
+
     def close(self, request_id: str) -> None:
         """Stops handing the request's chunks over (its stream is done with)."""
         self._streams.pop(request_id, None)

@@ -29,11 +29,13 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
+from typing import Callable
 
 from core.errors import ErrorKind, GrammarError, GrammarUnavailable
 from core.grammar_spec import GrammarSpec
 from grammar_cache.stats import CheckStats
 from worker.guided.closing import CLOCK, CompletionSearch
+from worker.guided.compile_meter import MAX_RUNNING, CompileMeter
 from worker.guided.compile_queue import FairQueue, QueueFull
 from worker.guided.grammar_check import GrammarChecker
 
@@ -65,9 +67,12 @@ class _Kept:
 
 class CheckReports:
     def __init__(self, guided, *, limit: int | None = None, max_reports: int = 1024,
-                 max_bytes: int = 16 * 2**20, budget_s: float = REPORT_CPU_S):
+                 max_bytes: int = 16 * 2**20, budget_s: float = REPORT_CPU_S,
+                 busy: Callable[[], bool] = lambda: True):
         """``limit``: reports that may wait (default the compile queue's,
-        ``max_queued_compiles``)."""
+        ``max_queued_compiles``); ``busy``: whether the worker serves requests now (a
+        client's compile share applies only then: CompileMeter)."""
+        self.busy = busy
         self.guided = guided
         self.queue = FairQueue(1, limit or guided.queue.limit, "grammar-check")
         self.max_reports = max_reports
@@ -79,11 +84,38 @@ class CheckReports:
         self._inflight: dict[str, Future] = {}
         self._lock = threading.Lock()
         self._checker: GrammarChecker | None = None  # built on the report thread
+        limits = guided.compile_limits
+        self.meter = CompileMeter(limits.check_compile_share, limits.check_compile_burst_s)
 
     def start(self, spec: GrammarSpec, client: str | None) -> tuple[Future, bool, float]:
-        """The compile a request would start (GrammarChecker.start), from any thread."""
+        """The compile a request would start (GrammarChecker.start), from any thread.
+        Raises GrammarUnavailable OVERLOADED when the check needs work here (no kept
+        report, no compiled grammar) and ``client``'s checks have as many compiles running
+        as they may, or (while the worker serves requests) have had their share of its
+        compile time lately (``CompileMeter``; grammar_cache.check_compile_share)."""
         cached = self.guided.holds(spec)
-        return self.guided.get_grammar(spec, client), cached, time.perf_counter()
+        if not cached and not self._kept_now(spec.key(self.guided.fingerprint)):
+            wait = self.meter.wait_s(client, self.busy())
+            if wait > 0:
+                with self._lock:
+                    self.counts.reports_throttled += 1
+                raise GrammarUnavailable(
+                    f"this client's grammar checks have {MAX_RUNNING} compiles running on "
+                    f"this worker or, while it serves requests, have used their share of "
+                    f"its compile time ({self.meter.share:g} of a core, in bursts of "
+                    f"{self.meter.burst_s:g} s: grammar_cache.check_compile_share); retry "
+                    f"in {wait:.0f} s", ErrorKind.OVERLOADED, retry_after_s=wait)
+        future = self.guided.get_grammar(spec, client)
+        if not future.done():  # charged once it ends, at what its job took
+            self.meter.begin(client)
+            future.add_done_callback(
+                lambda f: self.meter.end(client, getattr(f, "cost_s", 0.0)))
+        return future, cached, time.perf_counter()
+
+    def _kept_now(self, key: str) -> bool:
+        with self._lock:
+            kept = self._kept.get(key)
+            return kept is not None and time.monotonic() < kept.expires
 
     def report(self, spec: GrammarSpec, future: Future, cached: bool, waited_s: float,
                client: str | None) -> Future:
@@ -111,7 +143,7 @@ class CheckReports:
             self._inflight[key] = answer
         try:
             self.queue.submit(client, answer,
-                              lambda: self._build(key, spec, future, cached, waited_s),
+                              lambda: self._build(key, spec, future, cached, waited_s, client),
                               lambda: self._overloaded(key, answer))
         except QueueFull:
             self._overloaded(key, answer)
@@ -137,7 +169,7 @@ class CheckReports:
     # on the report thread ---------------------------------------------------------------------
 
     def _build(self, key: str, spec: GrammarSpec, future: Future, cached: bool,
-               waited_s: float) -> dict:
+               waited_s: float, client: str | None = None) -> dict:
         began = CLOCK()
         try:
             if self._checker is None:  # reads the vocabulary: once, here
@@ -152,8 +184,10 @@ class CheckReports:
                 self._inflight.pop(key, None)
             raise
         finally:
+            cpu = CLOCK() - began
+            self.meter.charge(client, cpu)
             with self._lock:
-                self.counts.report_cpu_s += CLOCK() - began
+                self.counts.report_cpu_s += cpu
         compiled = None if future.exception() is not None else future.result()
         facts = {k: compiled.facts[k] for k in _FACTS
                  if compiled is not None and k in compiled.facts}

@@ -439,7 +439,15 @@ class GuidedDecodingManager:
         return envelope.unpack(result.data, self.tokenizer_info, self.fingerprint, key)
 
     def _compile(self, key: str, spec: GrammarSpec, client: str | None, running: _Inflight):
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return self._compile_job(key, spec, client, running, t)
+        finally:  # this process's CPU for it (a compile in the cache actor or a child
+            # process costs here only the wait), read by the grammar check's CompileMeter
+            running.future.cost_s = time.thread_time() - cpu
+
+    def _compile_job(self, key: str, spec: GrammarSpec, client: str | None,
+                     running: _Inflight, t: float):
         try:
             if running.cancel.is_set():  # every waiter gave up while it was queued
                 raise GrammarUnavailable(f"the compile of this {spec.kind} grammar was "
