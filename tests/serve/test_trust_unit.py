@@ -1,6 +1,6 @@
 """Trust (issue 28), at the unit level: a schema never makes the server fetch a URL or read
-a file, integers of thousands of digits are a 400 and never a 500, and OpenAI's
-json_schema wrapper without ``name`` enforces the inner schema."""
+a file, integers of thousands of digits and JSON nested past the stack are a 400 and never
+a 500, and OpenAI's json_schema wrapper without ``name`` enforces the inner schema."""
 
 import http.server
 import json
@@ -92,6 +92,41 @@ def test_huge_integers_in_tool_call_arguments_are_a_400():
         api.plan_chat(api.parse_request(api.ChatCompletionRequest, {"messages": messages}),
                       Limits())
     assert err.value.status == 400 and "arguments" in str(err.value)
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past Python's stack: json.loads raises RecursionError
+
+
+def test_json_nested_past_the_stack_is_a_400_naming_its_field():
+    import asyncio
+    from types import SimpleNamespace
+
+    import deploy.serve_app as serve_app
+
+    with pytest.raises(APIError) as err:  # a schema given as a string
+        chat(guided_json='{"type": "object", "default": ' + DEEP + "}")
+    assert err.value.status == 400 and err.value.param == "guided_json"
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "f", "arguments": '{"x": ' + DEEP + "}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    with pytest.raises(APIError) as err:  # tool-call arguments
+        api.plan_chat(api.parse_request(api.ChatCompletionRequest, {"messages": messages}),
+                      Limits())
+    assert err.value.status == 400 and "tool_calls" in err.value.param
+    server = getattr(serve_app.OpenAIServer, "func_or_class", serve_app.OpenAIServer)
+
+    class FakeRequest:
+        headers = {}
+
+        async def stream(self):
+            yield ('{"messages": ' + DEEP + "}").encode()
+
+    with pytest.raises(APIError) as err:  # the body itself
+        asyncio.run(server._body(SimpleNamespace(limits=Limits(), settings=AppSettings()),
+                                 FakeRequest()))
+    assert err.value.status == 400 and "nested deeper" in str(err.value)
 
 
 def test_validate_json_reads_a_huge_integer_as_invalid_not_a_crash():
