@@ -21,12 +21,13 @@ def test_the_debt_drains_at_the_share_and_the_wait_says_when():
     meter = CompileMeter(share=0.1, burst_s=1.0, clock=clock)
     assert meter.wait_s("a") == 0
     meter.begin("a")
-    meter.end("a", 3.0)  # three seconds of compile: two over the burst
-    assert meter.wait_s("a") == pytest.approx(20.0)  # 2 s over, drained at 0.1 s a second
+    meter.end("a", 3.0)  # three seconds owed; its next compile is expected to cost 1.5,
+    # more than the burst alone: it starts once nothing is owed (drained at 0.1 s a second)
+    assert meter.wait_s("a") == pytest.approx(30.0)
     assert meter.wait_s("b") == 0  # another client is not charged
     clock.now += 10
-    assert meter.wait_s("a") == pytest.approx(10.0)
-    clock.now += 10
+    assert meter.wait_s("a") == pytest.approx(20.0)
+    clock.now += 20
     assert meter.wait_s("a") == 0
     assert meter.refusals == 2
 
@@ -39,8 +40,9 @@ def test_compiles_still_running_count_so_a_burst_of_asks_cannot_start_many():
         if meter.wait_s("flood") == 0:
             meter.begin("flood")
             started += 1
-    assert started == 3
-    # nothing is owed yet; the three running are counted at half the burst each
+    assert started == 2
+    # nothing is owed yet; the two running are counted at half the burst each, and the
+    # third fits once they have drained to half the burst
     assert meter.wait_s("flood") == pytest.approx(5.0)
     for _ in range(3):
         meter.end("flood", 0.001)  # cheap: nothing owed
@@ -53,6 +55,7 @@ def test_a_long_running_compile_counts_for_its_time_so_far():
     meter.begin("a")
     assert meter.wait_s("a") == 0
     clock.now += 1.5  # still running: 1.5 s counted, over the burst
+    assert meter.wait_s("a") == pytest.approx(10.0)  # (1.5 + 0.5 - 1) / 0.1
     assert meter.wait_s("a") >= 1.0
 
 
@@ -77,7 +80,7 @@ def test_an_idle_worker_slows_nobody_but_caps_the_compiles_running():
     meter.begin("a")
     meter.end("a", 30.0)  # far over its share
     assert meter.wait_s("a", busy=False) == 0  # nobody else is served: idle CPU is its
-    assert meter.wait_s("a", busy=True) == pytest.approx(290.0)
+    assert meter.wait_s("a", busy=True) == pytest.approx(300.0)
     for _ in range(MAX_RUNNING):
         meter.begin("a")
     assert meter.wait_s("a", busy=False) == 1.0  # at most MAX_RUNNING at once

@@ -15,9 +15,11 @@ actor or a child process is bounded by that queue's own fairness); the debt drai
 
 - At most ``MAX_RUNNING`` of a client's compiles run at once.
 - While the worker serves requests (``busy``: the caller says), a client may start one only
-  while its debt, with each compile still running counted at the most of its recent mean
-  cost, the time since it began and half of ``burst_s`` (what a first compile, whose cost
-  nobody knows yet, is assumed to take), is at most ``burst_s``. So one client's checks
+  while its debt, with each compile still running and the one asked for counted at the
+  most of its recent mean cost, the time since it began and half of ``burst_s`` (what a
+  first compile, whose cost nobody knows yet, is assumed to take), is at most
+  ``burst_s`` (two at once at first), or nothing at all is owed (a compile that alone
+  costs more than the burst). So one client's checks
   take about ``share`` of one core on average, and the rest (the engine thread, the
   replicas) is left to the requests.
 - While it serves none, nobody is slowed: a client's checks may use what is idle.
@@ -68,7 +70,8 @@ class CompileMeter:
     def wait_s(self, client, busy: bool = True) -> float:
         """Seconds before ``client`` may start a compile: 0 now, else at least 1 (while
         ``busy``, the time its debt and its running compiles' estimate take to drain to
-        ``burst_s``). A positive answer is counted as a refusal."""
+        where the compile asked for fits in ``burst_s``). A positive answer is counted as
+        a refusal."""
         with self._lock:
             acc = self._account(client, create=False)
             if acc is None:
@@ -77,12 +80,17 @@ class CompileMeter:
             if busy:
                 now, floor = self.clock(), max(acc.mean_cost, self.burst_s / 2)
                 owed += sum(max(floor, now - began) for began in acc.running)
-                if owed <= self.burst_s and len(acc.running) < MAX_RUNNING:
+                # the compile asked for counts too, at the same estimate (one that alone
+                # is over the burst starts once nothing is owed)
+                if len(acc.running) < MAX_RUNNING and (
+                        owed == 0 or owed + floor <= self.burst_s):
                     return 0.0
+                self.refusals += 1
+                return max(1.0, (owed - max(0.0, self.burst_s - floor)) / self.share)
             elif len(acc.running) < MAX_RUNNING:
                 return 0.0
             self.refusals += 1
-            return max(1.0, (owed - self.burst_s) / self.share if busy else 1.0)
+            return 1.0
 
     def begin(self, client) -> None:
         with self._lock:
