@@ -9,6 +9,7 @@ exactly its processes (found by a marker in their environment): `ray stop` would
 Ray process on the machine, other tests' included."""
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -472,12 +473,55 @@ def readme_pipeline(src: Path, dst: Path) -> str:
     return code.replace("/data/in/", f"{src}/").replace("/data/out/", f"{dst}/")
 
 
+@contextlib.contextmanager
+def second_node(head, num_cpus=2):
+    """A second node joined to ``head`` (``ray start --address``, ports of its own): the
+    cluster the README's ``ray job submit`` path is written for. Its processes carry a
+    marker of their own and are killed when it ends."""
+    from cluster.launch import ray_executable
+
+    marker = uuid.uuid4().hex
+    env = {**head["env"], MARKER: marker}
+    nm, om, metrics, agent, agent_grpc, renv = free_ports(6)
+    cmd = [ray_executable(), "start", f"--address={head['gcs']}", f"--num-cpus={num_cpus}",
+           "--disable-usage-stats", f"--node-manager-port={nm}",
+           f"--object-manager-port={om}", f"--metrics-export-port={metrics}",
+           f"--dashboard-agent-listen-port={agent}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={renv}"]
+    try:
+        started = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        assert started.returncode == 0, started.stdout + started.stderr
+        deadline = time.monotonic() + 60
+        while len(alive_nodes(head)) < 2:
+            assert time.monotonic() < deadline, "the second node did not join"
+            time.sleep(0.5)
+        yield
+    finally:
+        kill_marked(marker)
+
+
+def alive_nodes(head) -> list[dict]:
+    """The cluster's alive nodes (the dashboard's state API)."""
+    req = urllib.request.Request(f"{head['url']}/api/v0/nodes?limit=100", headers={
+        "Authorization": f"Bearer {head['env']['RAY_AUTH_TOKEN']}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        nodes = json.load(r)["data"]["result"]["result"]
+    return [n for n in nodes if n["state"] == "ALIVE"]
+
+
 @pytest.mark.integration
 def test_the_readmes_ray_data_pipeline_via_ray_job_submit(ray_head, tiny_model_dir,
                                                           tmp_path):
     """The README's pipeline, as written there, submitted with `ray job submit
-    --working-dir . -- python my_pipeline.py` to a head with a runtime running: Parquet in,
-    Parquet out, one row per input row, and the account printed."""
+    --working-dir . -- python my_pipeline.py` to a 2-node cluster (a head and a node
+    joined to it) with a runtime running: Parquet in, Parquet out, one row per input row,
+    and the account printed."""
+    with second_node(ray_head):
+        readme_pipeline_job(ray_head, tiny_model_dir, tmp_path)
+        assert len(alive_nodes(ray_head)) == 2
+
+
+def readme_pipeline_job(ray_head, tiny_model_dir, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -211,9 +211,9 @@ def test_deep_and_wide_schemas_stay_cheap():
     huge = {"type": "array", "items": ITEM, "minItems": 10**12}
     for schema in (deep, wide, huge, LONG):
         text = json.dumps(schema)
-        t = time.perf_counter()
+        t = time.thread_time()  # CPU, not wall: a loaded machine does not inflate it
         counts = schema_counts(text)
-        assert time.perf_counter() - t < 0.5
+        assert time.thread_time() - t < 0.5
         assert counts[0] >= 1
     assert schema_counts(huge)[5] == 8 * 10**12  # 8 quotes an item, none outside
 
@@ -221,7 +221,7 @@ def test_deep_and_wide_schemas_stay_cheap():
 def test_the_bound_is_fast_enough_for_admission():
     text = json.dumps(LONG)
     cap = TokenCapacity(VOCAB)
-    t = time.perf_counter()
+    t = time.thread_time()
     for _ in range(100):
         cap.min_tokens(schema_counts(text))
-    assert (time.perf_counter() - t) / 100 < 0.005  # measured ~50 us
+    assert (time.thread_time() - t) / 100 < 0.005  # measured ~50 us of CPU

@@ -69,10 +69,10 @@ def test_references_that_reach_a_schema_many_ways_are_read_once():
                                             (enum_web(500), True), (enum_web(100), True)])
 def test_a_schema_whose_rewrite_multiplies_is_refused_by_name_at_once(schema, strict):
     spec = GrammarSpec.json_schema(schema, strict=strict)
-    t = time.monotonic()
+    t = time.thread_time()  # this thread's CPU: what a loaded machine does not inflate
     with pytest.raises(EngineRefused) as err:
         _llguidance_grammar(spec)
-    assert time.monotonic() - t < 2.0  # generous: ~0.05 s here
+    assert time.thread_time() - t < 2.0  # generous: ~0.05 s here
     assert err.value.kind == ErrorKind.GRAMMAR_TOO_LARGE
     assert "for llguidance" in str(err.value)
 
