@@ -38,6 +38,7 @@ MAX_REPORTED_FAMILIES = 2048  # about the grammars a worker's local LRU keeps
 # a worker that had a request arrive this recently serves requests: a client's grammar
 # checks get their compile share only (worker/guided/compile_meter.py)
 SERVING_WINDOW_S = 5.0
+MAX_REMEMBERED_CLIENTS = 1024
 
 
 def grammar_report(client: dict | None, replication: dict | None, requests: dict,
@@ -108,7 +109,8 @@ class WorkerActor:
         self._grammar_lock = threading.Lock()
         self._grammar_log: deque = deque(maxlen=8192)
         self._checks = None  # the grammar check's reports (built on first use)
-        self._last_arrival = float("-inf")  # monotonic time of the last request's arrival
+        # client -> monotonic time of its last request's arrival (the newest last)
+        self._arrivals: OrderedDict = OrderedDict()
         self._channels: dict = {}  # channel id -> worker.channel.Channel (front ends')
         if self.grammar_client is not None and grammar_cache is not None:
             self._start_replicator(*grammar_cache)
@@ -239,7 +241,10 @@ class WorkerActor:
         if not isinstance(request, GenerationRequest):
             raise ValueError(f"generate takes a GenerationRequest, got {type(request).__name__}")
         self._replicating()
-        self._last_arrival = time.monotonic()
+        self._arrivals[request.client] = time.monotonic()  # the newest last
+        self._arrivals.move_to_end(request.client)
+        while len(self._arrivals) > MAX_REMEMBERED_CLIENTS:
+            self._arrivals.popitem(last=False)
         if request.grammar is not None:
             self._note_family(request.grammar)
             self._count_grammar_request(request)
@@ -302,11 +307,13 @@ class WorkerActor:
             self._checks = CheckReports(guided, busy=self._serving)
         return self._checks
 
-    def _serving(self) -> bool:
-        """Whether this worker serves requests now: one is open, or one arrived in the
-        last ``SERVING_WINDOW_S`` (a client between its requests is still served)."""
-        return (self.engine.open_requests > 0
-                or time.monotonic() - self._last_arrival < SERVING_WINDOW_S)
+    def _serving(self, client) -> bool:
+        """Whether this worker serves requests of clients other than ``client`` now: one
+        is open, or one arrived in the last ``SERVING_WINDOW_S`` (a client between its
+        requests is still served). A client's own requests never count against its
+        checks."""
+        return (self.engine.serves_other_than(client)
+                or arrived_since(self._arrivals, client, time.monotonic() - SERVING_WINDOW_S))
 
     def _hold(self, family: str) -> None:
         _remember(self.families, family)
@@ -367,6 +374,17 @@ class WorkerActor:
         self._replicating()
         await self.engine.stats()  # answered by the engine thread: the loop is alive
         return True
+
+
+def arrived_since(arrivals: OrderedDict, client, since: float) -> bool:
+    """Whether a client other than ``client`` had a request arrive after ``since``
+    (``arrivals``: client -> its last arrival, the newest last)."""
+    for other, arrived in reversed(arrivals.items()):  # the newest first
+        if arrived <= since:
+            return False
+        if other != client:
+            return True
+    return False
 
 
 def _remember(families: OrderedDict, family: str) -> None:

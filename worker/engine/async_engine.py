@@ -61,7 +61,7 @@ class AsyncEngine:
         # held every other request's next token while it was tokenized there)
         prompt_ids = await loop.run_in_executor(self._tokenizer_pool,
                                                 self.engine.encode_prompt, request.prompt)
-        stream = _Stream(loop)
+        stream = _Stream(loop, request.client)
         done = loop.create_future()
         self._streams[request.request_id] = stream
         self._post(("add", (request, prompt_ids), (loop, done)))
@@ -74,10 +74,10 @@ class AsyncEngine:
             raise
         return stream
 
-    @property
-    def open_requests(self) -> int:
-        """Requests whose output is still being delivered (read on the caller's loop)."""
-        return len(self._streams)
+    def serves_other_than(self, client) -> bool:
+        """Whether a request of a client other than ``client`` (GenerationRequest.client)
+        is open: its output still being delivered."""
+        return any(s.client != client for s in list(self._streams.values()))
 
     def close(self, request_id: str) -> None:
         """Stops handing the request's chunks over (its stream is done with)."""
@@ -178,10 +178,11 @@ class _Stream:
     """One request's chunks on its consumer's event loop: what the engine produced since
     the consumer last took (merged into one chunk), and the consumer's wait."""
 
-    __slots__ = ("loop", "pending", "waiter", "on_ready")
+    __slots__ = ("loop", "client", "pending", "waiter", "on_ready")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, client=None):
         self.loop = loop
+        self.client = client  # whose request it is (GenerationRequest.client)
         self.pending: RequestOutput | None = None
         self.waiter: asyncio.Future | None = None
         self.on_ready = None  # called when the stream goes from nothing to a chunk

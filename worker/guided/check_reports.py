@@ -68,10 +68,10 @@ class _Kept:
 class CheckReports:
     def __init__(self, guided, *, limit: int | None = None, max_reports: int = 1024,
                  max_bytes: int = 16 * 2**20, budget_s: float = REPORT_CPU_S,
-                 busy: Callable[[], bool] = lambda: True):
+                 busy: Callable[[str | None], bool] = lambda client: True):
         """``limit``: reports that may wait (default the compile queue's,
-        ``max_queued_compiles``); ``busy``: whether the worker serves requests now (a
-        client's compile share applies only then: CompileMeter)."""
+        ``max_queued_compiles``); ``busy(client)``: whether the worker serves other
+        clients' requests now (a client's compile share applies only then: CompileMeter)."""
         self.busy = busy
         self.guided = guided
         self.queue = FairQueue(1, limit or guided.queue.limit, "grammar-check")
@@ -91,17 +91,17 @@ class CheckReports:
         """The compile a request would start (GrammarChecker.start), from any thread.
         Raises GrammarUnavailable OVERLOADED when the check needs work here (no kept
         report, no compiled grammar) and ``client``'s checks have as many compiles running
-        as they may, or (while the worker serves requests) have had their share of its
-        compile time lately (``CompileMeter``; grammar_cache.check_compile_share)."""
+        as they may, or (while the worker serves other clients' requests) have had their
+        share of its compile time lately (``CompileMeter``; grammar_cache.check_compile_share)."""
         cached = self.guided.holds(spec)
         if not cached and not self._kept_now(spec.key(self.guided.fingerprint)):
-            wait = self.meter.wait_s(client, self.busy())
+            wait = self.meter.wait_s(client, self.busy(client))
             if wait > 0:
                 with self._lock:
                     self.counts.reports_throttled += 1
                 raise GrammarUnavailable(
                     f"this client's grammar checks have {MAX_RUNNING} compiles running on "
-                    f"this worker or, while it serves requests, have used their share of "
+                    f"this worker or, while it serves other clients, have used their share of "
                     f"its compile time ({self.meter.share:g} of a core, in bursts of "
                     f"{self.meter.burst_s:g} s: grammar_cache.check_compile_share); retry "
                     f"in {wait:.0f} s", ErrorKind.OVERLOADED, retry_after_s=wait)

@@ -14,12 +14,12 @@ actor or a child process is bounded by that queue's own fairness); the debt drai
 ``share`` seconds a second, always.
 
 - At most ``MAX_RUNNING`` of a client's compiles run at once.
-- While the worker serves requests (``busy``: the caller says), a client may start one only
-  while its debt, with each compile still running and the one asked for counted at the
-  most of its recent mean cost, the time since it began and half of ``burst_s`` (what a
-  first compile, whose cost nobody knows yet, is assumed to take), is at most
-  ``burst_s`` (two at once at first), or nothing at all is owed (a compile that alone
-  costs more than the burst). So one client's checks
+- While the worker serves other clients' requests (``busy``: the caller says), a client may
+  start one only while its debt, with each compile still running and the one asked for
+  counted at the more of the client's recent mean compile cost (half of ``burst_s`` before
+  its first compile ends: nobody knows the cost yet, so two start at once at first) and
+  the time the running one has taken so far, is at most ``burst_s``, or nothing at all is
+  owed (a compile that alone costs more than the burst). So one client's checks
   take about ``share`` of one core on average, and the rest (the engine thread, the
   replicas) is left to the requests.
 - While it serves none, nobody is slowed: a client's checks may use what is idle.
@@ -51,6 +51,7 @@ class _Account:
     at: float = 0.0
     running: list = field(default_factory=list)  # when each compile not yet charged began
     mean_cost: float = 0.0  # recent mean of its compiles' cost
+    ended: int = 0  # compiles charged so far
 
 
 class CompileMeter:
@@ -78,7 +79,10 @@ class CompileMeter:
                 return 0.0
             owed = acc.debt
             if busy:
-                now, floor = self.clock(), max(acc.mean_cost, self.burst_s / 2)
+                # a compile's estimate: its recent mean, else (none has ended yet) half
+                # the burst
+                now = self.clock()
+                floor = acc.mean_cost if acc.ended else self.burst_s / 2
                 owed += sum(max(floor, now - began) for began in acc.running)
                 # the compile asked for counts too, at the same estimate (one that alone
                 # is over the burst starts once nothing is owed)
@@ -102,9 +106,11 @@ class CompileMeter:
             acc = self._account(client)
             if acc.running:
                 acc.running.pop(0)
-            if cost_s > 0:
-                acc.mean_cost += _MEAN_WEIGHT * (cost_s - acc.mean_cost)
-            acc.debt += max(0.0, cost_s)
+            cost_s = max(0.0, cost_s)
+            acc.mean_cost = (cost_s if not acc.ended
+                             else acc.mean_cost + _MEAN_WEIGHT * (cost_s - acc.mean_cost))
+            acc.ended += 1
+            acc.debt += cost_s
 
     def charge(self, client, cost_s: float) -> None:
         """Adds work of ``client``'s that was not a compile (a report's CPU)."""
