@@ -138,9 +138,9 @@ def test_a_checked_budget_within_the_window_is_answered_with_the_checked_output(
     engine.guided.closer.time_limit_s = 30.0
     GrammarChecker(engine.guided).check(spec)
     compiled = engine.guided.get_grammar(spec).result(timeout=60)
-    found = min(len(p) for p in (compiled.facts.get("start_path"),
-                                 compiled.facts.get("witness_path")) if p is not None)
-    compiled.facts["checked_budget"] = budget = found + 12  # what such a check reports
+    found = min(len(p) for p in (compiled.facts.start_path,
+                                 compiled.facts.witness_path) if p is not None)
+    compiled.facts.checked_budget = budget = found + 12  # what such a check reports
     assert budget <= engine.config.closing_window
     engine.guided.closer.time_limit_s = 0.0  # a busy engine: every search is cut short
     rambling_after_script(engine, "")
@@ -226,4 +226,4 @@ def test_a_short_known_output_does_not_narrow_the_window(make_engine, engine_nam
     jsonschema.validate(json.loads(out.text), O60179_SHAPE)
     # the floor is no dive from the start: the schema closer reads what the output needs
     # as it goes (json_closing.py), so closing begins in time without one
-    assert "start_dive" not in compiled.facts
+    assert compiled.facts.start_dive is None

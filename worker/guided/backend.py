@@ -77,6 +77,55 @@ class EngineRefused(GrammarError):
         return (type(self), (self.engine, str(self), self.kind))
 
 
+@dataclass(eq=False, slots=True)
+class GrammarFacts:
+    """What searches learned of a compiled grammar, shared by its requests and the grammar
+    check (worker/guided/grammar_check.py, check_reports.py), kept with the grammar in the
+    manager's cache. Each field is read and written by name; none is a search's input."""
+
+    # the shortest output found from the start so far (OutputPolicy's admission: a budget
+    # that holds it is admitted with it, whatever a later search on a busy engine finds in
+    # its time)
+    start_path: tuple[int, ...] | None = None
+    # the shortest output the grammar check reported (a request with that max_tokens is
+    # admitted with ``start_path``); 0: none reported
+    checked_budget: int = 0
+    # the schema's witness (schema_witness.py) replayed from the start, or None where it has
+    # none; read only once ``witness_known``
+    witness_path: tuple[int, ...] | None = None
+    witness_known: bool = False
+    # the dive's output from the start (the closing window's floor,
+    # OutputPolicy._estimate_at_start), and how many dives were tried for it
+    start_dive: tuple[int, ...] | None = None
+    start_dives: int = 0
+    # auto: the engines that refused the grammar before the one that compiled it (name ->
+    # its EngineRefused), which the grammar check reports without compiling it again
+    refusals: dict = field(default_factory=dict)
+
+    def remember_start_path(self, path) -> None:
+        """Keeps ``path`` as ``start_path`` where it is shorter than the one known."""
+        if self.start_path is None or len(path) < len(self.start_path):
+            self.start_path = tuple(path)
+
+    def admission(self) -> "GrammarFacts | None":
+        """The facts admission reads (``start_path``, ``checked_budget``, the witness), as a
+        record of their own (a kept grammar check's report puts them back on a grammar
+        compiled again, ``adopt``); None where none is known."""
+        if self.start_path is None and not self.checked_budget and not self.witness_known:
+            return None
+        return GrammarFacts(start_path=self.start_path, checked_budget=self.checked_budget,
+                            witness_path=self.witness_path, witness_known=self.witness_known)
+
+    def adopt(self, other: "GrammarFacts") -> None:
+        """Takes ``other``'s admission facts where this record knows none."""
+        if self.start_path is None:
+            self.start_path = other.start_path
+        if not self.checked_budget:
+            self.checked_budget = other.checked_budget
+        if not self.witness_known and other.witness_known:
+            self.witness_path, self.witness_known = other.witness_path, True
+
+
 @dataclass(frozen=True)
 class CompiledGrammar:
     """What an engine built for a spec. ``artifact``: an ``xgr.CompiledGrammar`` or, for
@@ -88,14 +137,9 @@ class CompiledGrammar:
     compile_s: float
     # the backend compiles a JSON schema only where it enforces it exactly (GrammarBackend.exact)
     exact: bool = False
-    # what searches learned of the grammar, shared by its requests and the grammar check:
-    # "start_path", the shortest output found from its start so far (OutputPolicy's
-    # admission: a budget that holds it is admitted with it, whatever a later search on a
-    # busy engine finds in its time); "checked_budget", the shortest output the grammar
-    # check reported (a request with that max_tokens is admitted with "start_path");
-    # "witness_path", the schema's witness (schema_witness.py); "start_dive", the dive's
-    # output from the start (the closing window's floor, OutputPolicy._estimate_at_start)
-    facts: dict = field(default_factory=dict, compare=False, repr=False)
+    # what searches learned of the grammar (GrammarFacts), shared by its requests and the
+    # grammar check
+    facts: GrammarFacts = field(default_factory=GrammarFacts, compare=False, repr=False)
 
 
 class GrammarMatcher(ABC):

@@ -34,6 +34,7 @@ from typing import Callable
 from core.errors import ErrorKind, GrammarError, GrammarUnavailable
 from core.grammar_spec import GrammarSpec
 from grammar_cache.stats import CheckStats
+from worker.guided.backend import GrammarFacts
 from worker.guided.closing import CLOCK, CompletionSearch
 from worker.guided.compile_meter import MAX_RUNNING, CompileMeter
 from worker.guided.compile_queue import FairQueue, QueueFull
@@ -42,8 +43,6 @@ from worker.guided.grammar_check import GrammarChecker
 # a report's own CPU beyond which its shortest-output search is not refined (the
 # searches it has made stand); each search is also bounded by the engine's time limit
 REPORT_CPU_S = 0.25
-# the facts a report leaves on the compiled grammar for admission (grammar_check.py)
-_FACTS = ("witness_path", "start_path", "checked_budget")
 
 
 def queue_stats(guided, counts: CheckStats | None = None) -> CheckStats:
@@ -60,7 +59,7 @@ def queue_stats(guided, counts: CheckStats | None = None) -> CheckStats:
 @dataclasses.dataclass
 class _Kept:
     report: dict
-    facts: dict
+    facts: GrammarFacts | None  # its admission facts (GrammarFacts.admission)
     size: int
     expires: float  # monotonic; inf for a grammar that compiled
 
@@ -189,8 +188,7 @@ class CheckReports:
             with self._lock:
                 self.counts.report_cpu_s += cpu
         compiled = None if future.exception() is not None else future.result()
-        facts = {k: compiled.facts[k] for k in _FACTS
-                 if compiled is not None and k in compiled.facts}
+        facts = compiled.facts.admission() if compiled is not None else None
         ttl = float("inf") if compiled is not None else self.guided.error_ttl_s
         with self._lock:
             self._inflight.pop(key, None)
@@ -212,10 +210,8 @@ class CheckReports:
     @staticmethod
     def _restore(kept: _Kept, future: Future) -> None:
         """Puts the report's admission facts back on a grammar compiled since."""
-        if kept.facts and future.done() and future.exception() is None:
-            facts = future.result().facts
-            for k, v in kept.facts.items():
-                facts.setdefault(k, v)
+        if kept.facts is not None and future.done() and future.exception() is None:
+            future.result().facts.adopt(kept.facts)
 
     def _overloaded(self, key: str, answer: Future) -> None:
         with self._lock:

@@ -193,8 +193,8 @@ class GrammarChecker:
             refusal = None
         elif isinstance(error, EngineRefused) and error.engine == LLGUIDANCE:
             refusal = error
-        elif compiled is not None and LLGUIDANCE in compiled.facts.get("refusals", {}):
-            refusal = compiled.facts["refusals"][LLGUIDANCE]  # auto asked it already
+        elif compiled is not None and LLGUIDANCE in compiled.facts.refusals:
+            refusal = compiled.facts.refusals[LLGUIDANCE]  # auto asked it already
         else:
             refusal = self.guided.llguidance_refusal(spec)
         if refusal is not None:
@@ -222,14 +222,16 @@ class GrammarChecker:
         # the schema's own short instance (schema_witness.py), which admission builds too:
         # where it is the shortest, a request at its length is admitted with it on any
         # worker, whatever time the searches get there
-        if "witness_path" not in compiled.facts:
-            compiled.facts["witness_path"] = start_witness(spec, matcher, closer)
-        witness = compiled.facts["witness_path"]
+        facts = compiled.facts
+        if not facts.witness_known:
+            facts.witness_path = start_witness(spec, matcher, closer)
+            facts.witness_known = True
+        witness = facts.witness_path
         if witness is not None and (best is None or len(witness) <= len(best)):
             # (kept apart from "start_path", which sets how early closing begins for an
             # output sampled freely: the witness says nothing of that; o60179 at 256
             # tokens was cut unclosed when it did)
-            compiled.facts["checked_budget"] = max(len(witness), at_least)
+            compiled.facts.checked_budget = max(len(witness), at_least)
             return {"tokens": max(len(witness), at_least), "at_least": at_least,
                     "exhausted": exact.exhausted}
         if best is None:
@@ -254,7 +256,7 @@ class GrammarChecker:
         if witness is not None:  # admitted with the witness on any worker
             budget = min(budget, len(witness))
         # a request whose max_tokens is the reported figure is admitted with ``best``
-        compiled.facts["checked_budget"] = max(budget, at_least)
+        compiled.facts.checked_budget = max(budget, at_least)
         return {"tokens": max(budget, at_least), "at_least": at_least,
                 "exhausted": exact.exhausted}
 

@@ -415,7 +415,7 @@ class GuidedDecodingManager:
                 continue
             self.stats.count(name, "grammars")
             # the grammar check reports them without compiling the spec again there
-            compiled.facts["refusals"] = refusals
+            compiled.facts.refusals = refusals
             return compiled
         raise AssertionError("unreachable: the last backend's refusal is raised")
 

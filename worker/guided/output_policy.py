@@ -443,7 +443,7 @@ class OutputPolicy:
                 facts = seq.guide.compiled.facts
                 known = self._known_start(seq, matcher)
                 if known is not None and len(known) <= budget <= cfg.closing_margin + max(
-                        len(known), facts.get("checked_budget", 0)):
+                        len(known), facts.checked_budget):
                     # a budget down to the output found from the start, or to the shortest
                     # output the grammar check reported (sent as max_tokens): admitted with
                     # that output, as within the window. Sampled freely, a large grammar's
@@ -462,7 +462,7 @@ class OutputPolicy:
             # reported, the output is that one (a request at it was cut unclosed)
             self.stats.budget_checks_memo += 1
             seq.guide.ending.start_forced = budget <= self.config.closing_margin + max(
-                len(known), facts.get("checked_budget", 0))
+                len(known), facts.checked_budget)
             return self._budget_verdict(seq, budget, _Verdict(path=list(known)))
         key = None
         if fresh:
@@ -493,7 +493,7 @@ class OutputPolicy:
     def _estimate_at_start(self, seq: GuidedRow, matcher, budget: int) -> None:
         """A budget over the closing window: the dive's output from the grammar's start
         (milliseconds, at most twice per grammar, each given the closing probe's time;
-        ``facts["start_dive"]``), kept as the closing estimate where it is longer than the
+        ``facts.start_dive``), kept as the closing estimate where it is longer than the
         window, so that closing begins in time for it. The probe at twice the window comes
         too late for such a grammar: 20 required properties left took more tokens to close
         than were left (real-world schemas cut unclosed at their budget).
@@ -510,8 +510,8 @@ class OutputPolicy:
                 seq.guide.ending.prior_estimate = need
             return
         facts = seq.guide.compiled.facts
-        dive = facts.get("start_dive")
-        if dive is None and facts.get("start_dives", 0) < _START_DIVES:
+        dive = facts.start_dive
+        if dive is None and facts.start_dives < _START_DIVES:
             # the probe's time (a busy machine cut 4x the search's short), 4x the nodes;
             # one dive per grammar, whichever of its requests asks
             probe_s = self.config.closing_probe_ms / 1000
@@ -520,11 +520,11 @@ class OutputPolicy:
                 time_limit_s=max(probe_s, _START_SCALE * c.time_limit_s),
                 max_expansions=_START_SCALE * c.max_expansions), matcher,
                 shared=("start_dive", seq.grammar.key(self.guided.fingerprint))).value
-            facts["start_dives"] = facts.get("start_dives", 0) + 1
+            facts.start_dives += 1
             if path is not None:
                 remember_start_path(seq.guide.compiled, path)
-                facts["start_dive"] = dive = tuple(path)
-        floor = dive if dive is not None else facts.get("start_path")
+                facts.start_dive = dive = tuple(path)
+        floor = dive if dive is not None else facts.start_path
         if floor is not None and len(floor) + _GUARD_ZONE > self.config.closing_window:
             seq.guide.ending.closing_estimate = (seq.num_output, len(floor))
             seq.guide.ending.prior_estimate = len(floor)
@@ -537,9 +537,10 @@ class OutputPolicy:
         The witness is not the closing estimate's floor (``_estimate_at_start``): it
         says what fits a budget, not how long an output sampled freely takes to close."""
         facts = seq.guide.compiled.facts
-        if "witness_path" not in facts:
-            facts["witness_path"] = start_witness(seq.grammar, matcher, self.guided.closer)
-        found = [p for p in (facts.get("start_path"), facts["witness_path"]) if p is not None]
+        if not facts.witness_known:
+            facts.witness_path = start_witness(seq.grammar, matcher, self.guided.closer)
+            facts.witness_known = True
+        found = [p for p in (facts.start_path, facts.witness_path) if p is not None]
         return min(found, key=len) if found else None
 
     def shortest_bound(self, seq: GuidedRow) -> int:
@@ -1145,9 +1146,7 @@ def start_witness(grammar, matcher, closer) -> tuple | None:
 def remember_start_path(compiled, path: list[int]) -> None:
     """Keeps ``path`` (an output of ``compiled`` found from its start) as the grammar's
     ``start_path`` when it is shorter than the one known."""
-    known = compiled.facts.get("start_path")
-    if known is None or len(path) < len(known):
-        compiled.facts["start_path"] = tuple(path)
+    compiled.facts.remember_start_path(path)
 
 
 _BUDGET_MEMO_SIZE = 4096  # (grammar, budget) admission verdicts kept
