@@ -233,7 +233,7 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool,
     # time like the forward and reported apart; the processor's host parts (the wait for
     # the fill, stop ids and UTF-8 bans on the host bitmask) stay in the host's
     device, applied = [0.0], [0.0]
-    plain_apply = engine.guided.apply_bitmask
+    plain_apply = engine.mask.apply_bitmask
 
     def timed_apply(logits, num_rows):
         t0 = time.perf_counter()
@@ -251,7 +251,7 @@ def replay(model_dir, batch: int, rows, record: dict, guided: bool,
         device[0] += took
         return packed
 
-    engine.guided.apply_bitmask = timed_apply
+    engine.mask.apply_bitmask = timed_apply
     sampling.sample_on_device = timed_draw
     # as a worker does after its start (worker/actor.py): the start's objects out of the
     # cyclic collector's full passes (one took 0.2 s, in a step of this loop)

@@ -274,7 +274,7 @@ def test_sampling_never_breaks_a_character(make_engine):
         logits[0, by_bytes[b"\x80"]] = 50.0  # the model's favourite: invalid here
         logits[0, by_bytes[b"\xa4"]] = 10.0
         inputs = SamplingInputs([SamplingRow(params(1), torch.Generator(), [], out)], [matcher])
-        proc = FusedLogitsProcessor(inputs, guided)
+        proc = FusedLogitsProcessor(inputs, guided.mask)
         proc.prepare()
         [token] = Sampler()(logits, inputs.rows, proc).token_ids
         assert token == by_bytes[b"\xa4"]  # E0 A4: the start of a valid character

@@ -93,7 +93,7 @@ def test_the_model_runs_on_the_device(engine, engine_factory):
     if engine_factory.device != "cpu":
         assert engine.runner.tiled  # the device kernels, not the gather path
     if engine_factory.device == "cuda":  # the mask crosses to the GPU without a host wait
-        assert engine.guided.bitmask.is_pinned()
+        assert engine.mask.bitmask.is_pinned()
 
 
 @pytest.mark.parametrize("knobs", [dict(), dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1),
@@ -150,7 +150,7 @@ def test_guided_json_validates_at_any_budget(engine_factory, temperature, jump_f
 
 
 def test_the_guard_picks_an_allowed_token_when_every_logit_is_masked(engine):
-    mgr = engine.guided
+    mgr = engine.mask
     mgr.bitmask[0].zero_()
     mgr.allow(0, 123)
     mgr.allow(0, 456)

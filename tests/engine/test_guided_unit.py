@@ -135,7 +135,7 @@ def test_batch_mask_equals_reference_and_leaves_unguided_rows(manager):
             mask = xgr.allocate_token_bitmask(1, 40)
             matcher.fill_next_token_bitmask(mask)
             reference_apply(expected[row:row + 1], mask)
-    proc = FusedLogitsProcessor(inputs, manager)
+    proc = FusedLogitsProcessor(inputs, manager.mask)
     proc.prepare()
     proc(logits)
     assert torch.equal(logits, expected)
@@ -154,7 +154,7 @@ def _row(**params):
 def test_a_rejected_token_fails_its_row_only(manager):
     compiled = compile(manager, GrammarSpec.regex("x+"))
     rows = [manager.add_matcher(compiled), None, manager.add_matcher(compiled)]
-    proc = FusedLogitsProcessor(SamplingInputs([_row() for _ in rows], rows), manager)
+    proc = FusedLogitsProcessor(SamplingInputs([_row() for _ in rows], rows), manager.mask)
     proc.prepare()
     proc(torch.randn(3, 40))
     x = VOCAB.index("x")
@@ -185,7 +185,7 @@ def test_stop_ids_are_allowed_only_where_the_grammar_may_end(manager):
     rows = [_row(stop_token_ids=(stop,))]
 
     def step(token):
-        proc = FusedLogitsProcessor(SamplingInputs(rows, keys), manager)
+        proc = FusedLogitsProcessor(SamplingInputs(rows, keys), manager.mask)
         proc.prepare()
         logits = torch.zeros(1, 40)
         proc(logits)
@@ -208,7 +208,7 @@ def test_nan_logits_never_sample_a_masked_token(manager):
         rows = [_row(temperature=temperature), _row(temperature=temperature)]
         logits = torch.full((2, 40), float("nan"))
         logits[1, VOCAB.index("x")] = float("inf")  # masked, and the largest
-        proc = FusedLogitsProcessor(SamplingInputs(rows, keys[:2]), manager)
+        proc = FusedLogitsProcessor(SamplingInputs(rows, keys[:2]), manager.mask)
         proc.prepare()
         tokens = Sampler()(logits, rows, proc).token_ids
         assert all(VOCAB[t] in ("yes", "no") for t in tokens), tokens

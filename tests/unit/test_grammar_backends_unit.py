@@ -108,11 +108,33 @@ def test_fill_bitmask_fills_each_backends_rows(manager):
     ms = [manager.new_matcher(manager.get_grammar(specs[n]).result(timeout=30))
           for n in (XGRAMMAR, LLGUIDANCE, LLGUIDANCE, XGRAMMAR)]
     ms[1].accept_token(ord("a"))
-    manager.fill_bitmask([0, 1, 2, 3], ms)
+    manager.mask.fill_bitmask([0, 1, 2, 3], ms)
     for row, m in enumerate(ms):
         alone = xgr.allocate_token_bitmask(1, manager.vocab_size)
         m.fill_bitmask(alone)
-        assert torch.equal(manager.bitmask[row], alone[0]), row
+        assert torch.equal(manager.mask.bitmask[row], alone[0]), row
+
+
+def test_a_fill_on_several_threads_fills_each_row_as_one_thread_does(manager):
+    """``grammar_fill_threads``: each backend's batch fill on 2 threads (xgrammar's
+    BatchGrammarMatcher, llguidance's parallel fill) writes the bitmask one thread writes."""
+    specs = {XGRAMMAR: GrammarSpec("regex", "x[0-9]+", engine=XGRAMMAR),
+             LLGUIDANCE: GrammarSpec("regex", "[a-c]y[0-9]", engine=LLGUIDANCE)}
+    ms = [manager.new_matcher(manager.get_grammar(specs[n]).result(timeout=30))
+          for n in (LLGUIDANCE, XGRAMMAR, LLGUIDANCE, XGRAMMAR)]
+    ms[0].accept_token(ord("b"))
+    ms[1].accept_token(ord("x"))
+    masks = []
+    try:
+        for threads in (1, 2):
+            manager.mask.fill_threads = threads
+            manager.mask.bitmask.zero_()
+            manager.mask.fill_bitmask([0, 1, 2, 3], ms)
+            masks.append(manager.mask.bitmask[:4].clone())
+    finally:
+        manager.mask.fill_threads = 1
+    assert torch.equal(masks[0], masks[1])
+    assert not torch.equal(masks[0][0], masks[0][2])  # (the rows differ: b then y, or a-c)
 
 
 @pytest.mark.parametrize("engine, default, kind, has_llguidance, order", [

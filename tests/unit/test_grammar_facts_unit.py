@@ -1,8 +1,12 @@
 """GrammarFacts: the typed record of what searches learned of a compiled grammar
 (worker/guided/backend.py), kept with it and put back by a kept grammar check's report."""
 
-from worker.guided.backend import CompiledGrammar, GrammarFacts
+import pytest
+
 from core.grammar_spec import GrammarSpec
+from worker.guided.backend import CompiledGrammar, GrammarFacts
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_new_record_knows_nothing_and_admission_carries_nothing():

@@ -59,6 +59,11 @@ class EngineConfig(ConfigModel):
     # which serves requests; a thread in an engine used directly (`rayguide generate`,
     # the benches, tests: a child's imports take seconds)
     grammar_compile_processes: int | None = Field(None, ge=0)
+    # threads that fill the guided rows' grammar masks each step, while the forward runs
+    # (worker/guided/mask_stage.py: xgrammar's batch fill, llguidance's parallel fill; both
+    # release the GIL). 1: a mask costs a few microseconds a row, and measured at batch 64
+    # and 256 (docs/benchmarks.md, issue 56) two threads took longer than one
+    grammar_fill_threads: int = Field(1, ge=1)
     # the engine's local LRU of compiled grammars, bounded by their size in memory
     grammar_cache_bytes: int = Field(1 << 30, ge=0)
     # budget-aware closing: once a guided request has at most this many tokens of budget

@@ -2,7 +2,7 @@
 
     def step(self):
         scheduled = self.scheduler.schedule()
-        proc = FusedLogitsProcessor(inputs, self.guided); proc.prepare()  # mask fill starts
+        proc = FusedLogitsProcessor(inputs, self.mask); proc.prepare()  # mask fill starts
         logits, rows = self.runner.run(scheduled)                         # ... under the forward
         result = self.sampler(logits, inputs.rows, proc)      # penalties, mask, draw
         self.guide.steer(...); proc.accept_token(result.token_ids)  # then _append_token
@@ -153,7 +153,8 @@ class LLMEngine:
                                       self.eos_ids, self.runner.device,
                                       remaining=self._remaining, grammar_fetch=grammar_fetch,
                                       grammar_limits=grammar_limits)
-        self.guided: GuidedDecodingManager | None = self.guide.manager  # masks, grammar stats
+        self.guided: GuidedDecodingManager | None = self.guide.manager  # the grammar store
+        self.mask = self.guided.mask if self.guided is not None else None  # the batch's mask
         self.seqs: dict[str, Sequence] = {}
         self.waiting_for_grammar: list[Sequence] = []
         self._rng = random.Random(config.seed)
@@ -357,7 +358,7 @@ class LLMEngine:
         drafts = self._draft(scheduled) if self.drafter is not None else {}
         sampling = [s.seq for s in scheduled if s.samples]
         inputs = self.strategy.make_sampling_inputs(sampling)
-        proc = FusedLogitsProcessor(inputs, self.guided)
+        proc = FusedLogitsProcessor(inputs, self.mask)
         try:
             proc.prepare()  # the bitmask fill overlaps the forward
             t0 = time.perf_counter()
@@ -457,7 +458,7 @@ class LLMEngine:
             positions = [len(seq.token_ids) for seq in rows]
             if j:
                 inputs = self.strategy.make_sampling_inputs(rows)
-                proc = FusedLogitsProcessor(inputs, self.guided)
+                proc = FusedLogitsProcessor(inputs, self.mask)
                 proc.prepare()
             for out in self._draw(rows, logits.index_select(
                     0, torch.tensor(index, device=logits.device)), inputs, proc):
@@ -535,7 +536,7 @@ class LLMEngine:
         if len(keep) < len(rows):
             logits = logits.index_select(0, torch.tensor(keep, device=logits.device))
         inputs = self.strategy.make_sampling_inputs(sampling)
-        proc = FusedLogitsProcessor(inputs, self.guided)
+        proc = FusedLogitsProcessor(inputs, self.mask)
         proc.prepare()
         result = self.sampler(logits, inputs.rows, proc)
         held = self.guide.steer(sampling, result.token_ids, result.logprobs)

@@ -1,6 +1,6 @@
 """FusedLogitsProcessor: one step's logits processing for the whole sampling batch.
 
-    proc = FusedLogitsProcessor(inputs, manager)
+    proc = FusedLogitsProcessor(inputs, mask)   # mask: the grammar store's MaskStage
     proc.prepare()            # before the forward: starts filling the batch bitmask on a
                               # worker thread, each masked row through its request's matcher
     logits = model(...)       # the fill runs meanwhile (xgrammar releases the GIL)
@@ -9,7 +9,8 @@
                                   # proc.guard(tokens): never a masked token
     proc.accept_token(tokens)     # advances each guided row's matcher
 
-One bitmask tensor serves the batch (the manager's, allocated once); bitmask row i is
+One bitmask tensor serves the batch (the mask stage's, worker/guided/mask_stage.py,
+allocated once); bitmask row i is
 logits row i, so nothing is re-sorted; unguided rows are left untouched.
 
 Everything that can go wrong is per row: a token the matcher refuses fails its row alone
@@ -57,9 +58,9 @@ class RowStatus:
 
 
 class FusedLogitsProcessor:
-    def __init__(self, inputs: SamplingInputs, manager=None):
+    def __init__(self, inputs: SamplingInputs, mask=None):
         self.inputs = inputs
-        self.manager = manager
+        self.mask = mask  # MaskStage (None: no grammar engine)
         self.timings = StepTimings()
         self._rows: list[int] = []
         self._matchers: list = []
@@ -69,7 +70,7 @@ class FusedLogitsProcessor:
     def prepare(self) -> None:
         """Starts the bitmask fill of the masked rows (those with a matcher) on the fill
         thread."""
-        if self.manager is None:
+        if self.mask is None:
             return
         for i, matcher in enumerate(self.inputs.row_matchers):
             if matcher is not None:
@@ -81,7 +82,7 @@ class FusedLogitsProcessor:
 
     def _fill_bitmask(self) -> None:
         t = time.perf_counter()
-        self.manager.fill_bitmask(self._rows, self._matchers)
+        self.mask.fill_bitmask(self._rows, self._matchers)
         self.timings.fill_us = (time.perf_counter() - t) * 1e6
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -95,21 +96,21 @@ class FusedLogitsProcessor:
             t1 = time.perf_counter()
             self._allow_stop_ids()
             self._ban_invalid_utf8()
-            self.manager.apply_bitmask(logits, max(self._rows) + 1)
+            self.mask.apply_bitmask(logits, max(self._rows) + 1)
             self.timings.fill_wait_us = (t1 - t) * 1e6
             self.timings.apply_us = (time.perf_counter() - t1) * 1e6
         return logits
 
     def _ban_invalid_utf8(self) -> None:
         """Rows in the middle of a character: no byte UTF-8 forbids there (the grammar's
-        mask allows any continuation byte; see GuidedDecodingManager.utf8_bans), cleared in
+        mask allows any continuation byte; see MaskStage.utf8_bans), cleared in
         the host bitmask before it is applied."""
         for row in self._rows:
-            self.manager.ban_utf8(row, self.inputs.rows[row].output_ids)
+            self.mask.ban_utf8(row, self.inputs.rows[row].output_ids)
 
     def _allow_stop_ids(self) -> None:
         """Unmasks each guided row's stop token ids where its grammar may end."""
-        mgr = self.manager
+        mgr = self.mask
         for row in self._rows:
             stop_ids = self.inputs.rows[row].params.stop_token_ids
             if not stop_ids:
@@ -124,8 +125,8 @@ class FusedLogitsProcessor:
         """Replaces a sampled token that the row's mask forbids (only possible when a
         row's logits were all -inf or NaN) with the row's best allowed token."""
         for row in self._rows:
-            if not self.manager.allowed(row, tokens[row]):
-                tokens[row] = self.manager.best_allowed(row, logits[row])
+            if not self.mask.allowed(row, tokens[row]):
+                tokens[row] = self.mask.best_allowed(row, logits[row])
         return tokens
 
     def accept_token(self, tokens: list[int], skip=()) -> dict[int, RowStatus]:

@@ -1,13 +1,14 @@
-"""GuidedDecodingManager: the engine's one handle on its grammar engines (xgrammar and
-llguidance behind worker/guided's backend protocol, chosen per grammar).
+"""GuidedDecodingManager: the grammar store, the engine's one handle on its grammar engines
+(xgrammar and llguidance behind worker/guided's backend protocol, chosen per grammar).
 
 It owns the tokenizer info (built with the *model's* vocab size, so padded embedding rows
 and ids the tokenizer lacks can never be sampled under a grammar, and with the model's
 real EOS ids as stop tokens), compiles grammars off the step loop with a cache of
-compiled grammars and of failures (bounded by bytes), owns the batch token bitmask
-(allocated once at the engine's max batch size), and makes each guided request its own
+compiled grammars and of failures (bounded by bytes), and makes each guided request its own
 matcher (``add_matcher``: the request's GuidedRequest owns it and hands it back with
-``remove_matcher``; the manager counts the live ones).
+``remove_matcher``; the manager counts the live ones). What a step does with the
+matchers (the batch's token bitmask: fill, apply, UTF-8 bans) is its ``mask``, a
+``MaskStage`` (mask_stage.py).
 
 Which engine compiles a spec (``resolve``): the spec's ``engine`` when it names one, else
 the manager's ``default_engine`` (``EngineConfig.grammar_engine``), and ``auto`` by the rule
@@ -49,8 +50,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-import torch
 import xgrammar as xgr
 
 from grammar_cache import envelope
@@ -59,13 +58,13 @@ from grammar_cache.compile_pool import CompilePool
 from grammar_cache.config import MAX_REPETITION, GrammarCacheConfig
 from core.errors import ErrorKind, GrammarUnavailable
 from core.grammar_spec import GrammarSpec
-from worker.guided.bitmask import apply_token_bitmask_inplace
-from worker.guided.closing import NEXT_BYTE, CompletionSearch
+from worker.guided.closing import CompletionSearch
 from worker.guided.compile_queue import FairQueue, QueueFull
 from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR, CompiledGrammar,
                                    EngineRefused, GrammarBackend, GrammarMatcher,
                                    backend_order)
 from worker.guided.llguidance_backend import LLGuidanceBackend
+from worker.guided.mask_stage import MaskStage
 from worker.guided.xgrammar_backend import XGrammarBackend
 
 logger = logging.getLogger(__name__)
@@ -140,9 +139,6 @@ class GuidedDecodingManager:
         self.vocab_size = tokenizer_info.vocab_size
         self.stop_token_ids = list(tokenizer_info.stop_token_ids)
         self.fingerprint = tokenizer_fingerprint(tokenizer_info)
-        # [max_batch_size, ceil(vocab / 32)] int32, reused every step
-        self.bitmask = xgr.allocate_token_bitmask(max_batch_size, self.vocab_size)
-        self.fill_threads = fill_threads
         self._live: set[GrammarMatcher] = set()  # the requests' matchers (add_matcher)
         self._grammars: OrderedDict[str, object] = OrderedDict()  # key -> compiled | error
         self._sizes: dict[str, int] = {}  # key -> bytes it counts against cache_bytes
@@ -188,8 +184,10 @@ class GuidedDecodingManager:
                                else max_repetition)
         self._encode = encode
         self._closer: CompletionSearch | None = None
-        self._utf8_bans: dict[bytes, torch.Tensor] = {}
-        self._utf8_words: dict[int, tuple] = {}  # id(bans) -> (word index, bits to keep)
+        # the batch's mask (mask_stage.py): what a step does with the matchers made here
+        self.mask = MaskStage(self.vocab_size, self.stop_token_ids, max_batch_size,
+                              backend=self.backend, closer=lambda: self.closer,
+                              fill_threads=fill_threads)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: list[int], *,
@@ -213,43 +211,6 @@ class GuidedDecodingManager:
         if self._closer is None:
             self._closer = CompletionSearch(self.tokenizer_info, self._encode)
         return self._closer
-
-    def utf8_bans(self, output_ids: list[int]) -> torch.Tensor | None:
-        """Token ids that would continue the output's unfinished character with a byte
-        UTF-8 forbids there, or None. xgrammar accepts any continuation byte after a lead
-        byte, but E0 80 is overlong, ED A0 a surrogate, F0 80 and F4 90 out of range: the
-        text would carry U+FFFD where the grammar counted one character."""
-        if not output_ids:
-            return None
-        pending = self.closer.pending_bytes(output_ids)
-        if pending not in NEXT_BYTE:
-            return None
-        bans = self._utf8_bans.get(pending)
-        if bans is None:
-            lo, hi = NEXT_BYTE[pending]
-            bans = self._utf8_bans[pending] = torch.tensor(
-                [t for t, raw in enumerate(self.closer.vocab)
-                 if raw and 0x80 <= raw[0] <= 0xBF and not lo <= raw[0] <= hi],
-                dtype=torch.long)
-        return bans
-
-    def ban_utf8(self, row: int, output_ids: list[int]) -> None:
-        """Clears the tokens ``utf8_bans`` names in bitmask row ``row``, on the host: the
-        row's mask crosses to the device with them (no launch per row on a GPU)."""
-        bans = self.utf8_bans(output_ids)
-        if bans is None:
-            return
-        key = id(bans)
-        words = self._utf8_words.get(key)
-        if words is None:
-            bits: dict[int, int] = {}
-            for t in bans.tolist():
-                bits[t >> 5] = bits.get(t >> 5, 0) | (1 << (t & 31))
-            words = self._utf8_words[key] = (
-                np.array(list(bits), dtype=np.int64),
-                np.array([~b & 0xFFFFFFFF for b in bits.values()], dtype=np.uint32))
-        index, keep = words
-        self.bitmask[row].numpy().view(np.uint32)[index] &= keep
 
     # grammars ---------------------------------------------------------------------------
 
@@ -523,65 +484,6 @@ class GuidedDecodingManager:
     def num_matchers(self) -> int:
         """The requests' matchers alive (added, not yet removed)."""
         return len(self._live)
-
-    # masks ------------------------------------------------------------------------------
-
-    def fill_bitmask(self, rows: list[int], matchers: list[GrammarMatcher]) -> None:
-        """Fills bitmask row ``rows[i]`` for ``matchers[i]``; every other row up to the
-        largest one is reset to all-allowed, so unguided rows stay untouched by apply.
-        Rows are grouped per backend, each filled by its backend's batch fill
-        (``GrammarBackend.fill_rows``) into the same bitmask."""
-        n = max(rows) + 1
-        if len(rows) != n:
-            self.bitmask[:n].fill_(-1)
-        groups: dict[str, tuple[list[int], list[GrammarMatcher]]] = {}
-        for row, m in zip(rows, matchers):
-            group = groups.setdefault(m.engine, ([], []))
-            group[0].append(row)
-            group[1].append(m)
-        for name, (group_rows, group) in groups.items():
-            self.backend(name).fill_rows(self.bitmask, group_rows, group, self.fill_threads)
-
-    def only_stop_allowed(self, matcher) -> bool:
-        """Whether ``matcher`` allows nothing but a stop token next (its output is
-        complete and cannot grow)."""
-        mask = self.closer._mask
-        matcher.fill_bitmask(mask)
-        bits = sum(bin(w & 0xFFFFFFFF).count("1") for w in mask[0].tolist())
-        stops = sum(1 for t in self.stop_token_ids
-                    if (int(mask[0, t >> 5]) >> (t & 31)) & 1)
-        return bits == stops
-
-    def allowed(self, row: int, token: int) -> bool:
-        """Whether bitmask row ``row`` allows ``token``."""
-        if not 0 <= token < self.vocab_size:
-            return False
-        return bool((int(self.bitmask[row, token >> 5]) >> (token & 31)) & 1)
-
-    def allow(self, row: int, token: int) -> None:
-        """Sets ``token``'s bit in bitmask row ``row``."""
-        if 0 <= token < self.vocab_size:
-            word = int(self.bitmask[row, token >> 5]) | (1 << (token & 31))
-            self.bitmask[row, token >> 5] = word - (1 << 32) if word >= 1 << 31 else word
-
-    def best_allowed(self, row: int, logits_row: torch.Tensor) -> int:
-        """The allowed token of bitmask row ``row`` with the largest logit (NaN counts as
-        -inf); the first allowed token when none is finite."""
-        shifts = torch.arange(32, dtype=torch.int32)
-        bits = ((self.bitmask[row].unsqueeze(-1) >> shifts) & 1).flatten()[:self.vocab_size]
-        allowed = bits.bool()
-        if not allowed.any():
-            raise RuntimeError("the grammar allows no token here")
-        # on the host (the bitmask is there): a rare path, one row
-        scores = torch.nan_to_num(logits_row[:self.vocab_size].float().cpu(), nan=float("-inf"))
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        if torch.isfinite(scores).any():
-            return int(scores.argmax())
-        return int(allowed.nonzero()[0])
-
-    def apply_bitmask(self, logits: torch.Tensor, num_rows: int) -> None:
-        """Masks logits[:num_rows] in place with bitmask[:num_rows]."""
-        apply_token_bitmask_inplace(logits[:num_rows], self.bitmask[:num_rows])
 
     def shutdown(self) -> None:
         """Stops the compile threads (a compile in progress finishes on its own) and the

@@ -717,7 +717,7 @@ class OutputPolicy:
             # token can cost many (", " in an array opens a whole object)
             seq.guide.ending.closing_path = (seq.num_output, found.tokens, slack)
             return None
-        if not found.tokens and self.guided.only_stop_allowed(matcher):
+        if not found.tokens and self.guided.mask.only_stop_allowed(matcher):
             return [], "stop"  # complete, and the grammar allows nothing more
         return self._force(seq, found.tokens)
 

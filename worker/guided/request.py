@@ -144,12 +144,13 @@ class GuidedPath:
                 max_batch_size=config.max_num_seqs, grammar_fetch=grammar_fetch,
                 cache_bytes=config.grammar_cache_bytes, default_engine=config.grammar_engine,
                 compile_processes=config.compile_processes(grammar_limits),
-                compile_limits=grammar_limits)
+                compile_limits=grammar_limits,
+                fill_threads=config.grammar_fill_threads)
             manager.closer.time_limit_s = config.closing_search_ms / 1000
             if device.type == "cpu":  # compile the mask kernel off the hot path
                 threading.Thread(target=bitmask.warmup, daemon=True).start()
             elif device.type == "cuda":  # pinned: its copy to the GPU is async
-                manager.bitmask = manager.bitmask.pin_memory()
+                manager.mask.bitmask = manager.mask.bitmask.pin_memory()
         path = cls(config, tokenizer, manager=manager, eos_ids=eos_ids, remaining=remaining)
         if manager is not None:  # the vocabulary's tables, off the engine thread
             threading.Thread(target=path.prepare, name="guided-prepare", daemon=True).start()

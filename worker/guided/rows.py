@@ -69,6 +69,7 @@ class GuidedConfig(Protocol):
     max_num_seqs: int
     grammar_engine: str
     grammar_cache_bytes: int
+    grammar_fill_threads: int
     closing_window: int
     closing_margin: int
     closing_search_ms: float
