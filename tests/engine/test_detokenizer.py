@@ -272,3 +272,38 @@ def test_real_a_continuation_goes_on_exactly_where_the_stream_stopped(tok, text)
         for cut in range(1, len(out)):
             had, rest = _continued(tok, prompt, out, cut)
             assert FFFD not in had + rest and had + rest == text, (cut, had, rest)
+
+
+@pytest.mark.integration
+def test_real_text_is_read_from_each_tokens_bytes_not_decoded(tok):
+    """The default tokenizer (byte-level BPE) takes the bytes path (ByteVocab): every real
+    test above covers it; a token id past the tokenizer's (a padded embedding row)
+    writes nothing, as the tokenizer's decode has it."""
+    from worker.guided.detokenizer import ByteVocab
+
+    vocab = ByteVocab.of(tok)
+    assert vocab is not None and ByteVocab.of(tok) is vocab
+    assert vocab.table[tok.convert_tokens_to_ids("Ġworld")] == b" world"
+    calls = []
+
+    class Counting:  # the same tokenizer, decode counted
+        def __init__(self):
+            self._tokenizer = tok._tokenizer
+            self.clean_up_tokenization_spaces = False
+
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(ids)
+            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    out = tok.encode("Héllo 😀 wörld", add_special_tokens=False)
+    counting = Counting()
+    detok, _ = stream(counting, [], out + [len(tok) + 3])
+    assert detok.text == "Héllo 😀 wörld" == tok.decode(out + [len(tok) + 3])
+    assert calls == []  # (its bytes, checked against _tokenizer.decode once, at its build)
+
+
+@pytest.mark.unit
+def test_a_tokenizer_whose_text_is_not_its_bytes_is_decoded(fake):
+    from worker.guided.detokenizer import ByteVocab
+
+    assert ByteVocab.of(fake) is None  # (no byte-level backend: the window's decode)

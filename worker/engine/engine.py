@@ -38,7 +38,7 @@ from grammar_cache.config import GrammarCacheConfig
 from core.errors import ErrorKind
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import EngineConfig
-from worker.guided.detokenizer import IncrementalDetokenizer
+from worker.guided.detokenizer import ByteVocab, IncrementalDetokenizer
 from worker.engine.logits_process import FusedLogitsProcessor, RowStatus, StepTimings
 from worker.engine.model_runner import ModelRunner, kv_bytes_per_token
 from worker.engine.sampling import ARSamplingStrategy, Sampler, SamplingParams
@@ -126,6 +126,7 @@ class LLMEngine:
         if tokenizer is None:
             tokenizer = loader.load_tokenizer(model_dir)
         self.model, self.tokenizer, self.model_dir = model, tokenizer, model_dir
+        ByteVocab.of(tokenizer)  # each token's bytes, read once here (detokenizer.py)
         self.eos_ids = set(loader.generation_eos_ids(model_dir, tokenizer)) if model_dir else (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         self.max_model_len = min(config.max_model_len or 10**9,

@@ -138,7 +138,8 @@ class Sequence:
         None when none was asked for and none sampled, their text)."""
         if not n:
             return [], None, ""
-        new_tokens = self.output_ids[self.num_output - len(self.held_logprobs):][:n]
+        first = len(self.token_ids) - len(self.held_logprobs)  # the oldest held token
+        new_tokens = self.token_ids[first:first + n]
         lps = self.release_held(n)
         text = self.detokenizer.add_tokens(new_tokens)
         if self.params.logprobs is None and all(lp is None for lp in lps):
