@@ -137,6 +137,28 @@ def test_a_fill_on_several_threads_fills_each_row_as_one_thread_does(manager):
     assert not torch.equal(masks[0][0], masks[0][2])  # (the rows differ: b then y, or a-c)
 
 
+def test_the_mask_stage_reads_and_sets_single_bits_of_its_bitmask(manager):
+    """``allow`` / ``allowed`` on the bitmask's words, the sign bit (token 31 of a word)
+    included, and again after the bitmask is replaced (pinned beside a GPU)."""
+    mask = manager.mask
+    saved = mask.bitmask
+    try:
+        for tensor in (saved, saved.clone()):
+            mask.bitmask = tensor
+            tensor[1].zero_()
+            for t in (0, 31, 32, 63, 200):
+                assert not mask.allowed(1, t)
+                mask.allow(1, t)
+                assert mask.allowed(1, t)
+            assert int(tensor[1, 0]) == 1 - (1 << 31)  # bits 0 and 31: an int32's sign
+            assert int(tensor[1, 1]) == 1 - (1 << 31)
+            assert not mask.allowed(1, 33) and not mask.allowed(1, manager.vocab_size)
+            mask.allow(1, manager.vocab_size)  # past the vocabulary: nothing is set
+            assert sum(bin(int(w) & 0xFFFFFFFF).count("1") for w in tensor[1]) == 5
+    finally:
+        mask.bitmask = saved
+
+
 @pytest.mark.parametrize("engine, default, kind, has_llguidance, order", [
     (AUTO, AUTO, "json_schema", True, (LLGUIDANCE, XGRAMMAR)),
     (AUTO, AUTO, "json_object", True, (LLGUIDANCE, XGRAMMAR)),

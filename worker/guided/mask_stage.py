@@ -42,13 +42,25 @@ class MaskStage:
                  closer: Callable[[], "CompletionSearch"], fill_threads: int = 1):
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        # [max_batch_size, ceil(vocab / 32)] int32, reused every step
+        # [max_batch_size, ceil(vocab / 32)] int32, reused every step (on the host: pinned
+        # beside a GPU, ``bitmask`` replaced by its pinned copy)
         self.bitmask = xgr.allocate_token_bitmask(max_batch_size, vocab_size)
         self.fill_threads = max(1, fill_threads)
         self._backend = backend
         self._closer = closer
         self._utf8_bans: dict[bytes, torch.Tensor] = {}
         self._utf8_words: dict[int, tuple] = {}  # id(bans) -> (word index, bits to keep)
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        return self._bitmask
+
+    @bitmask.setter
+    def bitmask(self, tensor: torch.Tensor) -> None:
+        self._bitmask = tensor
+        # the same memory as numpy words: one bit read or set costs an index, not a
+        # tensor's (the step reads one a guided row: ``allowed`` in the sampler's guard)
+        self._words = tensor.numpy().view(np.uint32)
 
     def fill_bitmask(self, rows: list[int], matchers: list["GrammarMatcher"]) -> None:
         """Fills bitmask row ``rows[i]`` for ``matchers[i]``; every other row up to the
@@ -74,13 +86,12 @@ class MaskStage:
         """Whether bitmask row ``row`` allows ``token``."""
         if not 0 <= token < self.vocab_size:
             return False
-        return bool((int(self.bitmask[row, token >> 5]) >> (token & 31)) & 1)
+        return bool((int(self._words[row, token >> 5]) >> (token & 31)) & 1)
 
     def allow(self, row: int, token: int) -> None:
         """Sets ``token``'s bit in bitmask row ``row``."""
         if 0 <= token < self.vocab_size:
-            word = int(self.bitmask[row, token >> 5]) | (1 << (token & 31))
-            self.bitmask[row, token >> 5] = word - (1 << 32) if word >= 1 << 31 else word
+            self._words[row, token >> 5] |= np.uint32(1 << (token & 31))
 
     def best_allowed(self, row: int, logits_row: torch.Tensor) -> int:
         """The allowed token of bitmask row ``row`` with the largest logit (NaN counts as
@@ -143,4 +154,4 @@ class MaskStage:
                 np.array(list(bits), dtype=np.int64),
                 np.array([~b & 0xFFFFFFFF for b in bits.values()], dtype=np.uint32))
         index, keep = words
-        self.bitmask[row].numpy().view(np.uint32)[index] &= keep
+        self._words[row, index] &= keep
