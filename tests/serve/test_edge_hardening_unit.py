@@ -7,6 +7,8 @@ The server's methods run on an instance built around fakes (no replica, no runti
 import asyncio
 import json
 import math
+from pathlib import Path
+import re
 from types import SimpleNamespace
 
 import jinja2
@@ -170,6 +172,17 @@ def _strict_loads(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
+# The floor docs/security.md promises ("reported as `-9999.0`"), written out here rather
+# than read off responses.LOGPROB_FLOOR: a changed constant must fail this test
+DOCUMENTED_FLOOR = -9999.0
+
+
+def test_the_documented_floor_is_the_one_tested():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    said = re.search(r"is reported as `(-?[0-9.]+)`", " ".join(text.split()))
+    assert said and float(said.group(1)) == DOCUMENTED_FLOOR, "docs/security.md's floor moved"
+
+
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_non_finite_logprobs_are_reported_as_the_floor(kind):
     plan = chat(logprobs=True, top_logprobs=2) if kind == "chat" else completion(
@@ -180,19 +193,22 @@ def test_non_finite_logprobs_are_reported_as_the_floor(kind):
                         logprob_tokens=[["a", ["a", "c"]], ["b", []]])
     body = responses.response_body(plan, [out], "m")
     rendered = JSONResponse(body).body  # allow_nan=False: a NaN here was a 500
-    lps = _strict_loads(rendered)["choices"][0]["logprobs"]
-    if kind == "chat":
-        first = lps["content"][0]
-        assert first["logprob"] == responses.LOGPROB_FLOOR
-        assert [a["logprob"] for a in first["top_logprobs"]] == [responses.LOGPROB_FLOOR, -0.5]
-    else:
-        assert lps["token_logprobs"] == [responses.LOGPROB_FLOOR] * 2
-        assert lps["top_logprobs"][0] == {"a": responses.LOGPROB_FLOOR, "c": -0.5}
-    # streamed: every event is strict JSON
+    # streamed: every event is strict JSON, and carries the same numbers
     sse = responses.StreamAssembler(plan, "m")
     events = sse.start() + sse.feed(0, out) + sse.finish()
-    for event in events[:-1]:
-        _strict_loads(event.removeprefix("data: "))
+    assert events[-1].strip() == "data: [DONE]"
+    streamed = [_strict_loads(e.removeprefix("data: ")) for e in events[:-1] if e.strip()]
+    seen = [_strict_loads(rendered)["choices"][0]["logprobs"]] + [
+        c["logprobs"] for e in streamed for c in e["choices"] if c.get("logprobs")]
+    assert len(seen) >= 2, events  # the body's and at least one event's
+    for lps in seen:
+        if kind == "chat":
+            first, second = lps["content"]
+            assert first["logprob"] == DOCUMENTED_FLOOR == second["logprob"]
+            assert [a["logprob"] for a in first["top_logprobs"]] == [DOCUMENTED_FLOOR, -0.5]
+        else:
+            assert lps["token_logprobs"] == [DOCUMENTED_FLOOR] * 2
+            assert lps["top_logprobs"][0] == {"a": DOCUMENTED_FLOOR, "c": -0.5}
 
 
 # limits on request state ------------------------------------------------------------------

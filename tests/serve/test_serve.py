@@ -274,6 +274,35 @@ def test_sessions_keep_kv_and_end(svc, client):
     wait_idle()
 
 
+def test_deleting_a_session_aborts_its_running_request(svc):
+    """docs/security.md: a request cut short by ``DELETE /v1/sessions/{id}`` finishes with
+    ``finish_reason: "abort"``, never ``stop``; docs/reference.md: its KV and grammar
+    matchers are freed."""
+    sid = "conv-aborted"
+    body = {"messages": ask("Write letters."), "max_tokens": 3000, "stream": True,
+            "guided_regex": "[a-z]{3000}", "session_id": sid}  # cannot finish on its own
+    events, deleted = [], None
+    with httpx.stream("POST", svc.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                break
+            if line.startswith("data:"):
+                events.append(json.loads(line.removeprefix("data:")))
+            if deleted is None and len(events) >= 3:
+                deleted = http(svc, "DELETE", f"/v1/sessions/{sid}")
+                ended_by = time.monotonic() + 30  # the abort, not 3000 tokens later
+            assert deleted is None or time.monotonic() < ended_by, "the stream went on"
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    reasons = [c["finish_reason"] for e in events for c in e["choices"]
+               if c.get("finish_reason")]
+    assert reasons == ["abort"], reasons
+    assert len("".join(c["delta"].get("content") or "" for e in events
+                       for c in e["choices"])) < 3000
+    wait_idle()
+
+
 def test_tenants_are_apart(svc):
     """Two tenants of the keys file sending the same ``user`` and session id: neither
     continues, probes (cached_tokens) or ends the other's session, nor sees its grammar
