@@ -53,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
                     "e.g. the LAN IP to let other nodes join)")
     up.add_argument("--port", type=int, default=None,
                     help="the new head's GCS port (default 6379, or a free one if taken)")
+    up.add_argument("--ingress", choices=("haproxy", "proxy"), default=None,
+                    help="what Serve puts in front of the replicas of an app deployed on "
+                    "the new head later (`rayguide serve --address`, `serve deploy`; "
+                    "default: the config's serve.ingress): haproxy, or Serve's Python "
+                    "proxy (proxy); set where the head starts, so not on --address")
     target = ("Ray address of the cluster to act on (default: the head `rayguide up` "
               "started on this machine; never another Ray instance found running here)")
     down = sub.add_parser("down", help="stop the rayguide actors, and the Ray head "
@@ -121,7 +126,13 @@ def run_cluster_command(args) -> int:
                 if record is None or not launch.head_alive(record):
                     print("rayguide: starting a Ray head (token authentication on) ...",
                           file=sys.stderr, flush=True)
-                    record = launch.start_ray_head(listen=args.listen, port=args.port)
+                    record = launch.start_ray_head(
+                        listen=args.listen, port=args.port,
+                        ingress=args.ingress or config.serve.ingress)
+                elif args.ingress and args.ingress != record.get("ingress", "proxy"):
+                    print(f"rayguide: the running head keeps its ingress "
+                          f"({record.get('ingress', 'proxy')}); `rayguide down` and `up "
+                          f"--ingress {args.ingress}` to change it", file=sys.stderr)
                 launch.use_head_token(record)
                 config = config.model_copy(update={"address": record["address"]})
             launch.up(config, detached=True)
@@ -156,12 +167,19 @@ def _head_banner(record: dict) -> str:
     token = record.get("token_path")
     where = (f"export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH={token}" if token else
              "export RAY_AUTH_MODE=token  # and the same RAY_AUTH_TOKEN")
+    haproxy = record.get("ingress") == "haproxy"
+    front = ("HAProxy (its files in " + str(record.get("ingress_dir")) + ")" if haproxy
+             else "Serve's Python proxy")
+    switch = "RAY_SERVE_ENABLE_HA_PROXY=1 " if haproxy else ""
     return (f"\nRay head: {record['address']} (token authentication on; token in "
             f"{token or '$RAY_AUTH_TOKEN'}); dashboard and job API: {record['dashboard']}\n"
+            f"HTTP ingress of apps served on it (rayguide serve --address): {front}\n"
             f"To use it from this machine (ray job submit, ray.init, serve deploy):\n"
             f"  {where}\n"
             f"  export RAY_ADDRESS={record['address']}\n"
-            f"Other machines need the same token (copy the file, keep it secret).\n"
+            f"Other machines need the same token (copy the file, keep it secret); a node "
+            f"joins with\n  {switch}ray start --address={record['address']}  "
+            f"# with RAY_AUTH_MODE=token and the token, as above\n"
             f"`rayguide status` shows this runtime; `rayguide down` stops it and this head.")
 
 

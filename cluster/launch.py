@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 
 from cluster.config import ClusterConfig
+from cluster.ingress import choose_ingress, ingress_environment, remove_workdir, workdir_of
 from grammar_cache.actor import ACTOR_NAME as CACHE_NAME
 from grammar_cache.actor import get_or_create_actor, wait_ready
 from scheduler.actor import NAMESPACE, SCHEDULER_NAME, WORKER_PREFIX, get_or_create_scheduler
@@ -30,12 +31,13 @@ from worker.actor import WorkerActor
 logger = logging.getLogger(__name__)
 
 
-def connect(address: str | None = None, *, start_head: bool = False) -> None:
+def connect(address: str | None = None, *, start_head: bool = False,
+            ingress: str = "haproxy") -> None:
     """Joins an existing cluster (``"auto"``, ``"host:port"``, ``"ray://..."``); with no
     address, starts a Ray instance: inside this process, or (``start_head``, for a runtime
     that must outlive this process) the head recorded by an earlier ``rayguide up``, else a
-    new private head (:func:`start_head`). Never attaches to some other Ray instance on the
-    machine by accident."""
+    new private head (:func:`start_ray_head`, with ``ingress``). Never attaches to some
+    other Ray instance on the machine by accident."""
     if ray.is_initialized():
         return
     fast_death_notice()
@@ -43,7 +45,7 @@ def connect(address: str | None = None, *, start_head: bool = False) -> None:
     if address is None and start_head:
         record = recorded_head()
         if record is None or not head_alive(record):
-            record = start_ray_head()
+            record = start_ray_head(ingress=ingress)
         use_head_token(record)
         address = record["address"]
     if address is None:  # a new instance, even when `ray start` runs one on this machine
@@ -183,9 +185,16 @@ def free_port(preferred: int | None = None, host: str = "") -> int:
 
 
 def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
-                   timeout_s: float = 120.0) -> dict:
+                   timeout_s: float = 120.0, ingress: str = "haproxy") -> dict:
     """``ray start --head`` with token authentication on, its own ports and temp dir, the
     dashboard on ``listen`` (loopback by default), recorded for ``down`` / ``status``.
+
+    ``ingress`` ("haproxy", or "proxy"; "proxy", logged, when no HAProxy binary is found)
+    is what Serve puts in front of the replicas of any app deployed on this head later
+    (``rayguide serve --address``, ``serve deploy``): Serve's controller and HAProxy
+    manager read it from the environment of the raylet they start under, this one's.
+    HAProxy gets a directory of its own (cluster/ingress.py ``ingress_environment``: its
+    config, sockets and the loopback shim), recorded and removed with the head.
 
     Ray 2.60's GCS and raylet gRPC servers listen on every interface whatever the node IP
     (there is no bind option, and ``ray start`` turns a loopback node IP into the routable
@@ -193,6 +202,9 @@ def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
     ``listen``: the dashboard (and Ray's job API behind it) and the node IP it advertises.
     """
     token_file = ensure_token()
+    stale = recorded_head()
+    if stale is not None and not head_alive(stale):  # a head that died: its files go now
+        remove_workdir(stale.get("ingress_dir"))
     temp_dir = run_dir() / "ray"
     if len(str(temp_dir)) > 40:
         # Ray's sockets live under <temp>/session_<date>_<pid>/sockets/ and a unix socket
@@ -228,16 +240,25 @@ def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
         env.setdefault(METRICS_ENV, "0")
     if token_file is not None:
         env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
-    # its own session: the head's processes are found (and stopped) by its session id
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    chosen = choose_ingress(ingress)
+    ingress_env = ingress_environment(chosen)
+    env.update(ingress_env)
+    workdir = workdir_of(ingress_env)
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise TimeoutError(f"`ray start --head` did not finish in {timeout_s:.0f} s") from None
-    if proc.returncode != 0:
-        raise ConnectionError("`ray start --head` failed:\n" + out[-2000:])
+        # its own session: the head's processes are found (and stopped) by its session id
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise TimeoutError(
+                f"`ray start --head` did not finish in {timeout_s:.0f} s") from None
+        if proc.returncode != 0:
+            raise ConnectionError("`ray start --head` failed:\n" + out[-2000:])
+    except BaseException:
+        remove_workdir(workdir)
+        raise
     from ray._private.services import get_node_ip_address
 
     node_ip = listen if "--node-ip-address" in " ".join(cmd) else get_node_ip_address()
@@ -246,7 +267,7 @@ def start_ray_head(*, listen: str = LOOPBACK, port: int | None = None,
                            f":{dashboard_port}",
               "listen": listen, "temp_dir": str(temp_dir), "session_id": proc.pid,
               "token_path": str(token_file) if token_file else None,
-              "started_at": time.time()}
+              "ingress": chosen, "ingress_dir": workdir, "started_at": time.time()}
     head_record_path().write_text(json.dumps(record, indent=1))
     return record
 
@@ -257,7 +278,9 @@ def _is_loopback(host: str) -> bool:
 
 def head_processes(record: dict) -> list[int]:
     """The live processes of a recorded head: those in its session whose command line is
-    Ray's (a pid or session id reused by something else is left alone)."""
+    Ray's or names its HAProxy directory (a pid or session id reused by something else is
+    left alone)."""
+    workdir = record.get("ingress_dir")
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -267,7 +290,7 @@ def head_processes(record: dict) -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except (OSError, IndexError, ValueError):
             continue
-        if "ray" in cmdline:
+        if "ray" in cmdline or (workdir and workdir in cmdline):
             pids.append(int(stat.parent.name))
     return pids
 
@@ -287,7 +310,7 @@ def _cmdline(pid: int) -> str:
 def stop_ray_head(record: dict, grace_s: float = 5.0) -> int:
     """Stops the head ``rayguide up`` started (its processes only, never `ray stop`, which
     stops every Ray instance on the machine); forgets the record. Returns how many
-    processes were signalled."""
+    processes were signalled. The head's HAProxy directory goes with it."""
     pids = head_processes(record)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
@@ -300,6 +323,7 @@ def stop_ray_head(record: dict, grace_s: float = 5.0) -> int:
             time.sleep(0.2)
         if not any(_alive(p) for p in pids):
             break
+    remove_workdir(record.get("ingress_dir"))
     if recorded_head() == record:
         head_record_path().unlink(missing_ok=True)
     return len(pids)
@@ -326,7 +350,7 @@ _created_here: set[str] = set()
 def up(config: ClusterConfig, *, detached: bool = False, wait: bool = True) -> dict:
     """Starts (or finds) every component; returns their handles. Keep them: actors that are
     not detached end when the last handle to them goes away."""
-    connect(config.address, start_head=detached)
+    connect(config.address, start_head=detached, ingress=config.serve.ingress)
     names = [CACHE_NAME, SCHEDULER_NAME] + [f"{WORKER_PREFIX}{i}"
                                             for i in range(config.num_workers)]
     existing = set(_named_actors())

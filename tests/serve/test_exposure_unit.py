@@ -214,7 +214,7 @@ def test_loopback_head_gets_no_metrics_exporter(monkeypatch, tmp_path, listen,
             return "", None
 
     monkeypatch.setattr(launch.subprocess, "Popen", FakePopen)
-    record = launch.start_ray_head(listen=listen)
+    record = launch.start_ray_head(listen=listen, ingress="proxy")  # no HAProxy files
     Path(record["temp_dir"]).rmdir()  # a long run dir gets a short one in /tmp
     assert seen["env"].get(METRICS_ENV) == exporter_env
 

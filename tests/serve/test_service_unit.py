@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster import launch
+from cluster import ingress, launch
 from cluster.config import ClusterConfig
 from deploy import service
 
@@ -69,7 +69,7 @@ def test_haproxy_ingress_gets_its_own_files_and_ports_while_ray_starts(monkeypat
     machine), are in Ray's environment as it starts and gone from this process's after."""
     import os
 
-    monkeypatch.setattr(service, "haproxy_binary", lambda: "/bin/haproxy")
+    monkeypatch.setattr(ingress, "haproxy_binary", lambda: "/bin/haproxy")
     monkeypatch.delenv(service.HAPROXY_ENV, raising=False)
     first = _env_at_init(monkeypatch)
     second = _env_at_init(monkeypatch)
@@ -93,10 +93,10 @@ def test_proxy_ingress_and_a_missing_haproxy_start_serves_python_proxy(monkeypat
     import os
 
     monkeypatch.setenv(service.HAPROXY_ENV, "1")  # a user's shell: restored after
-    monkeypatch.setattr(service, "haproxy_binary", lambda: "/bin/haproxy")
+    monkeypatch.setattr(ingress, "haproxy_binary", lambda: "/bin/haproxy")
     assert _env_at_init(monkeypatch, ingress="proxy")[service.HAPROXY_ENV] == "0"
     assert os.environ[service.HAPROXY_ENV] == "1"
-    monkeypatch.setattr(service, "haproxy_binary", lambda: None)
+    monkeypatch.setattr(ingress, "haproxy_binary", lambda: None)
     env = _env_at_init(monkeypatch, ingress="haproxy")
     assert env[service.HAPROXY_ENV] == "0"
     assert "RAY_SERVE_HAPROXY_STATS_PORT" not in env or \

@@ -12,6 +12,7 @@ import pytest
 
 from cli.main import _head_banner, main
 from cluster import launch
+from cluster.ingress import remove_workdir
 from cluster.config import ClusterConfig
 from deploy import service
 
@@ -43,12 +44,16 @@ def head(monkeypatch, tmp_path):
     def start(**kwargs):
         record = launch.start_ray_head(**kwargs)
         made.append(Path(record["temp_dir"]))
+        ingress_dirs.append(record["ingress_dir"])
         return record, seen
 
+    ingress_dirs = []
     yield start
     for temp in made:  # a long run dir gets a short one in /tmp
         if temp.is_dir() and not temp.is_relative_to(tmp_path):
             temp.rmdir()
+    for workdir in ingress_dirs:  # HAProxy's directory (cluster/ingress.py), in /tmp
+        remove_workdir(workdir)
 
 
 def test_up_starts_its_head_with_token_auth_and_a_private_token_file(head, tmp_path):
