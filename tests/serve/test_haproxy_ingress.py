@@ -90,18 +90,32 @@ def test_haproxy_serves_the_endpoint_on_loopback_only(svc):
                                  "Host": f"attacker.example:{port}"})
     assert rebound.status_code == 421, rebound.text
     assert rebound.json()["error"]["code"] == "invalid_host"
-    procs = _haproxies(svc.ingress_dir)
+    deadline = time.monotonic() + 30  # (a reload's old process may end as it is read)
+    while True:
+        procs = _haproxies(svc.ingress_dir)
+        listening = [c for p in procs for c in _connections(p)
+                     if c.status == psutil.CONN_LISTEN]
+        if port in {c.laddr.port for c in listening} or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert procs, "no HAProxy runs from this service's directory"
-    listening = [c for p in procs for c in p.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN]
     assert port in {c.laddr.port for c in listening}, listening
     assert {c.laddr.ip for c in listening} == {"127.0.0.1"}, listening
     # the replica's own HTTP server: on the endpoint's host too
     replica_ports = [c for p in psutil.process_iter(["name"])
                      if "ServeRepli" in (p.info["name"] or "")
-                     for c in p.net_connections(kind="inet")
+                     for c in _connections(p)
                      if c.status == psutil.CONN_LISTEN and c.laddr.port in launch.REPLICA_PORTS]
     assert replica_ports and {c.laddr.ip for c in replica_ports} == {"127.0.0.1"}
+
+
+def _connections(proc) -> list:
+    """A process's inet sockets; none for one that exited meanwhile (Serve reloads
+    HAProxy: the old process ends while the new one serves)."""
+    try:
+        return proc.net_connections(kind="inet")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
 
 
 def test_a_client_that_hangs_up_through_haproxy_has_its_request_aborted(svc):
