@@ -4,6 +4,11 @@ up(): the grammar-cache actor, the scheduler and N worker actors (spread across 
 one GPU each on a GPU cluster), all named in the "rayguide" namespace so any process of
 the cluster finds them; detached when the runtime runs as a service (``rayguide up``), so
 it outlives the process that started it.
+
+Why one module over 500 lines: the head ``rayguide up`` starts (its record, token, ports,
+ingress directory and processes) and the actors it runs are started, found and stopped
+together by ``up`` / ``down`` / ``status``; the ingress's environment itself is apart
+(cluster/ingress.py).
 """
 
 from __future__ import annotations
