@@ -72,6 +72,7 @@ def test_an_app_on_the_head_of_rayguide_up_is_served_through_haproxy(tiny_model_
     if ingress.haproxy_binary() is None:
         pytest.skip("no HAProxy binary (ray[serve] brings one on Linux)")
     record = svc = None
+    mode = os.environ.get("RAY_AUTH_MODE")  # use_head_token sets it in this process
     try:
         up = rayguide(tmp_path, "up", "--workers", "1", "--model", str(tiny_model_dir))
         assert up.returncode == 0, up.stderr[-3000:]
@@ -130,3 +131,13 @@ def test_an_app_on_the_head_of_rayguide_up_is_served_through_haproxy(tiny_model_
             ray.shutdown()
         if record is not None and launch.head_processes(record):
             launch.stop_ray_head(record)  # only this test's head
+        # this process's Ray back to the auth mode it had: the tests after this one start
+        # instances of their own, with no token (Ray caches the mode: read it again)
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        if mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = mode
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
