@@ -1,10 +1,15 @@
 """The Ray Data processor vs the JSONL batch job on the same rows (issue 61).
 
-    python bench/data_pipeline.py [--quick | --smoke] [--json] [--no-record]
+    python bench/data_pipeline.py [--quick | --smoke] [--model tiny|default] [--json]
+        [--no-record]
 
-A 2-node ray.cluster_utils.Cluster (a head and one node) runs a runtime of 2 workers (the
-tiny random-weight model with the real tokenizer: what is measured is the path of a row,
-not the forward; 32 tokens a row). The rows: two instruction prompts, alternating, each
+A 2-node ray.cluster_utils.Cluster (a head and one node) runs a runtime of 2 workers, 32
+tokens a row. ``--model tiny`` (the default) is the tiny random-weight model with the real
+tokenizer: what is measured is the path of a row, not the forward, so each way's fixed
+start-up weighs the most it can. ``--model default`` is the runtime's default model
+(SmolLM2-135M-Instruct), the rows a user's pipeline would send: the same start-up beside
+real decoding. ``--ways`` picks which of the three ways below run (all by default);
+``--processor-config`` adds ProcessorConfig fields (JSON) to the processor's. The rows: two instruction prompts, alternating, each
 with a short text of its own and a JSON schema per row (``structured_outputs.json``).
 Each way runs as its own driver process connected to the cluster, as a Ray job's would:
 
@@ -64,7 +69,7 @@ import sys, ray
 sys.path.insert(0, {root!r})
 ray.init(address={address!r}, log_to_driver=False)
 from deploy.data import ProcessorConfig, build_processor
-processor = build_processor(ProcessorConfig(concurrency=2, max_in_flight={half}))
+processor = build_processor(ProcessorConfig(concurrency=2, max_in_flight={half}, **{extra}))
 processor(ray.data.read_parquet({src!r})).write_parquet({dst!r})
 """
 
@@ -106,22 +111,29 @@ def run_driver(cmd: list[str], env: dict, workers: list) -> dict:
 
     t0 = time.perf_counter()
     first = last = None
+    held: list[int] = []  # rows the runtime held at each poll of the busy window
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err,
                                 text=True)
         while proc.poll() is None:
             loads = ray.get([w.load.remote() for w in workers])
             now = time.perf_counter()
-            if any(x["running"] + x["waiting"] + x["waiting_for_grammar"] for x in loads):
+            rows = sum(x["running"] + x["waiting"] + x["waiting_for_grammar"] for x in loads)
+            if rows:
                 first = first or now
                 last = now
+            if first is not None:
+                held.append(rows)
             time.sleep(POLL_S)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             err.seek(0)
             raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}):\n{err.read()[-3000:]}")
     busy = (last - first + POLL_S) if first is not None else None
-    return {"wall": wall, "busy": busy, "first_rows_s": (first - t0) if first else wall}
+    while held and not held[-1]:
+        held.pop()  # the busy window ends at the last poll that saw a row
+    return {"wall": wall, "busy": busy, "first_rows_s": (first - t0) if first else wall,
+            "held": statistics.mean(held) if held else 0.0}
 
 
 POLL_S = 0.1
@@ -137,8 +149,8 @@ def parquet_rows(path: Path) -> list[dict]:
     return pq.read_table(path).select(["id", "outcome"]).to_pylist()
 
 
-def one_run(way: str, address: str, model: str, jsonl: Path, parquet: Path, folder: Path,
-            tag: str) -> dict:
+def one_run(way: str, address: str, model: str | None, jsonl: Path, parquet: Path,
+            folder: Path, tag: str, extra: dict) -> dict:
     """way: "jsonl", "processor" or "processor_v1" (Ray Data's V1 Parquet reader)."""
     from cluster import launch
     from cluster.config import ClusterConfig
@@ -160,6 +172,7 @@ def one_run(way: str, address: str, model: str, jsonl: Path, parquet: Path, fold
         else:
             out = folder / f"out-{tag}"
             code = PIPELINE.format(root=str(ROOT), address=address, half=CONCURRENCY // 2,
+                                   extra=extra,
                                    src=str(parquet), dst=str(out))
             timing = run_driver([sys.executable, "-c", code], env, handles["workers"])
             rows = parquet_rows(out)
@@ -172,7 +185,17 @@ def one_run(way: str, address: str, model: str, jsonl: Path, parquet: Path, fold
 
 
 def main() -> None:
-    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    ap = parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("tiny", "default"), default="tiny",
+                    help="tiny: the random-weight model (the path of a row); default: "
+                         "SmolLM2-135M-Instruct (real decoding)")
+    ap.add_argument("--ways", default="jsonl,processor,processor_v1",
+                    help="comma-separated: jsonl, processor, processor_v1")
+    ap.add_argument("--processor-config", default="{}",
+                    help="JSON: more ProcessorConfig fields for the processor's runs "
+                         "(e.g. '{\"batch_size\": 16}')")
+    args = ap.parse_args()
+    extra = json.loads(args.processor_config)
     import ray
     from ray.cluster_utils import Cluster
 
@@ -180,14 +203,15 @@ def main() -> None:
 
     n = 16 if args.smoke else 200 if args.quick else 1000
     rounds = 1 if (args.smoke or args.quick) else 2
-    model = tiny_model()
+    model = tiny_model() if args.smoke or args.model == "tiny" else None
     folder = Path(tempfile.mkdtemp(prefix="rayguide-data-bench-"))
     rows = make_rows(n)
     jsonl, parquet = write_inputs(folder, rows)
     launch.fast_death_notice()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4,
                                                             "include_dashboard": False})
-    ways = ("jsonl", "processor", "processor_v1")
+    ways = tuple(w for w in args.ways.split(",") if w)
+    assert "jsonl" in ways and set(ways) <= {"jsonl", "processor", "processor_v1"}, ways
     results: dict[str, list[dict]] = {way: [] for way in ways}
     try:
         cluster.add_node(num_cpus=4)
@@ -195,56 +219,59 @@ def main() -> None:
         for r in range(rounds):
             for way in ways:
                 results[way].append(one_run(way, cluster.address, model, jsonl, parquet,
-                                            folder, f"{way}-{r}"))
+                                            folder, f"{way}-{r}", extra))
     finally:
         ray.shutdown()
         cluster.shutdown()
-    table_rows, ratios, steady_ratios, v1_ratios = [], [], [], []
+    names = {"jsonl": "JSONL batch job", "processor": "Ray Data processor",
+             "processor_v1": "the processor, V1 Parquet reader"}
+    table_rows = []
+    ratios = {way: [] for way in ways if way != "jsonl"}  # end to end, a round each
+    steady_ratios: list[float] = []
     for r in range(rounds):
-        j, p, v1 = results["jsonl"][r], results["processor"][r], results["processor_v1"][r]
-        ratios.append(j["wall"] / p["wall"])  # the same rows: rows/s over rows/s
-        v1_ratios.append(j["wall"] / v1["wall"])
-        if p["busy"] and j["busy"]:
-            steady_ratios.append(j["busy"] / p["busy"])  # the same rows: a rate ratio
-        for way, res in (("JSONL batch job", j), ("Ray Data processor", p),
-                         ("the processor, V1 Parquet reader", v1)):
-            table_rows.append([r + 1, way, round(res["wall"], 1), round(n / res["wall"], 1),
-                               round(res["first_rows_s"], 1),
+        j = results["jsonl"][r]
+        for way in ways:
+            res = results[way][r]
+            if way != "jsonl":
+                ratios[way].append(j["wall"] / res["wall"])  # the same rows: a rate ratio
+            if way == "processor" and res["busy"] and j["busy"]:
+                steady_ratios.append(j["busy"] / res["busy"])
+            table_rows.append([r + 1, names[way], round(res["wall"], 1),
+                               round(n / res["wall"], 1), round(res["first_rows_s"], 1),
                                "-" if res["busy"] is None else round(n / res["busy"], 1),
-                               f"{res['distinct']}/{n}", round(res["valid"], 3)])
-    ratio = statistics.median(ratios)
+                               round(res["held"], 1), f"{res['distinct']}/{n}",
+                               round(res["valid"], 3)])
     steady = statistics.median(steady_ratios) if steady_ratios else None
-    jw = statistics.median(x["wall"] for x in results["jsonl"])
-    pw = statistics.median(x["wall"] for x in results["processor"])
-    figs = {"rows": n, "jsonl_s": round(jw, 2), "processor_s": round(pw, 2),
-            "jsonl_rows_s": round(n / jw, 2), "processor_rows_s": round(n / pw, 2),
-            "processor_v1_s": round(statistics.median(
-                x["wall"] for x in results["processor_v1"]), 2),
-            "ratio_processor_vs_jsonl": round(ratio, 3),
-            "ratio_processor_v1_vs_jsonl": round(statistics.median(v1_ratios), 3),
-            "steady_ratio_processor_vs_jsonl": None if steady is None else round(steady, 3),
-            "jsonl_steady_rows_s": round(n / results["jsonl"][-1]["busy"], 2)
-            if results["jsonl"][-1]["busy"] else None,
-            "processor_steady_rows_s": round(n / results["processor"][-1]["busy"], 2)
-            if results["processor"][-1]["busy"] else None,
-            "rows_out_jsonl": results["jsonl"][-1]["distinct"],
-            "rows_out_processor": results["processor"][-1]["distinct"],
-            "valid_share_jsonl": round(results["jsonl"][-1]["valid"], 3),
-            "valid_share_processor": round(results["processor"][-1]["valid"], 3)}
+    figs: dict = {"rows": n, "model": args.model if not args.smoke else "tiny"}
+    for way in ways:
+        wall = statistics.median(x["wall"] for x in results[way])
+        last = results[way][-1]
+        figs[f"{way}_s"] = round(wall, 2)
+        figs[f"{way}_rows_s"] = round(n / wall, 2)
+        figs[f"{way}_steady_rows_s"] = round(n / last["busy"], 2) if last["busy"] else None
+        figs[f"rows_out_{way}"] = last["distinct"]
+        figs[f"rows_held_{way}"] = round(statistics.mean(x["held"] for x in results[way]), 1)
+        figs[f"valid_share_{way}"] = round(last["valid"], 3)
+        if way != "jsonl":
+            figs[f"ratio_{way}_vs_jsonl"] = round(statistics.median(ratios[way]), 3)
+    figs["steady_ratio_processor_vs_jsonl"] = None if steady is None else round(steady, 3)
+    model_words = ("the tiny model" if figs["model"] == "tiny"
+                   else "the default model, SmolLM2-135M-Instruct")
     body = (f"{n} rows (two instruction prompts, a JSON schema per row, {MAX_TOKENS} tokens "
-            f"each, the tiny model), a 2-node ray.cluster_utils.Cluster, 2 workers, "
+            f"each, {model_words}), a 2-node ray.cluster_utils.Cluster, 2 workers, "
             f"{CONCURRENCY} requests in flight either way, a fresh runtime per run. Seconds: "
             "each driver's wall time; first rows: until a worker held one of its rows; "
             "steady: rows a second over the runtime's busy window (from the first moment a "
-            "worker held one of its rows to the last):\n\n"
+            "worker held one of its rows to the last); rows held: the mean of the rows the "
+            "workers held (running or waiting) over that window, polled:\n\n"
             + table(["round", "way", "seconds", "rows/s", "first rows (s)", "steady rows/s",
-                     "rows out", "valid share"], table_rows)
-            + "\n\nprocessor / JSONL job throughput, end to end: "
-            + ", ".join(f"{x:.2f}x" for x in ratios) + f" (median {ratio:.2f}x; bar 0.9x); "
-            + "steady: " + ", ".join(f"{x:.2f}x" for x in steady_ratios)
-            + (f" (median {steady:.2f}x)" if steady is not None else "-")
-            + "; with the V1 Parquet reader, end to end: "
-            + ", ".join(f"{x:.2f}x" for x in v1_ratios))
+                     "rows held", "rows out", "valid share"], table_rows)
+            + "\n\nEnd to end, over the JSONL job's throughput (bar 0.9x): "
+            + "; ".join(f"{names[way]} " + ", ".join(f"{x:.2f}x" for x in xs)
+                        + f" (median {statistics.median(xs):.2f}x)"
+                        for way, xs in ratios.items())
+            + ("" if steady is None else "; the processor's steady rate: "
+               + ", ".join(f"{x:.2f}x" for x in steady_ratios) + f" (median {steady:.2f}x)"))
     finish("data_pipeline", body, figs, args)
 
 
