@@ -60,12 +60,14 @@ from core.errors import ErrorKind, GrammarUnavailable
 from core.grammar_spec import GrammarSpec
 from worker.guided.closing import CompletionSearch
 from worker.guided.compile_queue import FairQueue, QueueFull
+from worker.guided.detokenizer import fast_encoder
 from worker.guided.backend import (AUTO, BACKENDS, LLGUIDANCE, XGRAMMAR, CompiledGrammar,
                                    EngineRefused, GrammarBackend, GrammarMatcher,
                                    backend_order)
 from worker.guided.llguidance_backend import LLGuidanceBackend
 from worker.guided.mask_stage import MaskStage
 from worker.guided.xgrammar_backend import XGrammarBackend
+from worker.guided.xgrammar_backend import tokenizer_info as xgrammar_tokenizer_info
 
 logger = logging.getLogger(__name__)
 
@@ -195,12 +197,11 @@ class GuidedDecodingManager:
         """The manager for a Hugging Face tokenizer. ``grammar_fetch(info)`` returns the
         function that compiles or fetches a spec (a worker passes
         ``lambda info: GrammarCacheClient(info, ...).fetch``); None compiles in-process."""
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=list(stop_token_ids))
+        info = xgrammar_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         if grammar_fetch is not None:
             kwargs["fetch"] = grammar_fetch(info)
-        kwargs.setdefault("encode", lambda text: tokenizer(
-            text, add_special_tokens=False)["input_ids"])
+        # closing paths' texts, a few a step near a budget: 330 us a call through transformers
+        kwargs.setdefault("encode", fast_encoder(tokenizer))
         kwargs.setdefault("llguidance", lambda: LLGuidanceBackend.from_huggingface(
             tokenizer, vocab_size, stop_token_ids))
         return cls(info, **kwargs)

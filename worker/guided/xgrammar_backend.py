@@ -55,6 +55,29 @@ XGrammarFetch = Callable[[GrammarSpec, "str | None", "threading.Event | None"],
                          "xgr.CompiledGrammar"]
 
 
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids) -> "xgr.TokenizerInfo":
+    """xgrammar's vocabulary for a Hugging Face tokenizer, its special tokens (``<|endoftext|>``,
+    ``<|im_start|>``, ...; the stop ids apart) never text. ``from_huggingface`` gives them
+    their names as text, so a JSON string allowed them, while the output's text drops them
+    (special tokens are skipped): three ``<|endoftext|>`` met a ``minLength`` of 12 and the
+    answer's string was empty. An empty entry is what xgrammar takes as special (never
+    allowed), as llguidance already keeps them out of text."""
+    stops = [int(t) for t in stop_token_ids]
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=stops)
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {int(i) for i, t in decoder.items() if getattr(t, "special", False)}
+    special |= {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+    special = {i for i in special if 0 <= i < info.vocab_size} - set(stops)
+    vocab = list(info.decoded_vocab)
+    if not any(vocab[i] for i in special):
+        return info
+    for i in special:
+        vocab[i] = b""
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size,
+                             stop_token_ids=stops, add_prefix_space=info.add_prefix_space)
+
+
 class XGrammarBackend(GrammarBackend):
     """xgrammar through the served compile path (grammar_cache/compile.py: our JSON
     layouts, the control-character fix, the digit guards), here or, with ``fetch``,
@@ -78,8 +101,7 @@ class XGrammarBackend(GrammarBackend):
                          compile_threads: int = 1) -> "XGrammarBackend":
         """For a Hugging Face tokenizer, with the model's vocab size and its EOS ids as
         stop tokens."""
-        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                      stop_token_ids=list(stop_token_ids)),
+        return cls(tokenizer_info(tokenizer, vocab_size, stop_token_ids),
                    compile_threads=compile_threads)
 
     def compile(self, spec: GrammarSpec, *, client: str | None = None,
