@@ -97,6 +97,10 @@ class OutputState:
     # not a JSON grammar) and where the document begins in the output
     scan: JsonScan | None = None
     scan_from: int = 0
+    # copies of the reader every _MARK_EVERY tokens (rising): a cut or a jump's rollback
+    # reads on from the last one before it, not from the document's start (a long answer
+    # cut several times was read whole again each time: 43,191 tokens fed for 12,061)
+    scan_marks: list = field(default_factory=list)
     schema_row: bool = False  # a JSON grammar's row: the schema closer serves it
     jump: int = 0  # ... how many tokens one choice can add to its completion (at most)
 
@@ -108,7 +112,15 @@ class OutputState:
         self.closing_failed = False
         self.closing_giveups = self.closing_retry_at = 0
         self.closing_probed = False
-        self.scan = None
+
+    def rolled_back(self, kept: int) -> None:
+        """The output keeps its first ``kept`` tokens from ``scan_from``: the reader and
+        its copies that read past them go (called before anything is appended)."""
+        if self.scan is not None and self.scan.tokens > kept:
+            self.scan = None
+        marks = self.scan_marks
+        while marks and marks[-1].tokens > kept:
+            marks.pop()
 
 
 @dataclass(frozen=True)
@@ -235,7 +247,7 @@ class OutputPolicy:
             # with stop strings the text is checked as it is made: nothing is held back
             st.hold = 0 if seq.params.stop else params.hold_tokens
         st.released = st.base = seq.num_output  # a continuation's was streamed already
-        st.scan, st.scan_from = None, 0
+        st.scan, st.scan_from, st.scan_marks = None, 0, []
         st.schema_row = self._schema_nodes(seq) is not None
         st.jump = self._schema_jump(seq) if st.schema_row else 0
         if not seq.guide.thinking_now:  # a thought's plan waits for its answer (begin_answer)
@@ -248,7 +260,7 @@ class OutputPolicy:
         thought)."""
         st = seq.guide.ending
         st.released = st.base = seq.num_output
-        st.scan, st.scan_from = None, seq.num_output
+        st.scan, st.scan_from, st.scan_marks = None, seq.num_output, []
         if st.closing_estimate is not None:
             st.closing_estimate = (seq.num_output, st.closing_estimate[1])
         if st.closing_path is not None:
@@ -369,6 +381,7 @@ class OutputPolicy:
         for t in cut.closers:
             matcher.accept_token(t)
         seq.rollback(drop)
+        st.rolled_back(seq.num_output - st.scan_from)
         seq.append(cut.closers)  # (their KV is computed next step)
         st.loop.cut(cut.keep, cut.closers)
         st.loop_cuts.append(cut)
@@ -962,13 +975,17 @@ class OutputPolicy:
         if nodes is None:
             return None
         ids = seq.output_ids
-        scan = st.scan
-        if scan is None or scan.tokens > len(ids) - st.scan_from:
-            scan = st.scan = JsonScan(nodes)
+        have = len(ids) - st.scan_from
+        scan, marks = st.scan, st.scan_marks
+        if scan is None or scan.tokens > have:
+            st.rolled_back(have)
+            scan = st.scan = marks[-1].clone() if marks else JsonScan(nodes)
         vocab = self.guided.closer.vocab
         for t in ids[st.scan_from + scan.tokens:]:
             scan.feed_bytes(vocab[t])
-        scan.tokens = len(ids) - st.scan_from
+            scan.tokens += 1
+            if scan.tokens % _MARK_EVERY == 0:
+                marks.append(scan.clone())
         return scan
 
     def _schema_jump(self, seq: GuidedRow) -> int:
@@ -1152,4 +1169,5 @@ def remember_start_path(compiled, path: list[int]) -> None:
 _BUDGET_MEMO_SIZE = 4096  # (grammar, budget) admission verdicts kept
 _LAYOUTS = ((", ", ": "), (",", ":"))  # JSON's usual layouts, tried in turn
 _MEMO_UNSURE_S = 5.0  # how long a verdict from searches cut short is reused
-_PIECES_KEPT = 8192  # completion pieces whose token count _schema_need keeps
+_PIECES_KEPT = 8192
+_MARK_EVERY = 32  # output tokens between two copies of a row's reader (OutputState.scan_marks)  # completion pieces whose token count _schema_need keeps

@@ -41,7 +41,7 @@ from typing import Callable
 
 from core.errors import ErrorKind
 from core.request import GenerationRequest, RequestOutput
-from worker.guided.detokenizer import GrammarStopCheck, IncrementalDetokenizer
+from worker.guided.detokenizer import GrammarStopCheck, IncrementalDetokenizer, fast_encoder
 from worker.guided import bitmask
 from worker.guided.guided_process import GuidedDecodingManager
 from worker.guided.jump_forward import JumpForward, JumpStats
@@ -178,7 +178,7 @@ class GuidedPath:
             with _BUILD_LOCK:  # (prepare builds it beside the engine's first requests)
                 if self._jumper is None:
                     self._jumper = JumpForward(self.manager.closer.vocab,
-                                               _encoder(self.tokenizer))
+                                               fast_encoder(self.tokenizer))
         return self._jumper
 
     def stats(self) -> dict:
@@ -500,7 +500,7 @@ class GuidedRequest:
             seq.rollback(1)
             # the schema closer's reader has read the sampled token: it reads again
             # (one token's bytes now begin the next one's, which it would skip)
-            self.ending.scan = None
+            self.ending.rolled_back(seq.num_output - self.ending.scan_from)
         seq.append(jump.tokens)
         return jump.added
 
@@ -666,13 +666,3 @@ class GuidedRequest:
                 # the backend refuses what it cannot enforce exactly; a custom format it
                 # drops (it constrains nothing) stays said: nothing checked it
                 out.approximated = not_checked(out.approximated)
-
-
-def _encoder(tokenizer) -> Callable[[str], list[int]]:
-    """text -> token ids without special tokens: the fast tokenizer's Rust encoder where
-    there is one (the transformers call around it costs about 3x the encoding itself, on
-    every forced text of every guided row), else the tokenizer's call."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return lambda text: backend.encode(text, add_special_tokens=False).ids
-    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
