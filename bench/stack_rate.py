@@ -15,6 +15,13 @@ requests. Then a single streamed request, the latency-bound case: its time per t
 its chunks' gaps through HTTP next to the engine's step time at batch 1.
 
     python bench/stack_rate.py [--quick | --smoke] [--json] [--no-record]
+    python bench/stack_rate.py --model default [--ingress haproxy] [--sizes ""]
+
+``--model default`` serves the runtime's default model (SmolLM2-135M-Instruct) instead,
+a real forward beside the same hops: its sizes default to none (the single streamed
+request only; a few hundred tokens a second on 2 cores make the throughput rounds long),
+its figures carry ``_default`` (``engine_step_ms_1_default``,
+``tpot_ms_http_stream_1_default``, ...) and a JSON key ``model``.
 
 ``--quick``: one round of each (a full run takes the median of three). ``--smoke``: 4
 requests of 8 tokens. JSON keys: engine_tok_s_{64,256}, ray_over_engine_{64,256},
@@ -47,12 +54,13 @@ PROMPT = [{"role": "user", "content": "Hello"}]
 MAX_SEQS = 256
 
 
-def engine_config(model: str) -> dict:
-    """The worker's engine, here and in the runtime: room for 256 requests of 256 tokens.
-    Speculation off: the tiny random model's greedy text repeats, so drafts would change
-    the engine's own rate and its chunks from run to run (this measures the hops)."""
-    return {"model": model, "num_threads": 1, "progress": False, "max_num_seqs": MAX_SEQS,
-            "num_kv_blocks": MAX_SEQS * 24, "speculative": False}
+def engine_config(model: str | None, max_seqs: int = MAX_SEQS) -> dict:
+    """The worker's engine, here and in the runtime: room for ``max_seqs`` requests of 256
+    tokens (``model`` None: the default model). Speculation off: the tiny random model's
+    greedy text repeats, so drafts would change the engine's own rate and its chunks from
+    run to run (this measures the hops)."""
+    return {"model": model, "num_threads": 1, "progress": False, "max_num_seqs": max_seqs,
+            "num_kv_blocks": max_seqs * 24, "speculative": False}
 
 
 def request(n_tok: int) -> GenerationRequest:
@@ -184,7 +192,7 @@ def row(name: str, rounds: list[Round], engine_rate: float) -> tuple[list, float
             f"{per_chunk:.1f}"], rate
 
 
-def measure_ingress(ingress: str, model: str, engine, sizes, rounds: int, n_tok: int
+def measure_ingress(ingress: str, model: str | None, engine, sizes, rounds: int, n_tok: int
                     ) -> tuple[list, dict, list]:
     """One ingress's pass: a runtime of its own in front of which ``ingress`` takes HTTP;
     per size, the engine alone (in this process) then the three ways through the runtime,
@@ -195,13 +203,14 @@ def measure_ingress(ingress: str, model: str, engine, sizes, rounds: int, n_tok:
     from cluster.launch import free_port
     from deploy import service
 
-    cfg = engine_config(model)
+    cfg = engine_config(model, max(sizes, default=8))
     cfg.pop("model"), cfg.pop("num_threads"), cfg.pop("progress")
     svc = service.start(ClusterConfig(model=model, num_workers=1,
                                       worker={"num_cpus": 0.1, "num_threads": 1},
                                       engine=cfg,
                                       # 256 requests of 256 tokens and their prompts
-                                      scheduler={"max_queued_tokens": MAX_SEQS * 1024}),
+                                      scheduler={"max_queued_tokens": max(
+                                          sizes, default=8) * 1024}),
                         port=free_port(), ingress=ingress)
     rows, figs = [], {}
     try:
@@ -260,21 +269,28 @@ def measure_ingress(ingress: str, model: str, engine, sizes, rounds: int, n_tok:
 
 def main() -> None:
     ap = parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="64,256", help="concurrent requests, comma-separated")
+    ap.add_argument("--sizes", default=None,
+                    help="concurrent requests, comma-separated (default 64,256; none with "
+                         "--model default)")
     ap.add_argument("--ingress", default="haproxy,proxy",
                     help="what takes HTTP, comma-separated, each in a runtime of its own: "
                          "haproxy, proxy (Serve's Python proxy); the first one's figures "
                          "carry the unsuffixed keys")
+    ap.add_argument("--model", choices=("tiny", "default"), default="tiny",
+                    help="tiny: the random-weight model (a nearly free forward); default: "
+                         "SmolLM2-135M-Instruct (sizes default to none: the lone stream)")
     args = ap.parse_args()
     from worker.engine.config import EngineConfig
     from worker.engine.engine import LLMEngine
 
-    model = tiny_model()
+    real = args.model == "default" and not args.smoke
+    model = None if real else tiny_model()
     n_tok = 8 if args.smoke else 256
-    sizes = (4,) if args.smoke else tuple(int(n) for n in args.sizes.split(","))
+    sizes_arg = args.sizes if args.sizes is not None else ("" if real else "64,256")
+    sizes = (4,) if args.smoke else tuple(int(n) for n in sizes_arg.split(",") if n)
     rounds = 1 if args.quick or args.smoke else 3
     ingresses = args.ingress.split(",")
-    engine = LLMEngine(EngineConfig(**engine_config(model)))
+    engine = LLMEngine(EngineConfig(**engine_config(model, max(sizes, default=8))))
     rows, figs, singles = [], {}, []
     for ingress in ingresses:
         got, f, single = measure_ingress(ingress, model, engine, sizes, rounds, n_tok)
@@ -291,9 +307,12 @@ def main() -> None:
             for key in ("engine_tok_s", "ray_over_engine", "http_over_engine",
                         "http_stream_over_engine", "tpot_p99_ms_http_stream"):
                 figs.setdefault(f"{key}_{n}", figs.get(f"{key}_4"))
+    if real:  # its own keys: the tiny model's figures keep theirs
+        figs = {f"{k}_default": v for k, v in figs.items()}
+    figs["model"] = "default" if real else "tiny"
     body = table(["concurrent requests", "ingress", "way", "output tok/s",
                   "of the engine alone", "time per token p50 / p99 ms", "tokens per chunk"],
-                 rows)
+                 rows) if rows else ""
     single_rows = [["engine step, in process", f"{step:.2f}"]]
     for ingress, f in singles:
         single_rows += [
@@ -301,9 +320,16 @@ def main() -> None:
              f"{f['tpot_ms_http_stream_1']:.2f}"],
             [f"{ingress}: gap between its events, per token, p50",
              f"{f['gap_p50_ms_http_stream_1']:.2f}"],
-            [f"{ingress}: tokens per event", f"{f['tokens_per_event_http_stream_1']:.2f}"]]
-    body += "\n\n" + table(["one streamed request (batch 1)", "ms"], single_rows)
-    finish("stack_rate", f"{n_tok} tokens a request, one worker (tiny model, 1 thread), "
+            [f"{ingress}: tokens per event", f"{f['tokens_per_event_http_stream_1']:.2f}"],
+            [f"{ingress}: time per token over the engine step (bar 1.2)",
+             f"{f['tpot_ms_http_stream_1'] / step:.2f}"]]
+        figs[f"tpot_over_step_1_{ingress}" + ("_default" if real else "")] = round(
+            f["tpot_ms_http_stream_1"] / step, 3)
+    body += ("\n\n" if body else "") + table(["one streamed request (batch 1)", "ms"],
+                                              single_rows)
+    words = "the default model" if real else "tiny model"
+    finish("stack_rate" + ("_default" if real else ""),
+           f"{n_tok} tokens a request, one worker ({words}, 1 thread), "
            f"median of {rounds} round(s); each ingress in a runtime of its own, its "
            "ratios against the engine rounds of its own pass:\n\n" + body, figs, args)
 
