@@ -93,6 +93,8 @@ class SchedulerActor:
                                   self.config.max_sessions,
                                   self.config.prefix_margin_tokens)
         self._pending_ends: list[str] = []
+        # resolved once the pending ends are sent (``end_session`` waits on it)
+        self._sent: asyncio.Future | None = None
         self._undelivered: dict[str, list[str]] = {}  # worker -> ends it has not confirmed
         self._tasks: list[asyncio.Task] = []
         self._first_polls: set[asyncio.Task] = set()
@@ -206,6 +208,13 @@ class SchedulerActor:
         await self._ensure_started()
         live = session_id in self.table.sessions
         await self.end_sessions([session_id])
+        # answered once the batch carrying it was sent: a scheduler killed while an end
+        # waited in its queue lost it, and the session stayed live on its worker until it
+        # expired (a leak under load in CI); now the caller's call fails instead, and the
+        # caller retries on the restarted scheduler, which sends it again
+        if self._sent is None:
+            self._sent = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._sent)
         return live
 
     async def end_sessions(self, session_ids: list[str]) -> None:
@@ -271,6 +280,14 @@ class SchedulerActor:
         if not self._pending_ends:
             return
         batch, self._pending_ends = self._pending_ends, []
+        sent, self._sent = self._sent, None
+        try:
+            await self._send(batch)
+        finally:
+            if sent is not None and not sent.done():
+                sent.set_result(None)
+
+    async def _send(self, batch: list[str]) -> None:
         sends = []
         for entry in list(self.table.workers.values()):
             ids = self._undelivered.pop(entry.worker_id, []) + batch

@@ -196,6 +196,25 @@ def test_broadcast_releases_every_processor(runtime):
     wait_released()
 
 
+def test_a_session_end_has_reached_the_workers_when_it_returns(runtime):
+    """``end_session`` answers once the batch carrying the end was sent: a scheduler
+    killed while the end waited in its queue had lost it, and the session stayed live on
+    its worker (a leak seen under load in CI, tests/cluster/test_load_cluster.py's
+    scheduler fault); now the caller's call fails instead and is retried."""
+    client = RuntimeClient()
+
+    async def main():
+        for i in range(3):
+            out = await client.complete(req(f"now{i}", n=4))
+            assert out.finish_reason in ("stop", "length")
+            assert sum(w["live_sessions"] for w in loads()) == 1
+            await client.end_session(f"now{i}")
+            assert sum(w["live_sessions"] for w in loads()) == 0  # read at once, no wait
+
+    run(main())
+    wait_released()
+
+
 def test_burst_of_100_session_ends_is_a_handful_of_messages(runtime):
     scheduler = launch.handles()["scheduler"]
     before = ray.get(scheduler.stats.remote())["broadcast_messages"]
